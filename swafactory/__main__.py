@@ -1,0 +1,48 @@
+"""`python -m swafactory …` / `swafactory …`: the Hydra app. The only place that maps errors to exit codes.
+
+Exit codes: 0 ok; 1 conformance failure; 2 configuration refused (message on stderr, no traceback).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from swafactory.config.paths import conf_dir
+from swafactory.errors import EXIT_CONFIG, ConfigError
+
+_ran_task = False
+
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+def _app(cfg: DictConfig) -> None:
+    global _ran_task
+    _ran_task = True
+    from swafactory.cli import run_cli
+
+    try:
+        code = run_cli(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        _app()
+    except SystemExit as exc:
+        # Hydra exits 1 when composition fails (unknown option, bad override) before our task
+        # runs; that is a refused configuration too.
+        if not _ran_task and exc.code not in (0, None):
+            raise SystemExit(EXIT_CONFIG) from None
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Kernel adapters, one module per backend; each declares its CAPABILITIES as data."""

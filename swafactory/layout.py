@@ -1,0 +1,155 @@
+"""The plan a validated config would build: which part serves which layers, from which pool.
+
+Pure data from the config (nothing is allocated); the CLI renders it and writes it as plan.json.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from swafactory.config.schema import KV_DTYPE_BYTES, SwaFactoryConfig
+from swafactory.kvcache.sizing import pool_sizing
+from swafactory.registry.device import DeviceInfo
+from swafactory.registry.table import get_capabilities
+
+__all__ = ["GroupRow", "PlanSummary", "describe", "frozen_draft_binding", "compress_ids"]
+
+
+class GroupRow(BaseModel):
+    """One layer group of one worker."""
+
+    model_config = ConfigDict(frozen=True)
+    worker: str
+    """`target` or `draft`."""
+    group: str
+    """`swa` or `full`."""
+    layers: str
+    """Layer ids, compressed (`0-4,6-10`)."""
+    num_layers: int
+    pool: str
+    """The sub-pool whose buffers the layers read and write."""
+    index_space: str
+    """Space of the locations its kernels get: `full`, or `swa (translated)`."""
+    kv_heads: int
+    head_dim: int
+    window: int | None
+    kernel: str
+    tree: str
+    resolver: str
+    bytes_per_token_layer: int
+    tokens_per_request: int
+    bytes_per_request: int
+
+
+class PlanSummary(BaseModel):
+    """Everything `run=plan` prints; also written as plan.json."""
+
+    model_config = ConfigDict(frozen=True)
+    combination: str
+    device: str
+    backend: str
+    page_size: int
+    kv_dtype: str
+    spec: str
+    draft_kv: str
+    context_len: int
+    max_running_requests: int
+    rows: list[GroupRow]
+    hybrid_bytes_per_token: int
+    """Marginal bytes of one more context token past the window (full layers only)."""
+    full_only_bytes_per_token: int
+    hybrid_bytes_per_request: int
+    full_only_bytes_per_request: int
+    saving: float
+    draft_bytes_per_request: int
+    full_pool_tokens: int
+    swa_pool_tokens: int
+
+
+def compress_ids(ids: tuple[int, ...] | list[int]) -> str:
+    """`(0,1,2,4)` → `0-2,4`."""
+    out, start, prev = [], None, None
+    for i in ids:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = i
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(out)
+
+
+def frozen_draft_binding(cfg: SwaFactoryConfig) -> tuple[int, ...]:
+    """Target layer each FROZEN_KV draft layer reads: the draft mirrors the target's last layers."""
+    n, k = cfg.model.num_layers, cfg.spec.draft_num_layers
+    return tuple(range(n - min(k, n), n))
+
+
+def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
+    """The plan for a validated (auto-resolved) config."""
+    m, b, s = cfg.model, cfg.backend, cfg.spec
+    caps = get_capabilities(b.name)
+    tree = b.tree_mask if s.is_tree else "-"
+    sizing = pool_sizing(cfg)
+    rows = []
+    for g in sizing.groups:
+        translated = g.kind == "swa" and m.hybrid_pool
+        rows.append(GroupRow(
+            worker="target", group=g.kind, layers=compress_ids(g.layers), num_layers=len(g.layers),
+            pool=f"{g.pool} sub-pool" if g.pool in ("swa", "full") else g.pool,
+            index_space="swa (translated)" if translated else "full", kv_heads=g.num_kv_heads,
+            head_dim=g.head_dim, window=g.window, kernel=caps.kernel, tree=tree, resolver=b.resolver,
+            bytes_per_token_layer=g.bytes_per_token_layer, tokens_per_request=g.tokens_per_request,
+            bytes_per_request=g.bytes_per_request))
+    rows.extend(_draft_rows(cfg, caps.kernel, tree, sizing.draft_bytes_per_request))
+    hybrid_marginal = sum(g.bytes_per_token_layer * len(g.layers) for g in sizing.groups
+                          if g.tokens_per_request == sizing.context_len)
+    full_tokens = cfg.workload.max_running_requests * cfg.workload.context_len
+    split = bool(m.swa_layers) and m.hybrid_pool
+    return PlanSummary(
+        combination=cfg.combination, device=device.describe(), backend=b.name, page_size=b.page_size,
+        kv_dtype=b.kv_dtype, spec=s.name, draft_kv=s.draft_kv, context_len=sizing.context_len,
+        max_running_requests=cfg.workload.max_running_requests, rows=rows,
+        hybrid_bytes_per_token=hybrid_marginal,
+        full_only_bytes_per_token=sizing.bytes_per_token_full_only,
+        hybrid_bytes_per_request=sizing.hybrid_bytes_per_request,
+        full_only_bytes_per_request=sizing.full_only_bytes_per_request, saving=sizing.saving,
+        draft_bytes_per_request=sizing.draft_bytes_per_request,
+        full_pool_tokens=full_tokens if m.full_layers else 0,
+        swa_pool_tokens=int(full_tokens * cfg.workload.swa_full_tokens_ratio) if split else 0)
+
+
+def _draft_rows(cfg: SwaFactoryConfig, kernel: str, tree: str, draft_bytes: int) -> list[GroupRow]:
+    m, s, b = cfg.model, cfg.spec, cfg.backend
+    if s.draft_kv == "own_pool":
+        geo = m.full or m.swa
+        assert geo is not None
+        return [GroupRow(
+            worker="draft", group="own", layers=compress_ids(range(s.draft_num_layers)),
+            num_layers=s.draft_num_layers, pool="draft pool (≥ target full capacity)",
+            index_space="full (no translation)", kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+            window=None, kernel=kernel, tree=tree, resolver=f"{b.resolver} → none",
+            bytes_per_token_layer=2 * geo.num_kv_heads * geo.head_dim * KV_DTYPE_BYTES[b.kv_dtype],
+            tokens_per_request=cfg.workload.context_len, bytes_per_request=draft_bytes)]
+    if s.draft_kv != "target_pool":
+        return []
+    rows = []
+    bound = frozen_draft_binding(cfg)
+    for kind, layers in (("swa", m.swa_layers), ("full", m.full_layers)):
+        mine = [j for j, t in enumerate(bound) if t in layers]
+        if not mine:
+            continue
+        geo = m.swa if kind == "swa" else m.full
+        assert geo is not None
+        split = kind == "swa" and m.hybrid_pool
+        rows.append(GroupRow(
+            worker="draft", group=kind, layers=f"{compress_ids(mine)} → target "
+                                               f"{compress_ids([bound[j] for j in mine])}",
+            num_layers=len(mine), pool=f"target {'swa' if split else 'full'} sub-pool (read-only)",
+            index_space="swa (translated)" if split else "full", kv_heads=geo.num_kv_heads,
+            head_dim=geo.head_dim, window=m.sliding_window if kind == "swa" else None, kernel=kernel,
+            tree=tree, resolver=f"{b.resolver} → target via allocator" if split else b.resolver,
+            bytes_per_token_layer=0, tokens_per_request=0, bytes_per_request=0))
+    return rows

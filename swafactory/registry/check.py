@@ -1,0 +1,184 @@
+"""`check(cfg, device) -> list[Reason]`: every reason a combination cannot run, never the first only.
+
+Rules come from the backend's declared capabilities, from sglang's rejection rules
+(`sglang-swa-facts.md` §E) and from DESIGN invariants 6 (sizing) and 7 (config-time validation).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from swafactory.config.schema import SwaFactoryConfig
+from swafactory.errors import Reason
+from swafactory.kvcache.sizing import swa_tokens_per_request
+from swafactory.registry.capabilities import Capabilities
+from swafactory.registry.device import DeviceInfo
+from swafactory.registry.table import get_capabilities
+
+__all__ = ["check"]
+
+
+def check(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[Reason]:
+    """All reasons ``cfg`` cannot run on ``device``; empty means it can. `auto` must be resolved."""
+    if cfg.backend.name == "auto":
+        raise ValueError("resolve backend=auto first (registry.select.resolve_auto)")
+    caps = get_capabilities(cfg.backend.name)
+    reasons: list[Reason] = []
+    for rule in (_device, _packages, _page_size, _head_dims, _geometry, _window, _tree, _dflash,
+                 _sinks, _softcap, _dtype, _cuda_graph, _resolver, _sizing):
+        reasons.extend(rule(cfg, caps, device))
+    return reasons
+
+
+def _r(field: str, message: str, fix: str | None = None) -> Reason:
+    return Reason(field.split(".")[0], field, message, fix)
+
+
+def _device(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    name = caps.name
+    if dev.kind == "cpu":
+        if "cpu" in caps.devices:
+            return
+        if caps.cpu_needs_interpreter and dev.triton_interpret:
+            return
+        archs = "" if caps.cuda_archs is None else " of " + "/".join(f"SM{a}" for a in sorted(caps.cuda_archs))
+        extra = " (or set TRITON_INTERPRET=1 to run its kernels on CPU tensors, slowly)" \
+            if caps.cpu_needs_interpreter else ""
+        note = f" ({caps.arch_note})" if caps.arch_note else ""
+        yield _r("backend.name", f"{name} needs a CUDA GPU{archs}{note}; this device is cpu{extra}")
+    elif dev.kind not in caps.devices:
+        yield _r("backend.name", f"{name} does not run on {dev.kind}")
+    elif caps.cuda_archs is not None and dev.sm not in caps.cuda_archs:
+        want = "/".join(f"SM{a}" for a in sorted(caps.cuda_archs))
+        yield _r("backend.name", f"{name} needs {want}; this device is {dev.describe()} "
+                                 f"({caps.arch_note})")
+
+
+def _packages(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    for module, requirement in caps.requires:
+        if module not in dev.packages:
+            yield _r("backend.name", f"{caps.name} needs the `{module}` package, which is not "
+                                     f"installed", f"pip install '{requirement}'")
+
+
+def _page_size(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    ps = cfg.backend.page_size
+    if caps.page_sizes is not None and ps not in caps.page_sizes:
+        ok = sorted(caps.page_sizes)
+        yield _r("backend.page_size", f"{caps.name} serves page sizes {ok}, got {ps}",
+                 f"backend.page_size={ok[-1]}")
+
+
+def _head_dims(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    m = cfg.model
+    for group, geo, layers in (("swa", m.swa, m.swa_layers), ("full", m.full, m.full_layers)):
+        if geo is None or not layers:
+            continue
+        d = geo.head_dim
+        too_big = caps.max_head_dim is not None and d > caps.max_head_dim
+        not_listed = caps.head_dims is not None and d not in caps.head_dims
+        if too_big or not_listed:
+            limit = (f"head_dim ≤ {caps.max_head_dim}" if too_big
+                     else f"head dims {sorted(caps.head_dims or ())}")
+            note = f" ({caps.head_dim_note})" if caps.head_dim_note else ""
+            yield _r(f"model.{group}.head_dim",
+                     f"the {len(layers)} {group} layers of {m.name} have head_dim {d}; {caps.name} "
+                     f"serves {limit}{note}")
+
+
+def _geometry(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    m = cfg.model
+    if (not caps.per_group_geometry and m.swa_layers and m.full_layers and m.swa != m.full):
+        yield _r("model.name", f"{caps.name} plans one head geometry, but {m.name}'s sliding and "
+                               "full layers differ in KV heads or head_dim")
+
+
+def _window(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    if cfg.model.swa_layers and not caps.sliding_window:
+        yield _r("model.name", f"{caps.name} cannot apply a sliding window")
+
+
+def _tree(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    spec, b = cfg.spec, cfg.backend
+    if not spec.is_tree:
+        return
+    if not caps.tree_masks:
+        yield _r("spec.topk", f"topk={spec.topk} verifies a tree, and {caps.name} serves no tree "
+                              "mask (sglang refuses trtllm_mha with topk > 1)", "spec.topk=1 or spec=eagle")
+    elif b.tree_mask not in caps.tree_masks:
+        other = sorted(caps.tree_masks)[0]
+        yield _r("backend.tree_mask", f"{caps.name} serves tree masks by {sorted(caps.tree_masks)}, "
+                                      f"not {b.tree_mask!r}", f"backend.tree_mask={other}")
+    if caps.tree_masks and b.page_size > 1 and not caps.paged_trees:
+        yield _r("backend.page_size", f"{caps.name} verifies trees (topk > 1) only with page_size 1 "
+                                      f"(sglang: FA3 SWA spec metadata asserts page_size == 1), got "
+                                      f"{b.page_size}", "backend.page_size=1")
+
+
+def _dflash(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    if cfg.spec.algorithm == "dflash" and not caps.non_causal_draft:
+        yield _r("spec.algorithm", f"dflash drafts a block with non-causal attention inside it, "
+                                   f"which {caps.name} cannot mask")
+
+
+def _sinks(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    if cfg.model.attention_sinks and not caps.sinks:
+        note = f" ({caps.sinks_note})" if caps.sinks_note else ""
+        yield _r("model.attention_sinks", f"{cfg.model.name} uses attention sinks, which "
+                                          f"{caps.name} does not serve here{note}")
+
+
+def _softcap(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    if cfg.model.logit_softcap is not None and not caps.softcap:
+        yield _r("model.logit_softcap", f"{caps.name} has no logit soft-capping")
+
+
+def _dtype(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    dt = cfg.backend.kv_dtype
+    if dt not in caps.kv_dtypes:
+        ok = sorted(caps.kv_dtypes)
+        yield _r("backend.kv_dtype", f"{caps.name} stores KV as {ok}, got {dt!r}",
+                 f"backend.kv_dtype={'bfloat16' if 'bfloat16' in ok else ok[0]}")
+
+
+def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    if not cfg.backend.cuda_graph:
+        return
+    if not caps.cuda_graph:
+        yield _r("backend.cuda_graph", f"{caps.name} has no CUDA-graph path", "backend.cuda_graph=false")
+    elif dev.kind != "cuda":
+        yield _r("backend.cuda_graph", f"CUDA graphs need a CUDA device; this device is {dev.kind}",
+                 "backend.cuda_graph=false")
+
+
+def _resolver(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    m, spec, policy = cfg.model, cfg.spec, cfg.backend.resolver
+    split = bool(m.swa_layers) and m.hybrid_pool
+    if not split or policy == "auto":
+        return
+    if policy == "allocator" and spec.draft_kv == "own_pool":
+        yield _r("backend.resolver",
+                 f"the {spec.algorithm} draft owns a full-index pool; resolving through the "
+                 "allocator would translate its reads with the target's full→SWA mapping (the "
+                 "sglang FlashInfer + DFlash and trtllm_mha + EAGLE bugs, #27737/#25103)",
+                 "backend.resolver=auto")
+    if policy == "active_pool" and spec.draft_kv == "target_pool":
+        yield _r("backend.resolver",
+                 "the frozen_kv_mtp draft's own pool is not split, so pinning the active pool would "
+                 "send full indices to the target's SWA layers (sglang #26957)",
+                 "backend.resolver=auto")
+
+
+def _sizing(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    m, w = cfg.model, cfg.workload
+    if not (m.swa_layers and m.hybrid_pool and m.sliding_window):
+        return
+    need = min(w.context_len, swa_tokens_per_request(m.sliding_window, cfg.spec.draft_tokens_per_step,
+                                                     cfg.backend.page_size))
+    have = math.floor(w.context_len * w.swa_full_tokens_ratio)
+    if have < need:
+        ratio = math.ceil(100 * need / w.context_len) / 100
+        yield _r("workload.swa_full_tokens_ratio",
+                 f"the SWA pool holds {have} tokens per request (context_len {w.context_len} × "
+                 f"ratio {w.swa_full_tokens_ratio}), but each request needs W + draft tokens + page "
+                 f"= {need} (DESIGN invariant 6)", f"workload.swa_full_tokens_ratio={min(1.0, ratio)}")
