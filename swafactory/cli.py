@@ -21,22 +21,27 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
+def _short(ids: str, limit: int = 18) -> str:
+    return ids if len(ids) <= limit else ids[: ids.rfind(",", 0, limit)] + ",…"
+
+
 def render_plan(plan: PlanSummary, console: Console) -> None:
     """Print the plan table and the pool bytes."""
     t = Table(title=f"swafactory plan: {plan.combination} on {plan.device}", title_justify="left")
-    for col in ("worker", "group", "layers", "#", "pool", "index space", "KV heads × dim", "window",
-                "kernel", "tree", "resolver", "bytes/req"):
-        t.add_column(col, overflow="fold")
+    for col in ("worker", "group", "layers", "#", "pool", "index space", "KV heads×dim", "window",
+                "tree", "resolver", "bytes/request"):
+        t.add_column(col, no_wrap=col in ("layers", "KV heads×dim", "bytes/request"))
     for r in plan.rows:
-        t.add_row(r.worker, r.group, r.layers, str(r.num_layers), r.pool, r.index_space,
-                  f"{r.kv_heads} × {r.head_dim}", str(r.window) if r.window else "-", r.kernel,
-                  r.tree, r.resolver, _mib(r.bytes_per_request) if r.bytes_per_request else "-")
+        t.add_row(r.worker, r.group, _short(r.layers), str(r.num_layers), r.pool, r.index_space,
+                  f"{r.kv_heads}×{r.head_dim}", str(r.window) if r.window else "-", r.tree,
+                  r.resolver, _mib(r.bytes_per_request) if r.bytes_per_request else "-")
     console.print(t)
     console.print(
-        f"page_size {plan.page_size}, kv_dtype {plan.kv_dtype}, spec {plan.spec} (draft KV: "
-        f"{plan.draft_kv}), {plan.max_running_requests} requests × {plan.context_len} tokens\n"
-        f"bytes per context token: hybrid {plan.hybrid_bytes_per_token:,} B vs full-only "
-        f"{plan.full_only_bytes_per_token:,} B\n"
+        f"kernel: {plan.rows[0].kernel if plan.rows else '-'}; page_size {plan.page_size}; kv_dtype "
+        f"{plan.kv_dtype}; spec {plan.spec} (draft KV: {plan.draft_kv}); "
+        f"{plan.max_running_requests} requests × {plan.context_len} tokens\n"
+        f"bytes per context token past the window: hybrid {plan.hybrid_bytes_per_token:,} B vs "
+        f"full-only {plan.full_only_bytes_per_token:,} B\n"
         f"bytes per request: hybrid {_mib(plan.hybrid_bytes_per_request)} vs full-only "
         f"{_mib(plan.full_only_bytes_per_request)} ({plan.saving:.2f}× smaller)"
         + (f"; draft pool {_mib(plan.draft_bytes_per_request)}" if plan.draft_bytes_per_request else "")
@@ -49,7 +54,7 @@ def run_cli(cfg: DictConfig, output_dir: Path | None) -> int:
     device = detect_device(conf.workload.device)
     conf = validate(conf, device)
     plan = describe(conf, device)
-    render_plan(plan, Console(file=sys.stdout))
+    render_plan(plan, Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140))
     if output_dir is not None:
         path = output_dir / "plan.json"
         path.write_text(json.dumps({"plan": plan.model_dump(), "config": conf.model_dump(mode="json")},

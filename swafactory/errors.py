@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Reason", "SwaFactoryError", "ConfigError", "SpaceError", "EXIT_OK", "EXIT_CONFORMANCE",
+__all__ = ["Reason", "SwaFactoryError", "ConfigError", "FieldError", "SpaceError", "EXIT_OK", "EXIT_CONFORMANCE",
            "EXIT_CONFIG"]
 
 EXIT_OK = 0
@@ -24,10 +24,14 @@ class Reason:
     field: str
     message: str
     fix: str | None = None
+    rule: str = "schema"
+    """Short name of the rule that produced it (for snapshots and the support matrix)."""
 
     def __str__(self) -> str:
         text = f"- `{self.field}`: {self.message}"
-        return f"{text} Fix: {self.fix}" if self.fix else text
+        if not self.fix:
+            return text
+        return f"{text}{'' if text.endswith('.') else '.'} Fix: {self.fix}"
 
 
 class SwaFactoryError(Exception):
@@ -69,6 +73,14 @@ class ConfigError(SwaFactoryError, ValueError):
         if self.suggestion:
             lines.append(f"Try: {self.suggestion}")
         return "\n".join(lines)
+
+
+class FieldError(ValueError):
+    """A schema validator's error that belongs to one field (reported at its dotted path)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
 
 
 class SpaceError(SwaFactoryError, TypeError):

@@ -28,7 +28,7 @@ class GroupRow(BaseModel):
     pool: str
     """The sub-pool whose buffers the layers read and write."""
     index_space: str
-    """Space of the locations its kernels get: `full`, or `swa (translated)`."""
+    """Space of the locations its kernels get: `full`, or `swa` (translated from full)."""
     kv_heads: int
     head_dim: int
     window: int | None
@@ -98,8 +98,8 @@ def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
         translated = g.kind == "swa" and m.hybrid_pool
         rows.append(GroupRow(
             worker="target", group=g.kind, layers=compress_ids(g.layers), num_layers=len(g.layers),
-            pool=f"{g.pool} sub-pool" if g.pool in ("swa", "full") else g.pool,
-            index_space="swa (translated)" if translated else "full", kv_heads=g.num_kv_heads,
+            pool=g.pool,
+            index_space="swa" if translated else "full", kv_heads=g.num_kv_heads,
             head_dim=g.head_dim, window=g.window, kernel=caps.kernel, tree=tree, resolver=b.resolver,
             bytes_per_token_layer=g.bytes_per_token_layer, tokens_per_request=g.tokens_per_request,
             bytes_per_request=g.bytes_per_request))
@@ -128,8 +128,8 @@ def _draft_rows(cfg: SwaFactoryConfig, kernel: str, tree: str, draft_bytes: int)
         assert geo is not None
         return [GroupRow(
             worker="draft", group="own", layers=compress_ids(range(s.draft_num_layers)),
-            num_layers=s.draft_num_layers, pool="draft pool (≥ target full capacity)",
-            index_space="full (no translation)", kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+            num_layers=s.draft_num_layers, pool="draft (own)",
+            index_space="full", kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
             window=None, kernel=kernel, tree=tree, resolver=f"{b.resolver} → none",
             bytes_per_token_layer=2 * geo.num_kv_heads * geo.head_dim * KV_DTYPE_BYTES[b.kv_dtype],
             tokens_per_request=cfg.workload.context_len, bytes_per_request=draft_bytes)]
@@ -147,9 +147,9 @@ def _draft_rows(cfg: SwaFactoryConfig, kernel: str, tree: str, draft_bytes: int)
         rows.append(GroupRow(
             worker="draft", group=kind, layers=f"{compress_ids(mine)} → target "
                                                f"{compress_ids([bound[j] for j in mine])}",
-            num_layers=len(mine), pool=f"target {'swa' if split else 'full'} sub-pool (read-only)",
-            index_space="swa (translated)" if split else "full", kv_heads=geo.num_kv_heads,
+            num_layers=len(mine), pool=f"target {'swa' if split else 'full'} (read)",
+            index_space="swa" if split else "full", kv_heads=geo.num_kv_heads,
             head_dim=geo.head_dim, window=m.sliding_window if kind == "swa" else None, kernel=kernel,
-            tree=tree, resolver=f"{b.resolver} → target via allocator" if split else b.resolver,
+            tree=tree, resolver=f"{b.resolver} → allocator" if split else b.resolver,
             bytes_per_token_layer=0, tokens_per_request=0, bytes_per_request=0))
     return rows

@@ -9,7 +9,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
 from swafactory.config.schema import SPEC_ALGORITHMS, SwaFactoryConfig
-from swafactory.errors import ConfigError, Reason
+from swafactory.errors import ConfigError, FieldError, Reason
 
 __all__ = ["from_hydra", "reasons_from_validation"]
 
@@ -62,6 +62,8 @@ def reasons_from_validation(exc: ValidationError) -> list[Reason]:
     """One Reason per pydantic error, located by the dotted override path."""
     out = []
     for err in exc.errors():
-        field = _dotted(err["loc"])
+        cause = (err.get("ctx") or {}).get("error")
+        loc = err["loc"] + ((cause.field,) if isinstance(cause, FieldError) else ())
+        field = _dotted(loc)
         out.append(Reason(field.split(".")[0], field, _message(err)))
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, Union
 
+from swafactory.errors import FieldError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["Geometry", "ModelSpec", "SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec",
@@ -70,35 +71,35 @@ class ModelSpec(_Frozen):
             return data
         pattern, n = data["layer_pattern"], data.get("num_layers")
         if not isinstance(pattern, str) or not pattern or set(pattern) - set(_PATTERN_CODES):
-            raise ValueError(f"layer_pattern must be a non-empty string of S and F, got {pattern!r}")
+            raise FieldError("layer_pattern", f"must be a non-empty string of S and F, got {pattern!r}")
         if not isinstance(n, int) or n < 1:
             return data  # num_layers' own error is reported by its field
         expanded = tuple(_PATTERN_CODES[pattern[i % len(pattern)]] for i in range(n))
         given = data.get("layer_types")
         if given is not None and tuple(given) != expanded:
-            raise ValueError("layer_types and layer_pattern disagree; give only one of them")
+            raise FieldError("layer_types", "layer_types and layer_pattern disagree; give only one of them")
         return {**data, "layer_types": expanded}
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
         if self.layer_types is None:
-            raise ValueError("give layer_types (HF list) or layer_pattern (e.g. 'SSSSSF')")
+            raise FieldError("layer_types", "give layer_types (HF list) or layer_pattern (e.g. 'SSSSSF')")
         if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_layers is "
+            raise FieldError("layer_types", f"has {len(self.layer_types)} entries but num_layers is "
                              f"{self.num_layers}")
         if self.swa_layers:
             if self.sliding_window is None:
-                raise ValueError("sliding layers need sliding_window (HF W)")
+                raise FieldError("sliding_window", "sliding layers need sliding_window (HF W)")
             if self.swa is None:
-                raise ValueError("sliding layers need the `swa` geometry")
+                raise FieldError("swa", "sliding layers need the `swa` geometry")
         if self.full_layers and self.full is None:
-            raise ValueError("full layers need the `full` geometry")
+            raise FieldError("full", "full layers need the `full` geometry")
         for geo in (self.swa, self.full):
             if geo is not None and self.num_attention_heads % geo.num_kv_heads:
-                raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
+                raise FieldError("num_attention_heads", f"{self.num_attention_heads} is not a multiple "
                                  f"of num_kv_heads={geo.num_kv_heads}")
         if not self.hybrid_pool and self.swa and self.full and self.swa != self.full:
-            raise ValueError("hybrid_pool=false puts every layer in one pool, which needs one "
+            raise FieldError("hybrid_pool", "false puts every layer in one pool, which needs one "
                              "geometry; sliding and full geometries differ")
         return self
 
@@ -145,9 +146,9 @@ class _SpecBase(_Frozen):
         """KV slots a request may hold beyond its accepted tokens in one step."""
         return max(self.num_steps * self.topk, self.num_draft_tokens)
 
-    def _need(self, ok: bool, msg: str) -> None:
+    def _need(self, ok: bool, field: str, msg: str) -> None:
         if not ok:
-            raise ValueError(msg)
+            raise FieldError(field, msg)
 
 
 class NoSpec(_Frozen):
@@ -177,9 +178,9 @@ class EagleSpec(_SpecBase):
 
     @model_validator(mode="after")
     def _chain(self) -> EagleSpec:
-        self._need(self.topk == 1, f"eagle drafts a chain: topk must be 1, got {self.topk} "
+        self._need(self.topk == 1, "topk", f"eagle drafts a chain: topk must be 1, got {self.topk} "
                                    "(use spec=eagle3 for trees)")
-        self._need(self.num_draft_tokens == self.num_steps + 1,
+        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
                    f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens, "
                    f"got num_draft_tokens={self.num_draft_tokens}")
         return self
@@ -196,11 +197,11 @@ class Eagle3Spec(_SpecBase):
     @model_validator(mode="after")
     def _tree(self) -> Eagle3Spec:
         most = self.topk * self.num_steps + 1
-        self._need(self.num_draft_tokens <= most,
+        self._need(self.num_draft_tokens <= most, "num_draft_tokens",
                    f"a tree of {self.num_steps} steps × topk {self.topk} has at most {most} "
                    f"tokens, got num_draft_tokens={self.num_draft_tokens}")
         if self.topk == 1:
-            self._need(self.num_draft_tokens == self.num_steps + 1,
+            self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
                        f"with topk=1 the chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
         return self
 
@@ -215,8 +216,8 @@ class NextNSpec(_SpecBase):
 
     @model_validator(mode="after")
     def _chain(self) -> NextNSpec:
-        self._need(self.topk == 1, f"nextn drafts a chain: topk must be 1, got {self.topk}")
-        self._need(self.num_draft_tokens == self.num_steps + 1,
+        self._need(self.topk == 1, "topk", f"nextn drafts a chain: topk must be 1, got {self.topk}")
+        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
                    f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
         return self
 
@@ -231,8 +232,8 @@ class FrozenKVMTPSpec(_SpecBase):
 
     @model_validator(mode="after")
     def _chain(self) -> FrozenKVMTPSpec:
-        self._need(self.topk == 1, f"frozen_kv_mtp verifies a chain: topk must be 1, got {self.topk}")
-        self._need(self.num_draft_tokens == self.num_steps + 1,
+        self._need(self.topk == 1, "topk", f"frozen_kv_mtp verifies a chain: topk must be 1, got {self.topk}")
+        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
                    f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
         return self
 
@@ -251,10 +252,10 @@ class DFlashSpec(_SpecBase):
 
     @model_validator(mode="after")
     def _block(self) -> DFlashSpec:
-        self._need(self.topk == 1 and self.num_steps == 1,
+        self._need(self.topk == 1 and self.num_steps == 1, "topk" if self.topk != 1 else "num_steps",
                    f"dflash drafts one block: topk and num_steps must be 1, got topk={self.topk}, "
                    f"num_steps={self.num_steps}")
-        self._need(self.num_draft_tokens == self.block_size,
+        self._need(self.num_draft_tokens == self.block_size, "num_draft_tokens",
                    f"dflash verifies its block: num_draft_tokens must equal block_size="
                    f"{self.block_size}, got {self.num_draft_tokens}")
         return self
@@ -271,7 +272,7 @@ class StandaloneSpec(_SpecBase):
     @model_validator(mode="after")
     def _shape(self) -> StandaloneSpec:
         most = self.topk * self.num_steps + 1
-        self._need(self.num_draft_tokens <= most, f"at most {most} draft tokens for this tree")
+        self._need(self.num_draft_tokens <= most, "num_draft_tokens", f"at most {most} draft tokens for this tree")
         return self
 
 

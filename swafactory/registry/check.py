@@ -6,6 +6,7 @@ Rules come from the backend's declared capabilities, from sglang's rejection rul
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Iterator
 
 from swafactory.config.schema import SwaFactoryConfig
@@ -26,7 +27,7 @@ def check(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[Reason]:
     reasons: list[Reason] = []
     for rule in (_device, _packages, _page_size, _head_dims, _geometry, _window, _tree, _dflash,
                  _sinks, _softcap, _dtype, _cuda_graph, _resolver, _sizing):
-        reasons.extend(rule(cfg, caps, device))
+        reasons.extend(replace(r, rule=rule.__name__.lstrip("_")) for r in rule(cfg, caps, device))
     return reasons
 
 
@@ -104,7 +105,7 @@ def _tree(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterato
         return
     if not caps.tree_masks:
         yield _r("spec.topk", f"topk={spec.topk} verifies a tree, and {caps.name} serves no tree "
-                              "mask (sglang refuses trtllm_mha with topk > 1)", "spec.topk=1 or spec=eagle")
+                              "mask (sglang refuses trtllm_mha with topk > 1)", "spec=eagle (a chain)")
     elif b.tree_mask not in caps.tree_masks:
         other = sorted(caps.tree_masks)[0]
         yield _r("backend.tree_mask", f"{caps.name} serves tree masks by {sorted(caps.tree_masks)}, "

@@ -47,9 +47,9 @@ def resolve_auto(cfg: SwaFactoryConfig, device: DeviceInfo) -> SwaFactoryConfig:
         if not reasons:
             return cand
         tried.extend(Reason(r.part, r.field, f"[{name}] {r.message}", r.fix) for r in reasons)
-    raise ConfigError(tried, combination=cfg.combination, alternatives=working_backends(
-        cfg.model_copy(update={"backend": cfg.backend.model_copy(update={"name": "torch"})}), device),
-        headline=f"backend=auto found no backend for spec={cfg.spec.name} model={cfg.model.name} "
+    alts = working_backends(cfg.model_copy(update={"backend": shipped_backend("torch")}), device)
+    raise ConfigError(tried, combination=cfg.combination, alternatives=alts,
+        suggestion=_suggest(cfg, tried, alts), headline=f"backend=auto found no backend for spec={cfg.spec.name} model={cfg.model.name} "
                  f"on {device.describe()}:")
 
 
@@ -63,13 +63,15 @@ def validate(cfg: SwaFactoryConfig, device: DeviceInfo) -> SwaFactoryConfig:
     return _raise(cfg, device, reasons, alts)
 
 
-def _raise(cfg: SwaFactoryConfig, device: DeviceInfo, reasons: list[Reason], alts: list[str]):
-    suggestion = None
+def _suggest(cfg: SwaFactoryConfig, reasons: list[Reason], alts: list[str]) -> str | None:
+    fixes = " ".join(dict.fromkeys(r.fix for r in reasons if r.fix))
+    if fixes and (cfg.backend.name in alts or not alts):
+        return fixes  # the backend itself can serve this; only fields need changing
     if alts:
-        suggestion = " ".join(f"{k}={v}" for k, v in (("backend", alts[0]), ("spec", cfg.spec.name),
-                                                       ("model", cfg.model.name)))
-    else:
-        fixes = [r.fix for r in reasons if r.fix]
-        suggestion = " ".join(dict.fromkeys(fixes)) or None
+        return f"backend={alts[0]} spec={cfg.spec.name} model={cfg.model.name}"
+    return None
+
+
+def _raise(cfg: SwaFactoryConfig, device: DeviceInfo, reasons: list[Reason], alts: list[str]):
     raise ConfigError(reasons, combination=f"{cfg.combination} on {device.describe()}",
-                      alternatives=alts, suggestion=suggestion)
+                      alternatives=alts, suggestion=_suggest(cfg, reasons, alts))

@@ -1,0 +1,205 @@
+"""Typed index spaces: a table of KV locations carries its space, and only `translate` makes SWA ones.
+
+Every slot the scheduler hands out is an index into the *full* index space (``req_to_token``,
+write locations). SWA-layer K/V live at ``full_to_swa[full_slot]``. A `Locs` says which space its
+integers index (``full`` or ``swa``), which pool owns that space (``pool_id``), and whether the
+integers are slots or page ids (``page_size``). Pools refuse a `Locs` of another space
+(DESIGN invariant 1).
+
+``Locs(space="swa", ...)`` cannot be built by hand: `translate` is the only producer of SWA-space
+locations, and it refuses page ids, so slot ids are always translated *before* ``// page_size``
+(invariant 3)::
+
+    swa_slots = translate(full_slots, allocator, pool)        # Locs(space="swa")
+    swa_pages = swa_slots.pages(page_size)                    # mapping[slot] // page_size
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+from swafactory.errors import SpaceError
+
+__all__ = ["Space", "Locs", "SlotMapping", "translate", "translate_pages"]
+
+Space = Literal["full", "swa"]
+
+# Private proof of origin: `Locs.__post_init__` accepts space="swa" only with this object.
+_TRANSLATED = object()
+
+
+@dataclass(frozen=True, eq=False)
+class Locs:
+    """A tensor of KV locations in one typed index space.
+
+    ``tensor``: any shape (``[n]`` write locations, ``[bs, max_len]`` tables), dtype int32 or
+    int64, on the pool's device. Value 0 is the dummy slot (page) of every sub-pool.
+    ``pool_id`` names the pool that owns the index space (e.g. ``target.full``, ``target.swa``);
+    pools indexed by the same slots (an own-pool draft) accept it too.
+    ``page_size`` is 1 for slot ids, P for page ids (slot // P).
+    """
+
+    space: Space
+    pool_id: str
+    tensor: torch.Tensor
+    page_size: int = 1
+    _origin: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.space not in ("full", "swa"):
+            raise SpaceError(f"Locs space must be 'full' or 'swa', got {self.space!r}")
+        if self.tensor.dtype not in (torch.int32, torch.int64):
+            raise SpaceError(f"Locs tensor must be int32 or int64, got {self.tensor.dtype}")
+        if self.page_size < 1:
+            raise SpaceError(f"Locs page_size must be >= 1, got {self.page_size}")
+        if self.space == "swa" and self._origin is not _TRANSLATED:
+            raise SpaceError("swa-space Locs are produced only by swafactory.kvcache.translate "
+                             "(from full-space slots and the allocator's full→SWA mapping)")
+
+    def __len__(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def is_pages(self) -> bool:
+        """True when the integers are page ids (slot // page_size) rather than slot ids."""
+        return self.page_size > 1
+
+    def pages(self, page_size: int) -> Locs:
+        """Page ids ``slot // page_size`` in the same space (translate first, then divide)."""
+        if self.is_pages:
+            raise SpaceError(f"these Locs are already page ids (page_size={self.page_size})")
+        return self._derive(self.tensor // page_size, page_size)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Locs:
+        """Same space and pool, tensor moved or cast (int32 page tables for FA3-style kernels)."""
+        return self._derive(self.tensor.to(device=device, dtype=dtype), self.page_size)
+
+    def __getitem__(self, index: object) -> Locs:
+        """Slice or gather the tensor; the space is kept (a reorder does not change the space)."""
+        return self._derive(self.tensor[index], self.page_size)
+
+    def _derive(self, tensor: torch.Tensor, page_size: int) -> Locs:
+        return Locs(self.space, self.pool_id, tensor, page_size, self._origin)
+
+
+@dataclass(frozen=True, eq=False)
+class SlotMapping:
+    """The allocator's full→SWA slot table, with the identities of both index spaces.
+
+    ``table``: shape ``[size_full + page_size + 1]``, dtype int64; ``table[full_slot]`` is the
+    SWA slot, 0 = absent (never mapped, evicted or freed). The allocator mutates it in place, so
+    a `SlotMapping` always shows the live state.
+    """
+
+    full_id: str
+    swa_id: str
+    table: torch.Tensor
+    swa_size: int
+    """Allocatable SWA slots; SWA values lie in ``[0, swa_size + page_size)``."""
+    page_size: int
+
+
+class _HasMapping(Protocol):
+    @property
+    def mapping(self) -> SlotMapping | None: ...
+
+
+class _SwaTarget(Protocol):
+    """A KVPool of space ``swa``, or a HybridSWAPool (its SWA sub-pool is used)."""
+
+    @property
+    def pool_id(self) -> str: ...
+
+
+def _mapping_of(source: SlotMapping | _HasMapping) -> SlotMapping:
+    mapping = source if isinstance(source, SlotMapping) else source.mapping
+    if mapping is None:
+        raise SpaceError(f"{type(source).__name__} has no full→SWA mapping (its pool is not split)")
+    return mapping
+
+
+def _swa_index_space(pool: _SwaTarget) -> str:
+    sub = getattr(pool, "swa", pool)  # HybridSWAPool → its SWA sub-pool
+    if sub is None or getattr(sub, "space", None) != "swa":
+        raise SpaceError(f"pool {pool.pool_id!r} has no SWA sub-pool to translate into")
+    return sub.indexed_by
+
+
+def translate(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget, *,
+              impl: Literal["auto", "torch", "triton"] = "auto",
+              dtype: torch.dtype = torch.int64) -> Locs:
+    """Full-space slots → SWA-space slots of ``pool``: ``mapping.table[locs.tensor]``.
+
+    ``locs``: full-space slot ids, any shape, int32/int64. ``mapping``: a `SlotMapping` or
+    anything with a ``.mapping`` (the SWA allocator, a split pool). ``pool``: the SWA sub-pool
+    (or the HybridSWAPool) whose buffers will be read with the result.
+    Returns SWA slot ids, same shape, ``dtype`` (int64 scatter index by default). An id outside
+    the mapping translates to 0 (the dummy slot), in both implementations, so a kernel never
+    faults; in check mode the dummy slot holds NaN, which makes such a read visible.
+    ``impl="auto"`` uses the Triton kernel on CUDA tensors when triton imports, else torch.
+    """
+    m, swa_id = _check(locs, mapping, pool)
+    return Locs("swa", swa_id, _gather(locs.tensor, m.table, 1, impl, dtype), 1, _TRANSLATED)
+
+
+def translate_pages(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget,
+                    page_size: int, *, impl: Literal["auto", "torch", "triton"] = "auto",
+                    dtype: torch.dtype = torch.int32) -> Locs:
+    """SWA page table from full-space *slot* ids of each page: ``mapping[slot] // page_size``.
+
+    ``locs``: full-space slot ids (e.g. ``req_to_token[:, ::page_size]``), any shape. Fuses
+    `translate` and `Locs.pages` in one pass (one kernel on CUDA); the order is fixed: translate,
+    then divide. Returns SWA page ids in ``dtype`` (int32 page tables by default).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    m, swa_id = _check(locs, mapping, pool)
+    out = _gather(locs.tensor, m.table, page_size, impl, dtype)
+    return Locs("swa", swa_id, out, page_size, _TRANSLATED)
+
+
+def _check(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget) -> tuple[SlotMapping, str]:
+    m = _mapping_of(mapping)
+    if locs.space != "full":
+        raise SpaceError(f"translate takes full-space locations, got space {locs.space!r} "
+                         f"of {locs.pool_id!r}")
+    if locs.is_pages:
+        raise SpaceError("translate takes slot ids, not page ids: translate the slots first, "
+                         "then divide by page_size")
+    if locs.pool_id != m.full_id:
+        raise SpaceError(f"locations of {locs.pool_id!r} cannot be translated with the mapping "
+                         f"of {m.full_id!r}")
+    swa_id = _swa_index_space(pool)
+    if swa_id != m.swa_id:
+        raise SpaceError(f"the mapping points into {m.swa_id!r}, but the pool to read is "
+                         f"indexed by {swa_id!r}")
+    return m, swa_id
+
+
+def _gather(idx: torch.Tensor, table: torch.Tensor, page_size: int,
+            impl: Literal["auto", "torch", "triton"], dtype: torch.dtype) -> torch.Tensor:
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if impl == "triton" or (impl == "auto" and idx.is_cuda and _triton_available()):
+        from swafactory.kernels.triton.translate import translate_triton
+        return translate_triton(idx, table, page_size, dtype)
+    return gather_torch(idx, table, page_size, dtype)
+
+
+def gather_torch(idx: torch.Tensor, table: torch.Tensor, page_size: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Reference gather: ``table[idx] // page_size``, ids outside ``table`` → 0."""
+    ok = (idx >= 0) & (idx < table.numel())
+    vals = table[torch.where(ok, idx, 0).long()]
+    vals = torch.where(ok, vals, 0)
+    return (vals // page_size if page_size > 1 else vals).to(dtype)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

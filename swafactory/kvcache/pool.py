@@ -1,0 +1,270 @@
+"""KV buffers: one `KVPool` per index space, a `HybridSWAPool` that routes layers, `ReqToToken`.
+
+A layer's K/V live where ``layers_mapping[layer_id] -> (sub_pool, local_id)`` says (DESIGN
+invariant 3); whether a layer *has a window* is a separate, masking-only fact. Each sub-pool has
+its own KV heads, head_dim and dtype (Gemma 4). Row 0 of every sub-pool (page 0) is the dummy slot:
+never allocated, the target of padded writes and of absent (0) mapping entries (invariant 5).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Literal
+
+import torch
+
+from swafactory.errors import SpaceError, SwaFactoryError
+from swafactory.kvcache.locs import Locs, SlotMapping, Space
+
+__all__ = ["KVPool", "HybridSWAPool", "ReqToToken", "CapacityError", "SubPool", "layers_mapping_for"]
+
+SubPool = Literal["full", "swa"]
+
+
+class CapacityError(SwaFactoryError, ValueError):
+    """A pool is too small for the index space it is addressed with (DESIGN invariant 6)."""
+
+
+class KVPool:
+    """Per-layer K and V buffers of ``size + page_size`` rows, each ``[rows, num_kv_heads, head_dim]``.
+
+    ``pool_id`` names this pool (``target.full``, ``target.swa``, ``draft.full``); ``space`` is
+    the index space its rows are addressed in; ``indexed_by`` is the pool_id of the space's owner
+    (itself by default; an own-pool draft is indexed by ``target.full``). In ``check_mode`` every
+    row starts as NaN (nothing written yet) and `poison` refills freed rows with NaN, so a stale,
+    absent or untranslated read shows up as NaN.
+    """
+
+    def __init__(self, size: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                 pool_id: str = "target.full", space: Space = "full",
+                 indexed_by: str | None = None, check_mode: bool = False) -> None:
+        for name, v in (("size", size), ("page_size", page_size), ("num_layers", num_layers),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"KVPool {pool_id!r}: {name} must be a positive int, got {v!r}")
+        if size % page_size:
+            raise ValueError(f"KVPool {pool_id!r}: size {size} is not a multiple of "
+                             f"page_size {page_size}")
+        if space not in ("full", "swa"):
+            raise ValueError(f"KVPool {pool_id!r}: space must be 'full' or 'swa', got {space!r}")
+        if check_mode and not dtype.is_floating_point:
+            raise ValueError(f"KVPool {pool_id!r}: check mode poisons with NaN, which {dtype} "
+                             "cannot hold")
+        self.size, self.page_size, self.num_layers = size, page_size, num_layers
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        self.pool_id, self.space = pool_id, space
+        self.indexed_by = indexed_by or pool_id
+        self.check_mode = check_mode
+        self.rows = size + page_size  # page 0 is the dummy page
+        fill = float("nan") if check_mode else 0.0
+        shape = (self.rows, num_kv_heads, head_dim)
+        self.k_bufs = [torch.full(shape, fill, dtype=dtype, device=self.device)
+                       for _ in range(num_layers)]
+        self.v_bufs = [torch.full(shape, fill, dtype=dtype, device=self.device)
+                       for _ in range(num_layers)]
+
+    @property
+    def bytes(self) -> int:
+        """K + V bytes of all layers."""
+        return 2 * self.num_layers * self.rows * self.num_kv_heads * self.head_dim * \
+            self.k_bufs[0].element_size()
+
+    def poison(self, rows: torch.Tensor) -> None:
+        """Fill ``rows`` (shape ``[n]``, int64, this pool's row ids) with NaN in every layer.
+
+        A no-op unless ``check_mode``; allocators call it for every row they free.
+        """
+        if not self.check_mode or rows.numel() == 0:
+            return
+        rows = rows.to(self.device, torch.int64)
+        for k, v in zip(self.k_bufs, self.v_bufs):
+            k[rows] = float("nan")
+            v[rows] = float("nan")
+
+    def accepts(self, locs: Locs) -> bool:
+        """True when ``locs`` are slot ids in this pool's index space."""
+        return (locs.space == self.space and locs.pool_id == self.indexed_by
+                and not locs.is_pages)
+
+    def __repr__(self) -> str:
+        return (f"KVPool({self.pool_id!r}, space={self.space}, size={self.size}, "
+                f"page_size={self.page_size}, layers={self.num_layers}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype})")
+
+
+def layers_mapping_for(model: object) -> dict[int, tuple[SubPool, int]]:
+    """``layer_id -> (sub_pool, local_id)`` from a ModelSpec's layer types and ``hybrid_pool``.
+
+    Sliding layers go to the ``swa`` sub-pool when the model splits its pool, every other layer
+    (and every layer of an unsplit model) to ``full``; local ids count within each sub-pool.
+    """
+    split = bool(model.hybrid_pool)  # type: ignore[attr-defined]
+    counts = {"full": 0, "swa": 0}
+    out: dict[int, tuple[SubPool, int]] = {}
+    for i, kind in enumerate(model.layer_types):  # type: ignore[attr-defined]
+        sub: SubPool = "swa" if split and kind == "sliding_attention" else "full"
+        out[i] = (sub, counts[sub])
+        counts[sub] += 1
+    return out
+
+
+class HybridSWAPool:
+    """A full and/or an SWA sub-pool, with ``layers_mapping`` deciding which one holds a layer.
+
+    Either sub-pool may be None: an all-SWA model has an SWA sub-pool alone; an unsplit model
+    (``hybrid_pool: false``, or no sliding layers) has a full one alone. ``read_only`` views
+    (FROZEN_KV drafts) refuse writes. The allocator's full→SWA mapping is registered with
+    `register_mapping` and read live through `mapping`.
+    """
+
+    def __init__(self, full: KVPool | None, swa: KVPool | None,
+                 layers_mapping: Mapping[int, tuple[SubPool, int]], *, name: str = "target",
+                 read_only: bool = False) -> None:
+        if full is None and swa is None:
+            raise ValueError(f"HybridSWAPool {name!r} needs a full or an SWA sub-pool")
+        if full is not None and full.space != "full":
+            raise SpaceError(f"HybridSWAPool {name!r}: the full sub-pool {full.pool_id!r} has "
+                             f"space {full.space!r}")
+        if swa is not None and swa.space != "swa":
+            raise SpaceError(f"HybridSWAPool {name!r}: the SWA sub-pool {swa.pool_id!r} has "
+                             f"space {swa.space!r}")
+        subs = {"full": full, "swa": swa}
+        for layer_id, (sub, local) in layers_mapping.items():
+            pool = subs.get(sub)
+            if pool is None:
+                raise ValueError(f"HybridSWAPool {name!r}: layer {layer_id} maps to sub-pool "
+                                 f"{sub!r}, which this pool does not have")
+            if not 0 <= local < pool.num_layers:
+                raise ValueError(f"HybridSWAPool {name!r}: layer {layer_id} maps to local layer "
+                                 f"{local} of {pool.pool_id!r}, which has {pool.num_layers}")
+        self.full, self.swa, self.name, self.read_only = full, swa, name, read_only
+        self.layers_mapping: Mapping[int, tuple[SubPool, int]] = MappingProxyType(
+            dict(layers_mapping))
+        self._mapping: SlotMapping | None = None
+
+    @property
+    def pool_id(self) -> str:
+        return self.name
+
+    @property
+    def is_split(self) -> bool:
+        """True when some layers live in an SWA-index-space sub-pool (reads need translation)."""
+        return self.swa is not None
+
+    @property
+    def mapping(self) -> SlotMapping | None:
+        """The registered full→SWA mapping (live: the allocator mutates it in place)."""
+        return self._mapping
+
+    @property
+    def sub_pools(self) -> tuple[KVPool, ...]:
+        return tuple(p for p in (self.full, self.swa) if p is not None)
+
+    def register_mapping(self, mapping: SlotMapping) -> None:
+        """Bind the full→SWA mapping this pool's SWA sub-pool is addressed with."""
+        if self.swa is None:
+            raise SpaceError(f"pool {self.name!r} has no SWA sub-pool to map into")
+        if mapping.swa_id != self.swa.indexed_by:
+            raise SpaceError(f"mapping into {mapping.swa_id!r} cannot address {self.name!r}'s SWA "
+                             f"sub-pool, indexed by {self.swa.indexed_by!r}")
+        if mapping.swa_size > self.swa.size:
+            raise CapacityError(f"pool {self.name!r}: SWA sub-pool holds {self.swa.size} slots but "
+                                f"the mapping hands out up to {mapping.swa_size}; it must be ≥ the "
+                                "target's SWA size")
+        self._mapping = mapping
+
+    def sub_pool(self, layer_id: int) -> KVPool:
+        """The sub-pool holding ``layer_id``'s K/V."""
+        try:
+            sub, _ = self.layers_mapping[layer_id]
+        except KeyError:
+            raise KeyError(f"pool {self.name!r} has no layer {layer_id}; layers: "
+                           f"{sorted(self.layers_mapping)}") from None
+        pool = self.full if sub == "full" else self.swa
+        assert pool is not None  # checked in __init__
+        return pool
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
+        """``(k_buf, v_buf, sub_pool)``; buffers ``[rows, kv_heads, head_dim]`` in the sub-pool's space."""
+        pool = self.sub_pool(layer_id)
+        local = self.layers_mapping[layer_id][1]
+        return pool.k_bufs[local], pool.v_bufs[local], pool
+
+    def _checked(self, layer_id: int, locs: Locs) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
+        k_buf, v_buf, pool = self.get_kv(layer_id)
+        if not pool.accepts(locs):
+            unit = f", page ids of size {locs.page_size}" if locs.is_pages else ""
+            raise SpaceError(
+                f"layer {layer_id} of pool {self.name!r} lives in sub-pool {pool.pool_id!r}: "
+                f"expected {pool.space}-space slots of {pool.indexed_by!r}, got {locs.space}-space "
+                f"locations of {locs.pool_id!r}{unit}"
+                + (" (translate full slots with swafactory.kvcache.translate first)"
+                   if pool.space == "swa" and locs.space == "full" else ""))
+        if pool.check_mode and len(locs) and not (
+                (locs.tensor >= 0) & (locs.tensor < pool.rows)).all():
+            raise CapacityError(f"layer {layer_id}: locations outside {pool.pool_id!r}'s "
+                                f"{pool.rows} rows (max {int(locs.tensor.max())})")
+        return k_buf, v_buf, pool
+
+    def write(self, layer_id: int, locs: Locs, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of ``len(locs)`` tokens. ``locs``: ``[n]`` slots in the layer's sub-pool
+        space; ``k``, ``v``: ``[n, kv_heads, head_dim]``, cast to the sub-pool's dtype."""
+        if self.read_only:
+            raise SpaceError(f"pool {self.name!r} is a read-only view; layer {layer_id} "
+                             "cannot be written")
+        k_buf, v_buf, pool = self._checked(layer_id, locs)
+        idx = locs.tensor.reshape(-1).long()
+        want = (idx.numel(), pool.num_kv_heads, pool.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"layer {layer_id}: k/v must be {list(want)}, got "
+                             f"{list(k.shape)} / {list(v.shape)}")
+        k_buf[idx] = k.to(pool.dtype)
+        v_buf[idx] = v.to(pool.dtype)
+        if pool.check_mode:  # padded tokens write the dummy page; keep it poisoned
+            k_buf[:pool.page_size] = float("nan")
+            v_buf[:pool.page_size] = float("nan")
+
+    def read(self, layer_id: int, locs: Locs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather K/V at ``locs`` (any shape ``S``); returns two ``[*S, kv_heads, head_dim]``."""
+        k_buf, v_buf, _ = self._checked(layer_id, locs)
+        idx = locs.tensor.long()
+        return k_buf[idx], v_buf[idx]
+
+    def __repr__(self) -> str:
+        return (f"HybridSWAPool({self.name!r}, full={self.full!r}, swa={self.swa!r}, "
+                f"read_only={self.read_only})")
+
+
+class ReqToToken:
+    """Request row → full slot of each position: ``table`` ``[max_requests, max_context]``.
+
+    Entries of unused rows and positions are 0 (the dummy slot). ``dtype`` int64 (default) or
+    int32, as kernels that build page tables from it want.
+    """
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.int64) -> None:
+        if max_requests < 1 or max_context < 1:
+            raise ValueError(f"ReqToToken needs max_requests, max_context >= 1, got "
+                             f"{max_requests}, {max_context}")
+        if dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ReqToToken dtype must be int32 or int64, got {dtype}")
+        self.max_requests, self.max_context = max_requests, max_context
+        self.table = torch.zeros(max_requests, max_context, dtype=dtype, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        """A free row, or None when every row is taken."""
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        """Release ``row`` and zero its entries."""
+        if not 0 <= row < self.max_requests or row in self._free_rows:
+            raise ValueError(f"row {row} is not an allocated ReqToToken row")
+        self.table[row].zero_()
+        self._free_rows.append(row)

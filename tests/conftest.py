@@ -1,0 +1,35 @@
+"""Shared fixtures. GPU tests carry `@pytest.mark.gpu` and skip with a reason where no GPU is."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest hook
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible (CPU machine / CI)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cli(tmp_path):
+    """Run `python -m swafactory …` in a temp dir; returns the CompletedProcess."""
+
+    def run(*overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "swafactory", *overrides, f"hydra.run.dir={tmp_path}/run"],
+            capture_output=True, text=True, cwd=tmp_path, timeout=120,
+            env={**os.environ, "COLUMNS": "160", **(env or {})})
+
+    return run

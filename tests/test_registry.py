@@ -1,0 +1,147 @@
+"""The registry's rules: every reason at once, alternatives, auto selection, pinned policies."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import swafactory
+from swafactory import ConfigError
+from swafactory.registry import CPU, H200, get_capabilities, list_backends, register_backend
+from swafactory.registry.device import B200, DeviceInfo
+from swafactory.registry.matrix import shipped_config
+from swafactory.registry.select import resolve_auto, validate
+
+
+def rules(cfg, device) -> set[str]:
+    return {f"{r.rule}@{r.field}" for r in swafactory.check(cfg, device)}
+
+
+def test_flash_attn_gemma4_on_cpu_names_512_and_the_gpu_and_suggests() -> None:
+    cfg = shipped_config("flash_attn", "eagle3", "gemma4")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, CPU)
+    err = info.value
+    text = str(err)
+    assert "head_dim 512" in text and "≤ 256" in text
+    assert "needs a CUDA GPU" in text
+    assert err.alternatives == ("torch",) and "backend=torch" in (err.suggestion or "")
+
+
+def test_flash_attn_gemma4_on_h200_is_refused_only_for_head_dim() -> None:
+    assert rules(shipped_config("flash_attn", "none", "gemma4"), H200) == {"head_dims@model.full.head_dim"}
+
+
+def test_trtllm_eagle3_gives_sm100_and_topk_reasons() -> None:
+    cfg = shipped_config("trtllm_mha", "eagle3", "gemma4")
+    got = rules(cfg, H200)
+    assert {"device@backend.name", "tree@spec.topk"} <= got
+    text = str(pytest.raises(ConfigError, validate, cfg, H200).value)
+    assert "SM100" in text and "topk=4" in text
+    assert rules(cfg, B200) == {"tree@spec.topk"}
+    assert not rules(shipped_config("trtllm_mha", "eagle", "gemma4"), B200)
+
+
+def test_sinks_refuse_flashinfer_for_gpt_oss() -> None:
+    assert rules(shipped_config("flashinfer", "none", "gpt_oss_20b"), H200) == {
+        "sinks@model.attention_sinks"}
+    assert not rules(shipped_config("flashinfer", "none", "gemma4"), H200)
+
+
+def test_missing_package_is_a_reason_with_the_install_fix() -> None:
+    no_pkgs = DeviceInfo("cuda", sm=90, name="H200 without packages")
+    reasons = swafactory.check(shipped_config("flashinfer", "none", "gemma4"), no_pkgs)
+    assert [r.rule for r in reasons] == ["packages"]
+    assert reasons[0].fix == "pip install 'swafactory[flashinfer]'"
+
+
+def test_triton_runs_on_cpu_only_under_the_interpreter() -> None:
+    cfg = shipped_config("triton", "none", "tiny")
+    assert rules(cfg, CPU) == {"device@backend.name", "packages@backend.name"}
+    interp = DeviceInfo("cpu", packages=frozenset({"triton"}), triton_interpret=True)
+    assert rules(cfg, interp) == set()
+
+
+@pytest.mark.parametrize("spec", ["eagle", "eagle3", "nextn", "dflash", "standalone"])
+def test_allocator_policy_is_refused_for_own_pool_drafts(spec: str) -> None:
+    cfg = swafactory.compose(["backend=torch", f"spec={spec}", "backend.resolver=allocator"])
+    reasons = swafactory.check(cfg, CPU)
+    assert [r.field for r in reasons] == ["backend.resolver"]
+    assert reasons[0].fix == "backend.resolver=auto"
+
+
+def test_active_pool_policy_is_refused_for_frozen_kv() -> None:
+    bad = swafactory.compose(["backend=torch", "spec=frozen_kv_mtp", "backend.resolver=active_pool"])
+    assert [r.rule for r in swafactory.check(bad, CPU)] == ["resolver"]
+    ok = swafactory.compose(["backend=torch", "spec=frozen_kv_mtp", "backend.resolver=allocator"])
+    assert swafactory.check(ok, CPU) == []
+    # a model without a split pool has nothing to translate: any policy is fine
+    plain = swafactory.compose(["backend=torch", "spec=eagle", "model=gemma3_4b",
+                                "backend.resolver=allocator"])
+    assert swafactory.check(plain, CPU) == []
+
+
+def test_sizing_rule_refuses_a_too_small_swa_pool_and_gives_the_ratio() -> None:
+    cfg = swafactory.compose(["backend=torch", "workload.swa_full_tokens_ratio=0.05"])
+    (r,) = swafactory.check(cfg, CPU)
+    assert r.rule == "sizing" and r.fix == "workload.swa_full_tokens_ratio=0.13"
+    fixed = swafactory.compose(["backend=torch", "workload.swa_full_tokens_ratio=0.13"])
+    assert swafactory.check(fixed, CPU) == []
+
+
+def test_tree_rules_strategy_and_paged_trees() -> None:
+    cfg = swafactory.compose(["backend=flash_attn", "model=gpt_oss_20b", "backend.tree_mask=custom_mask",
+                              "backend.page_size=16"])
+    assert rules(cfg, H200) == {"tree@backend.tree_mask", "tree@backend.page_size"}
+    chain = swafactory.compose(["backend=flash_attn", "model=gpt_oss_20b", "spec=eagle",
+                                "backend.page_size=16"])
+    assert rules(chain, H200) == set()
+
+
+def test_cuda_graph_and_dtype_rules() -> None:
+    cfg = swafactory.compose(["backend=torch", "backend.cuda_graph=true", "backend.kv_dtype=fp8_e4m3"])
+    assert rules(cfg, CPU) == {"cuda_graph@backend.cuda_graph", "dtype@backend.kv_dtype"}
+
+
+def test_auto_picks_torch_on_cpu_and_the_fastest_on_h200() -> None:
+    cfg = swafactory.compose([])
+    assert cfg.backend.name == "auto"
+    assert resolve_auto(cfg, CPU).backend.name == "torch"
+    assert resolve_auto(cfg, H200).backend.name == "flashinfer"
+    oss = swafactory.compose(["model=gpt_oss_20b", "spec=none"])
+    assert resolve_auto(oss, H200).backend.name == "flash_attn"  # flashinfer refuses sinks on SM90
+
+
+def test_auto_keeps_the_user_fields() -> None:
+    cfg = swafactory.compose(["backend.page_size=16", "backend.kv_dtype=float32"])
+    got = resolve_auto(cfg, CPU).backend
+    assert (got.name, got.page_size, got.kv_dtype) == ("torch", 16, "float32")
+
+
+def test_capabilities_import_without_gpu_packages() -> None:
+    code = ("import sys; sys.modules['flashinfer'] = None; sys.modules['triton'] = None; "
+            "sys.modules['flash_attn'] = None; from swafactory.registry import get_capabilities, "
+            "list_backends; print(len([get_capabilities(b) for b in list_backends()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(len(list_backends()))
+
+
+@pytest.mark.parametrize("name", list_backends())
+def test_every_backend_declares_capabilities_under_its_key(name: str) -> None:
+    caps = get_capabilities(name)
+    assert caps.name == name and caps.devices and caps.kv_dtypes
+
+
+def test_register_backend_refuses_duplicates_and_accepts_new(monkeypatch) -> None:
+    from swafactory.registry import table
+
+    monkeypatch.setattr(table, "BACKENDS", dict(table.BACKENDS))
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("torch", "x.y")
+    register_backend("mine", "swafactory.kernels.torch_ref")
+    with pytest.raises(ValueError, match="registered as 'mine'"):
+        get_capabilities("mine")  # the module declares another key
+    get_capabilities.cache_clear()
+    importlib.import_module("swafactory.kernels.torch_ref")

@@ -1,0 +1,17 @@
+"""docs/support_matrix.md is generated from the registry; this fails when it is stale."""
+from __future__ import annotations
+
+from conftest import REPO
+
+from swafactory.registry.matrix import MATRIX_PATH, render_support_matrix
+
+
+def test_support_matrix_is_current() -> None:
+    on_disk = (REPO / MATRIX_PATH).read_text()
+    assert on_disk == render_support_matrix() + "\n", (
+        "docs/support_matrix.md is stale: run `python tools/gen_support_matrix.py` and commit it")
+
+
+def test_matrix_shows_refusals_and_passes() -> None:
+    text = render_support_matrix()
+    assert "❌ head_dims" in text and "❌ sinks" in text and "✅ → torch" in text
