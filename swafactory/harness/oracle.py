@@ -1,0 +1,82 @@
+"""The fp32 oracle: attention over one request's *logical* K/V history.
+
+It never touches pools, page tables or index spaces. Keys are given in logical order with their
+positions; what a query may see is written out plainly:
+
+* structure: causal (key position ≤ query position) for extend and decode; for a draft tree,
+  the prefix plus the query node's ancestors and itself; for a DFlash block, the prefix plus
+  the whole block (non-causal inside it). Causality lives here, nowhere else;
+* window: a query at position p sees keys at positions p-W+1 … p (HF `sliding_window = W`),
+  where p is the tree node's own position, not its index in the flattened batch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["oracle_attention", "tree_visibility", "causal_visibility"]
+
+
+def causal_visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[nq, nk] bool: a key is visible if it is not in the query's future."""
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def tree_visibility(prefix_len: int, parents: Sequence[int]) -> torch.Tensor:
+    """Visibility of a draft tree laid after ``prefix_len`` prefix keys.
+
+    ``parents[i]`` is the tree index of node i's parent, or -1 for a child of the prefix.
+    Returns [n, prefix_len + n] bool: every node sees the prefix, its ancestors and itself.
+    """
+    n = len(parents)
+    vis = torch.zeros(n, prefix_len + n, dtype=torch.bool)
+    vis[:, :prefix_len] = True
+    for i in range(n):
+        j = i
+        while j != -1:
+            vis[i, prefix_len + j] = True
+            j = parents[j]
+    return vis
+
+
+def oracle_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     q_pos: torch.Tensor, k_pos: torch.Tensor, structure: torch.Tensor, *,
+                     window: int | None, scale: float | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one request's queries over its logical keys, in fp32.
+
+    q: [nq, Hq, D]; keys, values: [nk, Hkv, D] (any float dtype; Hq % Hkv == 0);
+    q_pos: [nq] int, k_pos: [nk] int (token positions); structure: [nq, nk] bool (causal, tree
+    or block visibility before the window); sinks: [Hq] float or None. Returns [nq, Hq, D] fp32.
+    A query that sees no key and has no sink gets zeros.
+    """
+    nq, hq, d = q.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    qf, kf, vf = q.double(), keys.double(), values.double()
+    # the window, plainly: the distance from the query's own position is < W. Causality is part
+    # of `structure` (a DFlash block sees keys ahead of it inside the block).
+    dist = q_pos[:, None].long() - k_pos[None, :].long()
+    allowed = structure.clone()
+    if window is not None:
+        allowed &= dist < window
+    out = torch.zeros(nq, hq, d, dtype=torch.float64)
+    for h in range(hq):
+        kh, vh = kf[:, h // group], vf[:, h // group]  # GQA: query head h reads KV head h // group
+        s = (qf[:, h] @ kh.T) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~allowed, -math.inf)
+        m = s.max(dim=1, keepdim=True).values
+        if sinks is not None:
+            m = torch.maximum(m, torch.full_like(m, float(sinks[h])))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m)
+        denom = p.sum(dim=1, keepdim=True)
+        if sinks is not None:
+            denom = denom + torch.exp(float(sinks[h]) - m)
+        out[:, h] = torch.where(denom > 0, (p @ vh) / denom.clamp_min(1e-300), 0.0)
+    return out.float()

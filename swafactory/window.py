@@ -1,0 +1,42 @@
+"""The one window convention, and every kernel parameter derived from it.
+
+HF `sliding_window = W`: a query at position ``p`` sees the keys at positions ``p-W+1 … p``
+(W keys, the current token included). ``None`` means no window. In verify and draft modes the
+position is the tree node's own position (prefix length + depth), never its flattened index.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["visible", "first_visible_pos", "flashinfer_window_left", "flash_attn_window_size",
+           "kept_keys"]
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query may see by position: causal, and inside the window.
+
+    q_pos: [nq] int; k_pos: [nk] int. Returns [nq, nk] bool.
+    """
+    d = q_pos[:, None] - k_pos[None, :]
+    ok = d >= 0
+    return ok if window is None else ok & (d < window)
+
+
+def first_visible_pos(q_pos: int, window: int | None) -> int:
+    """Position of the oldest key a query at ``q_pos`` sees."""
+    return 0 if window is None else max(0, q_pos - window + 1)
+
+
+def kept_keys(seq_len: int, window: int | None) -> int:
+    """Keys a decode query at position ``seq_len - 1`` sees: ``min(seq_len, W)``."""
+    return seq_len if window is None else min(seq_len, window)
+
+
+def flashinfer_window_left(window: int | None) -> int:
+    """FlashInfer `window_left` (inclusive count of keys left of the query; -1 = none)."""
+    return -1 if window is None else window - 1
+
+
+def flash_attn_window_size(window: int | None) -> tuple[int, int]:
+    """flash-attn `window_size=(left, right)`; (-1, -1) = none."""
+    return (-1, -1) if window is None else (window - 1, 0)
