@@ -72,9 +72,19 @@ def test_tree_nodes_see_prefix_ancestors_and_self_and_window_by_position() -> No
 
 def test_a_query_that_sees_nothing_gets_zeros_not_nan() -> None:
     q, k, v = torch.randn(1, 1, 4), torch.randn(2, 1, 4), torch.randn(2, 1, 4)
-    out = oracle_attention(q, k, v, torch.tensor([0]), torch.tensor([5, 6]),
-                           torch.ones(1, 2, dtype=torch.bool), window=None)
+    q_pos, k_pos = torch.tensor([0]), torch.tensor([5, 6])
+    out = oracle_attention(q, k, v, q_pos, k_pos, causal_visibility(q_pos, k_pos), window=None)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_a_dflash_block_sees_keys_ahead_of_it_inside_the_block() -> None:
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 1, 4, generator=g), torch.randn(4, 1, 4, generator=g), torch.randn(4, 1, 4, generator=g)
+    q_pos, k_pos = torch.tensor([2, 3]), torch.arange(4)
+    block = torch.ones(2, 4, dtype=torch.bool)  # prefix 0-1 + the whole block 2-3
+    out = oracle_attention(q, k, v, q_pos, k_pos, block, window=None)
+    w = torch.softmax((q[0, 0] @ k[:, 0].T) * 0.5, 0)
+    torch.testing.assert_close(out[0, 0], w @ v[:, 0], rtol=1e-5, atol=1e-6)
 
 
 def test_window_helpers_share_one_convention() -> None:
