@@ -1,4 +1,32 @@
-"""KV-cache parts: pool sizing (and, later, pools, allocators and translation)."""
-from swafactory.kvcache.sizing import GroupBytes, PoolSizing, pool_sizing
+"""KV-cache parts: pools, allocators, typed index spaces and translation, draft pools, sizing.
 
-__all__ = ["GroupBytes", "PoolSizing", "pool_sizing"]
+`sizing` imports without torch (the CLI's plan uses it); everything else is loaded on first
+access, so ``import swafactory.kvcache`` stays light.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from swafactory.kvcache.errors import CapacityError
+from swafactory.kvcache.sizing import (BudgetSizing, GroupBytes, PoolSizing, build_pools,
+                                       pool_sizing, size_from_budget, swa_tokens_per_request)
+
+_LAZY = {
+    "Locs": "locs", "SlotMapping": "locs", "translate": "locs", "translate_pages": "locs",
+    "KVPool": "pool", "HybridSWAPool": "pool", "ReqToToken": "pool",
+    "layers_mapping_for": "pool",
+    "TokenAllocator": "allocator", "SWAAllocator": "allocator",
+    "RequestSlots": "requests", "ReqState": "requests",
+    "own_draft_pool": "draft", "frozen_draft_view": "draft", "split_draft_pool": "draft",
+    "build_draft_pool": "draft", "torch_dtype": "factory",
+}
+
+__all__ = ["CapacityError", "BudgetSizing", "GroupBytes", "PoolSizing", "build_pools",
+           "pool_sizing", "size_from_budget", "swa_tokens_per_request", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"swafactory.kvcache.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'swafactory.kvcache' has no attribute {name!r}")

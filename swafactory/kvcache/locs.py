@@ -1,4 +1,4 @@
-"""Typed index spaces: a table of KV locations carries its space, and only `translate` makes SWA ones.
+"""Typed index spaces: KV locations carry their space, and only `translate` makes SWA ones.
 
 Every slot the scheduler hands out is an index into the *full* index space (``req_to_token``,
 write locations). SWA-layer K/V live at ``full_to_swa[full_slot]``. A `Locs` says which space its
@@ -22,7 +22,7 @@ import torch
 
 from swafactory.errors import SpaceError
 
-__all__ = ["Space", "Locs", "SlotMapping", "translate", "translate_pages"]
+__all__ = ["Space", "Locs", "SlotMapping", "translate", "translate_pages", "gather_torch"]
 
 Space = Literal["full", "swa"]
 
@@ -72,7 +72,8 @@ class Locs:
             raise SpaceError(f"these Locs are already page ids (page_size={self.page_size})")
         return self._derive(self.tensor // page_size, page_size)
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Locs:
+    def to(self, device: torch.device | str | None = None,
+           dtype: torch.dtype | None = None) -> Locs:
         """Same space and pool, tensor moved or cast (int32 page tables for FA3-style kernels)."""
         return self._derive(self.tensor.to(device=device, dtype=dtype), self.page_size)
 
@@ -160,7 +161,8 @@ def translate_pages(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTa
     return Locs("swa", swa_id, out, page_size, _TRANSLATED)
 
 
-def _check(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget) -> tuple[SlotMapping, str]:
+def _check(locs: Locs, mapping: SlotMapping | _HasMapping,
+           pool: _SwaTarget) -> tuple[SlotMapping, str]:
     m = _mapping_of(mapping)
     if locs.space != "full":
         raise SpaceError(f"translate takes full-space locations, got space {locs.space!r} "

@@ -13,20 +13,18 @@ from typing import Literal
 
 import torch
 
-from swafactory.errors import SpaceError, SwaFactoryError
+from swafactory.errors import SpaceError
+from swafactory.kvcache.errors import CapacityError
 from swafactory.kvcache.locs import Locs, SlotMapping, Space
 
-__all__ = ["KVPool", "HybridSWAPool", "ReqToToken", "CapacityError", "SubPool", "layers_mapping_for"]
+__all__ = ["KVPool", "HybridSWAPool", "ReqToToken", "CapacityError", "SubPool",
+           "layers_mapping_for"]
 
 SubPool = Literal["full", "swa"]
 
 
-class CapacityError(SwaFactoryError, ValueError):
-    """A pool is too small for the index space it is addressed with (DESIGN invariant 6)."""
-
-
 class KVPool:
-    """Per-layer K and V buffers of ``size + page_size`` rows, each ``[rows, num_kv_heads, head_dim]``.
+    """Per-layer K and V buffers of ``size + page_size`` rows: ``[rows, num_kv_heads, head_dim]``.
 
     ``pool_id`` names this pool (``target.full``, ``target.swa``, ``draft.full``); ``space`` is
     the index space its rows are addressed in; ``indexed_by`` is the pool_id of the space's owner
@@ -162,14 +160,16 @@ class HybridSWAPool:
     def sub_pools(self) -> tuple[KVPool, ...]:
         return tuple(p for p in (self.full, self.swa) if p is not None)
 
-    def register_mapping(self, mapping: SlotMapping) -> None:
-        """Bind the full→SWA mapping this pool's SWA sub-pool is addressed with."""
+    def register_mapping(self, mapping: SlotMapping, *, check_capacity: bool = True) -> None:
+        """Bind the full→SWA mapping this pool's SWA sub-pool is addressed with.
+
+        ``check_capacity=False`` binds an under-sized sub-pool (fault injection only)."""
         if self.swa is None:
             raise SpaceError(f"pool {self.name!r} has no SWA sub-pool to map into")
         if mapping.swa_id != self.swa.indexed_by:
             raise SpaceError(f"mapping into {mapping.swa_id!r} cannot address {self.name!r}'s SWA "
                              f"sub-pool, indexed by {self.swa.indexed_by!r}")
-        if mapping.swa_size > self.swa.size:
+        if check_capacity and mapping.swa_size > self.swa.size:
             raise CapacityError(f"pool {self.name!r}: SWA sub-pool holds {self.swa.size} slots but "
                                 f"the mapping hands out up to {mapping.swa_size}; it must be ≥ the "
                                 "target's SWA size")
@@ -187,7 +187,8 @@ class HybridSWAPool:
         return pool
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
-        """``(k_buf, v_buf, sub_pool)``; buffers ``[rows, kv_heads, head_dim]`` in the sub-pool's space."""
+        """``(k_buf, v_buf, sub_pool)``; buffers ``[rows, kv_heads, head_dim]``, rows in the
+        sub-pool's index space."""
         pool = self.sub_pool(layer_id)
         local = self.layers_mapping[layer_id][1]
         return pool.k_bufs[local], pool.v_bufs[local], pool

@@ -1,16 +1,24 @@
-"""Analytic sizing of the hybrid pools against a full-only pool (DESIGN invariant 6).
+"""Sizing of the hybrid pools: analytic bytes per request, and pool sizes from a memory budget.
 
 Per request, a full layer holds every context token; a sliding layer of a hybrid pool holds at
 most ``W + draft tokens + page_size`` (the window, the draft tokens of one step, and the page that
 straddles the eviction frontier). A full-only pool keeps every token in every layer.
+`size_from_budget` turns a byte budget into sub-pool sizes (DESIGN invariant 6); `build_pools`
+allocates them (it imports torch; this module does not).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from swafactory.config.schema import KV_DTYPE_BYTES, SwaFactoryConfig
+from swafactory.kvcache.errors import CapacityError
 
-__all__ = ["GroupBytes", "PoolSizing", "pool_sizing", "swa_tokens_per_request"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["GroupBytes", "PoolSizing", "pool_sizing", "swa_tokens_per_request", "BudgetSizing",
+           "size_from_budget", "build_pools"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +105,103 @@ def pool_sizing(cfg: SwaFactoryConfig, context_len: int | None = None) -> PoolSi
         assert geo is not None
         draft = cfg.spec.draft_num_layers * 2 * geo.num_kv_heads * geo.head_dim * elt * ctx
     return PoolSizing(ctx, tuple(groups), draft)
+
+
+# ---------------------------------------------------------------- sizes from a memory budget
+@dataclass(frozen=True)
+class BudgetSizing:
+    """Sub-pool sizes (slots, page multiples) that fit a byte budget."""
+
+    full_tokens: int
+    """Slots of the full index space. Virtual (no buffers) when ``full_is_virtual``."""
+    swa_tokens: int
+    """Slots of the SWA sub-pool; 0 when the pool is not split."""
+    full_is_virtual: bool
+    """All layers slide: the full space only numbers slots (see `SWAAllocator`)."""
+    bytes_used: int
+    """K + V bytes of target and draft pools at these sizes (dummy pages excluded)."""
+
+
+def _page_floor(n: float, page: int) -> int:
+    return int(n) // page * page
+
+
+def size_from_budget(cfg: SwaFactoryConfig, budget_bytes: int, *, ratio: float | None = None,
+                     max_running_requests: int | None = None, window: int | None = None,
+                     draft_tokens: int | None = None, page_size: int | None = None
+                     ) -> BudgetSizing:
+    """Pool sizes for ``budget_bytes`` (sglang ``HybridSWAPoolConfigurator``), defaults from cfg.
+
+    Split pool: ``cell = full_bpt·(n_full + n_draft_full) + r·swa_bpt·(n_swa + n_draft_swa)``,
+    ``full = page_floor(budget / cell)``, ``swa = page_floor(full · r)``; the draft's own pool
+    (full-indexed, target full size) is part of the cell (sglang #29622). All-SWA: the virtual
+    full space holds every running request's context, and the budget left after an own draft
+    pool goes to SWA. Unsplit: every layer at full size. Raises `CapacityError` when the SWA pool
+    cannot hold ``W + page`` or ``max_running · (W + draft + page)`` slots.
+    """
+    m, b, s, w = cfg.model, cfg.backend, cfg.spec, cfg.workload
+    r = w.swa_full_tokens_ratio if ratio is None else ratio
+    reqs = w.max_running_requests if max_running_requests is None else max_running_requests
+    W = m.sliding_window if window is None else window
+    d = s.draft_tokens_per_step if draft_tokens is None else draft_tokens
+    P = b.page_size if page_size is None else page_size
+    if not 0 < r <= 1:
+        raise ValueError(f"swa_full_tokens_ratio must lie in (0, 1], got {r}")
+    elt = KV_DTYPE_BYTES[b.kv_dtype]
+    bpt = {k: 2 * g.num_kv_heads * g.head_dim * elt for k, g in (("swa", m.swa), ("full", m.full))
+           if g is not None}
+    split = bool(m.swa_layers) and m.hybrid_pool
+    n_full = len(m.full_layers) if split else m.num_layers
+    n_swa = len(m.swa_layers) if split else 0
+    full_bpt = bpt.get("full", bpt.get("swa", 0)) if not split or m.full_layers else 0
+    draft_full, draft_swa = _draft_layers(cfg, split)
+    draft_bpt = bpt.get("full", bpt.get("swa", 0))  # an own pool takes the full geometry
+    if split and not m.full_layers:  # all-SWA: a virtual full space of every running context
+        full = reqs * -(-(w.context_len + d) // P) * P
+        left = budget_bytes - draft_full * draft_bpt * full
+        swa = _page_floor(left / (bpt["swa"] * (n_swa + draft_swa)), P) if left > 0 else 0
+        used = draft_full * draft_bpt * full + bpt["swa"] * (n_swa + draft_swa) * swa
+        _check_swa(swa, reqs, W, d, P, budget_bytes, r)
+        return BudgetSizing(full, swa, True, used)
+    cell = full_bpt * n_full + draft_bpt * draft_full + \
+        (r * bpt["swa"] * (n_swa + draft_swa) if split else 0)
+    full = _page_floor(budget_bytes / cell, P)
+    if full < P:
+        raise CapacityError(f"a budget of {budget_bytes} bytes holds no page of {P} tokens "
+                            f"(one full token costs {cell:.0f} bytes)")
+    swa = _page_floor(full * r, P) if split else 0
+    if split:
+        _check_swa(swa, reqs, W, d, P, budget_bytes, r)
+    used = (full_bpt * n_full + draft_bpt * draft_full) * full + \
+        (bpt["swa"] * (n_swa + draft_swa) * swa if split else 0)
+    return BudgetSizing(full, swa, False, used)
+
+
+def _draft_layers(cfg: SwaFactoryConfig, split: bool) -> tuple[int, int]:
+    """Draft layers budgeted as (full-size, SWA-size) layers."""
+    s = cfg.spec
+    if s.draft_kv != "own_pool":
+        return 0, 0  # FROZEN_KV reads the target's KV: no bytes of its own
+    if split and getattr(s, "draft_pool_split", False):
+        types = cfg.model.layer_types[-s.draft_num_layers:]
+        n_swa = sum(t == "sliding_attention" for t in types)
+        return len(types) - n_swa, n_swa
+    return s.draft_num_layers, 0
+
+
+def _check_swa(swa: int, reqs: int, W: int, d: int, P: int, budget: int, r: float) -> None:
+    need = max(W + P, reqs * swa_tokens_per_request(W, d, P))
+    if swa < need:
+        raise CapacityError(
+            f"the SWA pool gets {swa} slots from a budget of {budget} bytes at ratio {r}, but "
+            f"{reqs} running requests × (window {W} + draft {d} + page {P}) need {need}. Raise "
+            "the budget or workload.swa_full_tokens_ratio, or lower "
+            "workload.max_running_requests.")
+
+
+def build_pools(cfg: SwaFactoryConfig, size_full: int, size_swa: int,
+                device: torch.device | str = "cpu", check_mode: bool = False) -> tuple[Any, Any]:
+    """``(HybridSWAPool, allocator)`` for ``cfg``; see `swafactory.kvcache.factory.build_pools`."""
+    from swafactory.kvcache.factory import build_pools as _build  # imports torch
+
+    return _build(cfg, size_full, size_swa, device, check_mode)

@@ -1,0 +1,289 @@
+"""Slot allocators: `TokenAllocator` (one index space) and `SWAAllocator` (full + SWA, lock-step).
+
+Both hand out whole pages internally (page_size 1 → a page is a slot) and slot ids externally.
+Page 0 is the dummy page and is never handed out. `SWAAllocator` owns the full→SWA mapping and
+allocates an SWA page for every full page, keeping the in-page offset, so
+``full_slot % page == swa_slot % page`` and ``mapping[full_page*P + o] = swa_page*P + o``.
+Mapping entries are set and zeroed a whole page at a time.
+
+All-SWA models (every layer slides): the full index space is *virtual*: a `TokenAllocator` with no
+buffers behind it. sglang's PureSWA allocator instead uses the SWA slots as full slots with an
+identity mapping; then an evicted slot, reused by another request, still translates to itself, so
+a stale read aliases live data instead of reading the dummy. The virtual space keeps "absent = 0"
+for every model at one int64 per full slot, and works with any page size.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from swafactory.kvcache.locs import SlotMapping
+from swafactory.kvcache.pool import CapacityError, KVPool
+
+__all__ = ["TokenAllocator", "SWAAllocator", "page_rows"]
+
+
+def page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Every slot of ``pages`` (``[n]`` int64 page ids) → ``[n * page_size]`` int64 slot ids."""
+    if page_size == 1:
+        return pages
+    offs = torch.arange(page_size, device=pages.device, dtype=pages.dtype)
+    return (pages[:, None] * page_size + offs).reshape(-1)
+
+
+class _PagedSlots:
+    """Slot-level operations shared by both allocators, built on ``alloc_pages``/``free_pages``."""
+
+    page_size: int
+
+    def available_pages(self) -> int:
+        raise NotImplementedError
+
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def free_pages(self, pages: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` slots (``[n]`` int64), page_size 1 only; None when the pool is short."""
+        if self.page_size != 1:
+            raise ValueError(f"alloc(n) needs page_size 1 (got {self.page_size}); use "
+                             "alloc_extend, which continues each request's last page")
+        return self.alloc_pages(n)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the pages holding ``slots`` (``[n]`` int64 full slots; 0 entries are ignored).
+
+        With page_size > 1 a whole page is freed even if only one of its slots is given.
+        """
+        slots = slots.reshape(-1)
+        pages = torch.unique(slots[slots > 0] // self.page_size)
+        self.free_pages(pages)
+
+    def alloc_extend(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
+                     ) -> torch.Tensor | None:
+        """New slots for a batch of requests, each continuing its own last page.
+
+        ``last_loc``: ``[bs]`` int64, the full slot of each request's last token (``<= 0``: the
+        request has none, start a fresh page). ``extend_lens``: ``[bs]`` new tokens per request.
+        Returns ``[sum(extend_lens)]`` int64 slots, request-major; or None (nothing allocated)
+        when the pool lacks the pages.
+        """
+        P = self.page_size
+        lasts = [int(x) for x in last_loc.reshape(-1).tolist()]
+        lens = [int(x) for x in (extend_lens.tolist() if torch.is_tensor(extend_lens)
+                                 else extend_lens)]
+        if len(lasts) != len(lens) or any(n < 0 for n in lens):
+            raise ValueError(f"last_loc and extend_lens must pair up with lens >= 0, got "
+                             f"{len(lasts)} and {lens}")
+        # Slots left in each request's last page, then whole new pages for the rest.
+        take = [min(P - 1 - last % P, n) if last > 0 else 0 for last, n in zip(lasts, lens)]
+        need = [math.ceil((n - t) / P) for n, t in zip(lens, take)]
+        total = sum(need)
+        if total > self.available_pages():
+            return None
+        pages = self.alloc_pages(total) if total else torch.empty(0, dtype=torch.int64)
+        assert pages is not None  # admission checked above
+        out, cursor = [], 0
+        for last, n, t, k in zip(lasts, lens, take, need):
+            if t:
+                out.append(torch.arange(last + 1, last + 1 + t, dtype=torch.int64))
+            if k:
+                fresh = page_rows(pages[cursor:cursor + k].cpu(), P)[:n - t]
+                out.append(fresh)
+                cursor += k
+        device = pages.device
+        return torch.cat(out).to(device) if out else torch.empty(0, dtype=torch.int64,
+                                                                 device=device)
+
+    def alloc_decode(self, last_loc: torch.Tensor) -> torch.Tensor | None:
+        """One slot per request after ``last_loc`` (``[bs]`` int64); ``[bs]`` int64 or None."""
+        return self.alloc_extend(last_loc, [1] * last_loc.numel())
+
+
+class TokenAllocator(_PagedSlots):
+    """A free list of pages over one index space of ``size`` slots (``size % page_size == 0``).
+
+    ``space_id`` names the index space (the pool_id of its owner, e.g. ``target.full``). Pools
+    attached with `attach` are poisoned on every free in check mode.
+    """
+
+    def __init__(self, size: int, page_size: int, device: torch.device | str = "cpu", *,
+                 space_id: str = "target.full", check_mode: bool = False) -> None:
+        if size < page_size or size % page_size:
+            raise ValueError(f"allocator {space_id!r}: size {size} must be a positive multiple "
+                             f"of page_size {page_size}")
+        self.size, self.page_size, self.space_id = size, page_size, space_id
+        self.device = torch.device(device)
+        self.check_mode = check_mode
+        self.num_pages = size // page_size
+        self.pools: list[KVPool] = []
+        # Owned-flag per page (page 0 is the dummy, never owned) catches double frees.
+        self._owned = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
+        self._free = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+
+    @property
+    def full_id(self) -> str:
+        return self.space_id
+
+    @property
+    def full_size(self) -> int:
+        """Slots of the full index space."""
+        return self.size
+
+    @property
+    def mapping(self) -> SlotMapping | None:
+        """No full→SWA mapping: one index space."""
+        return None
+
+    def attach(self, pool: KVPool, *, check_capacity: bool = True) -> None:
+        """Register a pool addressed by this allocator's slots, to poison on free."""
+        if pool.indexed_by != self.space_id:
+            raise ValueError(f"pool {pool.pool_id!r} is indexed by {pool.indexed_by!r}, not by "
+                             f"{self.space_id!r}")
+        if pool.page_size != self.page_size:
+            raise ValueError(f"pool {pool.pool_id!r} has page_size {pool.page_size}, the "
+                             f"allocator {self.page_size}")
+        if check_capacity and pool.size < self.size:
+            raise CapacityError(f"pool {pool.pool_id!r} holds {pool.size} slots but is addressed "
+                                f"by {self.space_id!r}, which hands out {self.size}")
+        self.pools.append(pool)
+
+    def available_pages(self) -> int:
+        return self._free.numel()
+
+    def available_size(self) -> int:
+        """Free slots."""
+        return self._free.numel() * self.page_size
+
+    def used_size(self) -> int:
+        """Slots in owned pages."""
+        return self.size - self.available_size()
+
+    def owned_pages(self) -> torch.Tensor:
+        """Page ids currently handed out, ``[k]`` int64 (for checks and reports)."""
+        return torch.nonzero(self._owned).reshape(-1)
+
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        """``n`` page ids (``[n]`` int64) or None when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > self._free.numel():
+            return None
+        pages, self._free = self._free[:n], self._free[n:]
+        self._owned[pages] = True
+        return pages
+
+    def free_pages(self, pages: torch.Tensor) -> None:
+        """Return ``pages`` (``[n]`` int64 page ids, each owned, no repeats) to the free list."""
+        pages = pages.reshape(-1).to(self.device, torch.int64)
+        if pages.numel() == 0:
+            return
+        if torch.unique(pages).numel() != pages.numel():
+            raise ValueError(f"{self.space_id!r}: the same page is freed twice in one call")
+        if bool((pages < 1).any()) or bool((pages > self.num_pages).any()) or \
+                not bool(self._owned[pages].all()):
+            raise ValueError(f"{self.space_id!r}: freeing pages that are not allocated "
+                             "(double free, the dummy page, or out of range)")
+        self._owned[pages] = False
+        self._free = torch.cat([self._free, pages])
+        if self.check_mode:
+            rows = page_rows(pages, self.page_size)
+            for pool in self.pools:
+                pool.poison(rows)
+
+
+class SWAAllocator(_PagedSlots):
+    """Full and SWA slots in lock-step, and the full→SWA mapping that links them.
+
+    ``mapping.table``: int64 ``[size_full + page_size + 1]``, 0 = absent. sglang stores -1 in the
+    last entry so that an eager ``mapping[-1]`` for "no last token" yields -1; here "no last
+    token" is decided on the host before any lookup, so the extra entry is kept (same length, for
+    kernels that clamp to ``numel - 1``) but holds 0 like every other absent entry, and a clamped
+    lookup lands on the dummy slot instead of a negative index.
+    """
+
+    def __init__(self, size_full: int, size_swa: int, page_size: int,
+                 device: torch.device | str = "cpu", *, full_id: str = "target.full",
+                 swa_id: str = "target.swa", check_mode: bool = False) -> None:
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.check_mode = check_mode
+        self.full = TokenAllocator(size_full, page_size, device, space_id=full_id,
+                                   check_mode=check_mode)
+        self.swa = TokenAllocator(size_swa, page_size, device, space_id=swa_id,
+                                  check_mode=check_mode)
+        table = torch.zeros(size_full + page_size + 1, dtype=torch.int64, device=self.device)
+        self._mapping = SlotMapping(full_id, swa_id, table, size_swa, page_size)
+
+    @property
+    def full_id(self) -> str:
+        return self.full.space_id
+
+    @property
+    def full_size(self) -> int:
+        """Slots of the full index space (virtual for an all-SWA model)."""
+        return self.full.size
+
+    @property
+    def mapping(self) -> SlotMapping:
+        """The live full→SWA mapping (mutated in place by every alloc and free)."""
+        return self._mapping
+
+    @property
+    def full_to_swa(self) -> torch.Tensor:
+        """``[size_full + page_size + 1]`` int64; 0 = absent."""
+        return self._mapping.table
+
+    @property
+    def size(self) -> int:
+        """Tokens both spaces can hold at once."""
+        return min(self.full.size, self.swa.size)
+
+    def attach(self, pool: KVPool, *, check_capacity: bool = True) -> None:
+        """Register a full- or SWA-space pool to poison on free (by its ``space``)."""
+        (self.full if pool.space == "full" else self.swa).attach(
+            pool, check_capacity=check_capacity)
+
+    def available_pages(self) -> int:
+        return min(self.full.available_pages(), self.swa.available_pages())
+
+    def available_size(self) -> int:
+        """Tokens that can still be allocated: the smaller of the two free lists."""
+        return self.available_pages() * self.page_size
+
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        """``n`` full pages, each with an SWA page mapped slot by slot; None if either is short."""
+        if n > self.available_pages():
+            return None
+        full_pages = self.full.alloc_pages(n)
+        swa_pages = self.swa.alloc_pages(n)
+        assert full_pages is not None and swa_pages is not None  # admission checked above
+        self.full_to_swa[page_rows(full_pages, self.page_size)] = page_rows(swa_pages,
+                                                                            self.page_size)
+        return full_pages
+
+    def free_pages(self, pages: torch.Tensor) -> None:
+        """Free full ``pages`` and whatever SWA pages they still map to."""
+        self.free_swa_pages(pages)
+        self.full.free_pages(pages)
+
+    def free_swa_pages(self, pages: torch.Tensor) -> None:
+        """Free the SWA pages behind full ``pages`` (``[n]`` int64) and zero their mapping.
+
+        Pages already evicted (mapping 0) are skipped; the full pages stay allocated.
+        """
+        pages = pages.reshape(-1).to(self.device, torch.int64)
+        if pages.numel() == 0:
+            return
+        first = self.full_to_swa[pages * self.page_size]
+        live = first > 0
+        self.swa.free_pages(first[live] // self.page_size)
+        self.full_to_swa[page_rows(pages, self.page_size)] = 0
+
+    def free_swa(self, slots: torch.Tensor) -> None:
+        """Free the SWA pages behind the full ``slots`` (``[n]`` int64); whole pages when P > 1."""
+        slots = slots.reshape(-1)
+        self.free_swa_pages(torch.unique(slots[slots > 0] // self.page_size))

@@ -1,0 +1,160 @@
+"""Per-request slot bookkeeping: extend, decode, draft reject, window eviction, finish.
+
+A request owns a row of `ReqToToken` (its full slot per position), ``kv_len`` allocated positions
+and ``swa_evicted``, the frontier below which its SWA slots were freed (sglang
+``ReqKvInfo(kv_allocated_len, swa_evicted_seqlen)``). Position p of a request lives in its page
+``p // page_size`` at offset ``p % page_size``: a request starts on a fresh page and continues its
+last page, so pages and positions line up, and a page is freed only when no kept position is in it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Union
+
+import torch
+
+from swafactory.kvcache.allocator import SWAAllocator, TokenAllocator
+from swafactory.kvcache.locs import Locs
+from swafactory.kvcache.pool import ReqToToken
+
+__all__ = ["RequestSlots", "ReqState"]
+
+Allocator = Union[TokenAllocator, SWAAllocator]
+
+
+@dataclass
+class ReqState:
+    """One request's share of the pools."""
+
+    row: int
+    """Its `ReqToToken` row."""
+    kv_len: int = 0
+    """Positions ``[0, kv_len)`` have a full slot (committed tokens plus pending draft tokens)."""
+    swa_evicted: int = 0
+    """SWA slots of positions ``[0, swa_evicted)`` are freed; always a multiple of page_size."""
+
+
+class RequestSlots:
+    """Allocates and frees a batch's slots request by request, over one allocator.
+
+    ``allocator``: a `TokenAllocator` (unsplit pool) or `SWAAllocator`. ``req_to_token``: the
+    table that records each request's full slots; its entries past ``kv_len`` stay 0.
+    """
+
+    def __init__(self, allocator: Allocator, req_to_token: ReqToToken) -> None:
+        self.allocator, self.req_to_token = allocator, req_to_token
+        self.page_size = allocator.page_size
+        self.reqs: dict[Hashable, ReqState] = {}
+
+    def open(self, rid: Hashable) -> ReqState:
+        """Start request ``rid`` with no tokens; raises when ``req_to_token`` has no free row."""
+        if rid in self.reqs:
+            raise ValueError(f"request {rid!r} is already open")
+        row = self.req_to_token.alloc()
+        if row is None:
+            raise RuntimeError(f"no free ReqToToken row for request {rid!r} "
+                               f"({self.req_to_token.max_requests} requests at most)")
+        self.reqs[rid] = state = ReqState(row)
+        return state
+
+    def slots(self, rid: Hashable, start: int = 0, end: int | None = None) -> Locs:
+        """Full slots of positions ``[start, end)`` (default: all allocated), ``[n]`` int64."""
+        s = self._get(rid)
+        end = s.kv_len if end is None else end
+        return Locs("full", self.allocator.full_id,
+                    self.req_to_token.table[s.row, start:end].long())
+
+    def extend(self, rid: Hashable, n: int) -> Locs | None:
+        """Allocate positions ``[kv_len, kv_len + n)``; their full slots, or None (nothing
+        changed) when the pools are short."""
+        return self.extend_batch([rid], [n])
+
+    def decode(self, rids: list[Hashable]) -> Locs | None:
+        """One new position per request, in ``rids`` order; ``[bs]`` full slots or None."""
+        return self.extend_batch(rids, [1] * len(rids))
+
+    def extend_batch(self, rids: list[Hashable], lens: list[int]) -> Locs | None:
+        """Positions ``[kv_len, kv_len + n)`` for each (rid, n); request-major slots or None."""
+        states = [self._get(r) for r in rids]
+        if len(set(rids)) != len(rids):
+            raise ValueError("a request appears twice in one batch")
+        for s, n, r in zip(states, lens, rids):
+            if s.kv_len + n > self.req_to_token.max_context:
+                raise ValueError(f"request {r!r}: {s.kv_len} + {n} tokens exceed max_context "
+                                 f"{self.req_to_token.max_context}")
+        table = self.req_to_token.table
+        last = torch.tensor([int(table[s.row, s.kv_len - 1]) if s.kv_len else 0 for s in states],
+                            dtype=torch.int64)
+        slots = self.allocator.alloc_extend(last, lens)
+        if slots is None:
+            return None
+        cursor = 0
+        for s, n in zip(states, lens):
+            table[s.row, s.kv_len:s.kv_len + n] = slots[cursor:cursor + n].to(table.dtype)
+            s.kv_len += n
+            cursor += n
+        return Locs("full", self.allocator.full_id, slots)
+
+    def truncate(self, rid: Hashable, new_len: int) -> int:
+        """Release positions ``[new_len, kv_len)`` (rejected draft tokens); returns pages freed.
+
+        Pages entirely past ``new_len`` are freed; the page holding position ``new_len - 1`` stays
+        with the request and its later slots are reused by the next extend.
+        """
+        s = self._get(rid)
+        if not 0 <= new_len <= s.kv_len:
+            raise ValueError(f"request {rid!r}: cannot truncate {s.kv_len} positions to {new_len}")
+        if new_len < s.swa_evicted:
+            raise ValueError(f"request {rid!r}: cannot truncate to {new_len}, below its SWA "
+                             f"eviction frontier {s.swa_evicted}")
+        P = self.page_size
+        keep_pages = math.ceil(new_len / P)
+        row = self.req_to_token.table[s.row]
+        drop = row[keep_pages * P:s.kv_len:P].long() // P
+        self.allocator.free_pages(drop)
+        row[new_len:s.kv_len] = 0
+        s.kv_len = new_len
+        return drop.numel()
+
+    def evict_out_of_window(self, rid: Hashable, seq_len: int, window: int,
+                            interval: int = 1) -> int:
+        """Free the SWA slots no later query can see; returns the number of positions evicted.
+
+        ``seq_len``: the first position a later query can have (the committed length). A query at
+        ``q >= seq_len`` sees keys ``q-W+1 … q``, so positions ``< seq_len - W + 1`` are dead.
+        The frontier is page-floored (whole SWA pages are freed), never moves back, and moves only
+        when it would advance by at least ``interval`` positions (batching the frees, as sglang's
+        ``SGLANG_SWA_EVICTION_INTERVAL``). Full slots stay until the request finishes.
+        """
+        if not isinstance(self.allocator, SWAAllocator):
+            raise TypeError("window eviction needs an SWAAllocator (the pool is not split)")
+        if window < 1 or interval < 1:
+            raise ValueError(f"window and interval must be >= 1, got {window}, {interval}")
+        s = self._get(rid)
+        if seq_len > s.kv_len:
+            raise ValueError(f"request {rid!r}: seq_len {seq_len} exceeds its {s.kv_len} "
+                             "allocated positions")
+        P = self.page_size
+        frontier = max(0, seq_len - window + 1) // P * P
+        if frontier - s.swa_evicted < interval:
+            return 0
+        row = self.req_to_token.table[s.row]
+        self.allocator.free_swa_pages(row[s.swa_evicted:frontier:P].long() // P)
+        evicted, s.swa_evicted = frontier - s.swa_evicted, frontier
+        return evicted
+
+    def finish(self, rid: Hashable) -> None:
+        """Free every page of ``rid`` (full, and SWA pages not yet evicted) and its row."""
+        s = self._get(rid)
+        P = self.page_size
+        pages = self.req_to_token.table[s.row, 0:s.kv_len:P].long() // P
+        self.allocator.free_pages(pages)
+        self.req_to_token.free(s.row)
+        del self.reqs[rid]
+
+    def _get(self, rid: Hashable) -> ReqState:
+        try:
+            return self.reqs[rid]
+        except KeyError:
+            raise KeyError(f"request {rid!r} is not open") from None
