@@ -1,0 +1,175 @@
+"""Split-KV (flash-decoding) paged decode: one query per request, GQA heads together.
+
+Stage 1 runs one program per (request, KV head, split). It loads the query rows of all
+``Hq // Hkv`` heads that share the KV head as one [BLOCK_H, D] tile, so each K/V row is read
+once per KV head, not once per query head. It walks its share of the request's keys in
+``BLOCK_N`` tiles and keeps an online softmax. Keys a query cannot see (outside the window,
+in the future, or past the list) are loaded under a mask. So they cost no bytes, and a NaN
+in the dummy slot or in an evicted row never enters the sum. A tile with no visible key is
+skipped. Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one
+split, stage 1 writes the final output itself.
+
+Contract: see ``reference.py``; here ``mask`` must be None and ``qo_indptr`` = arange(B+1).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from swafactory.kernels.triton.merge import combine_splits, interpreting, plan_splits
+from swafactory.kernels.triton.reference import check_contract
+
+__all__ = ["decode_attention", "decode_config"]
+
+
+def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps) for a head_dim and GQA group; tl.dot needs tiles ≥ 16."""
+    block_h = max(16, 1 << (group - 1).bit_length())
+    if head_dim >= 512:
+        return block_h, 32, 8
+    if head_dim >= 256:
+        return block_h, 64, 8
+    return block_h, 64, 4
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    del interpret  # cache key only: triton.jit reads TRITON_INTERPRET when decorating
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_stage1(q_ptr, k_ptr, v_ptr, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
+                      sinks_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr,
+                      stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+                      stride_ot, stride_oh, Hq, scale, softcap, window,
+                      GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                      D: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        sp = tl.program_id(2)
+        qi = tl.load(qo_indptr + b)
+        live = tl.load(qo_indptr + b + 1) > qi
+        kv0 = tl.load(kv_indptr + b)
+        n = tl.load(kv_indptr + b + 1) - kv0
+        # equal shares, rounded to whole tiles; the split reads keys [lo, hi) of the request
+        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, n)
+        hi = tl.where(live, hi, lo)
+        r = tl.arange(0, BLOCK_H)
+        heads = kh * GROUP + r
+        hmask = r < tl.where(live, GROUP, 0)  # (not `& live`: the interpreter rejects scalar-bool masks)
+        d = tl.arange(0, D)
+        qrow = qi.to(tl.int64)
+        q = tl.load(q_ptr + qrow * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=hmask[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+        qp = tl.load(q_pos + qi, mask=live, other=0)
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        den = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, D), tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            inr = offs < hi
+            kp = tl.load(kv_pos + kv0 + offs, mask=inr, other=0)
+            vis = inr & (kp <= qp)
+            if HAS_WINDOW:
+                vis = vis & (qp - kp < window)
+            if tl.max(vis.to(tl.int32), axis=0) > 0:
+                rows = tl.load(kv_indices + kv0 + offs, mask=vis, other=0).to(tl.int64)
+                k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
+                            mask=vis[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                if HAS_SOFTCAP:  # cap·tanh(s/cap), tanh written with exp (portable to the interpreter)
+                    s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+                s = tl.where(vis[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - ref)
+                p = tl.exp(s - ref[:, None])
+                v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
+                            mask=vis[:, None], other=0.0)
+                den = den * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m = m_new
+        if SPLITS == 1:
+            if HAS_SINKS:
+                sk = tl.load(sinks_ptr + heads, mask=hmask, other=float("-inf")).to(tl.float32)
+                m_new = tl.maximum(m, sk)
+                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - ref)
+                acc = acc * alpha[:, None]
+                den = den * alpha + tl.exp(sk - ref)
+                m = m_new
+        ref = tl.where(m == float("-inf"), 0.0, m)
+        ok = den != 0  # NaN stays NaN: a visible stale read must show
+        o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
+        lse = tl.where(ok, ref + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
+        if SPLITS == 1:
+            tl.store(o_ptr + qrow * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+            tl.store(lse_ptr + qrow * Hq + heads, lse, mask=hmask)
+        else:
+            part = (qrow * Hq + heads) * SPLITS + sp
+            tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=hmask[:, None])
+            tl.store(plse_ptr + part, lse, mask=hmask)
+
+    return decode_stage1
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     q_pos: torch.Tensor, kv_pos: torch.Tensor, *, mask: torch.Tensor | None = None,
+                     mask_indptr: torch.Tensor | None = None, window: int | None = None,
+                     scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                     num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged decode under the kernel contract (``reference.py``); returns (o, lse).
+
+    q: [B, Hq, D] (one query per request: qo_indptr = arange(B+1), int32); k_buf, v_buf:
+    [rows, Hkv, D] in q's dtype, last dim contiguous; kv_indptr: [B+1] int32; kv_indices:
+    [total_kv] int32/int64; q_pos: [B] int32; kv_pos: [total_kv] int32; sinks: [Hq] fp32.
+    ``num_splits`` overrides the split count (tests); by default it is planned from static sizes.
+    """
+    if mask is not None or mask_indptr is not None:
+        raise ValueError("decode_attention is causal by position; use extend_attention for masks")
+    nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
+                               mask, mask_indptr, sinks)
+    total_q, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    if total_q != nb:
+        raise ValueError(f"decode needs one query per request: {total_q} queries, {nb} requests")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two ≥ 16, got {d}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k_buf.stride(2) != 1 or v_buf.stride(2) != 1:
+        raise ValueError("k_buf/v_buf need a contiguous last dim (pool rows are [Hkv, D])")
+    block_h, block_n, warps = decode_config(d, group)
+    splits = num_splits or plan_splits(nb * hkv, kv_indices.numel(), nb, block_n, q.device)
+    o = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    if nb == 0:
+        return o, lse
+    po = plse = lse  # unused when one split writes the output itself
+    if splits > 1:
+        po = torch.empty(total_q, hq, splits, d, dtype=torch.float32, device=q.device)
+        plse = torch.empty(total_q, hq, splits, dtype=torch.float32, device=q.device)
+    sk = sinks.float().contiguous() if sinks is not None else lse
+    kernel = _kernel(interpreting())
+    kernel[(nb, hkv, splits)](
+        q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos, sk, o, lse, po, plse,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+        v_buf.stride(1), o.stride(0), o.stride(1), hq, float(scale),
+        float(softcap or 1.0), int(window or 1),
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, D=d, SPLITS=splits,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=warps)
+    if splits > 1:
+        combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
+    return o, lse
+

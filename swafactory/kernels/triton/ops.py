@@ -1,0 +1,49 @@
+"""One entry point over the Triton kernels: decode when every request has one query and the
+structure is causal, extend otherwise; the torch reference where Triton cannot run (CPU without
+``TRITON_INTERPRET=1``). Every path takes and returns the same contract (``reference.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from swafactory.kernels.triton.decode import decode_attention
+from swafactory.kernels.triton.extend import extend_attention
+from swafactory.kernels.triton.merge import interpreting
+from swafactory.kernels.triton.reference import attention_reference
+
+__all__ = ["paged_attention", "uses_decode"]
+
+
+def uses_decode(q: torch.Tensor, qo_indptr: torch.Tensor, mask: torch.Tensor | None,
+                max_q_len: int | None) -> bool:
+    """Whether the decode kernel serves the call: causal structure and qo_indptr = arange(B+1).
+
+    With ``max_q_len`` given (the planner knows it), nothing is read from the device; without it
+    the query counts are checked on qo_indptr (one sync on a GPU).
+    """
+    nb = qo_indptr.numel() - 1
+    if mask is not None or q.shape[0] != nb:
+        return False
+    if max_q_len is not None:
+        return max_q_len == 1
+    return bool(((qo_indptr[1:] - qo_indptr[:-1]) == 1).all())
+
+
+def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                    q_pos: torch.Tensor, kv_pos: torch.Tensor, *, mask: torch.Tensor | None = None,
+                    mask_indptr: torch.Tensor | None = None, window: int | None = None,
+                    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    max_q_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention under the kernel contract; returns (o [total_q, Hq, D] in q's dtype, lse
+    [total_q, Hq] fp32). Shapes and dtypes as in ``reference.py``; ``max_q_len`` is an optional
+    host-side hint (the longest request's query count) that keeps the call free of device syncs.
+    """
+    kw = dict(mask=mask, mask_indptr=mask_indptr, window=window, scale=scale, softcap=softcap,
+              sinks=sinks)
+    args = (q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos)
+    if not q.is_cuda and not interpreting():
+        return attention_reference(*args, **kw)
+    if uses_decode(q, qo_indptr, mask, max_q_len):
+        return decode_attention(*args, **kw)
+    return extend_attention(*args, **kw, max_q_len=max_q_len)

@@ -1,0 +1,120 @@
+"""The kernel contract, executed in torch: the CPU fallback and the tests' second opinion.
+
+One call attends the queries of a batch over paged K/V of one layer, in flattened CSR form
+(built once per forward by the planner):
+
+* ``q``: [total_q, Hq, D] fp32/fp16/bf16. ``k_buf``, ``v_buf``: [rows, Hkv, D], the layer's pool
+  buffers (Hq % Hkv == 0; query head h reads KV head h // (Hq // Hkv)).
+* ``qo_indptr``: [B+1] int32 — request b owns queries ``qo_indptr[b]:qo_indptr[b+1]``.
+* ``kv_indptr``: [B+1] int32; ``kv_indices``: [total_kv] int32/int64 — pool rows of request b's
+  keys, in logical order. Row 0 (the dummy slot) may appear only where the key is masked out.
+* ``q_pos``: [total_q] int32, ``kv_pos``: [total_kv] int32 — token positions (tree nodes sit at
+  prefix_len + depth, so positions need not be contiguous or monotonic).
+* ``mask``: bool/uint8, request b's [q_len_b, kv_len_b] block row-major from ``mask_indptr[b]``
+  ([B+1] int32, in elements); it is the *structure* (causal, tree ancestry, DFlash block).
+  ``None`` means causal: ``kv_pos <= q_pos``. Causality lives only in the structure.
+* ``window``: HF W or None; allowed = structure & (q_pos - kv_pos < W).
+* ``scale``: softmax scale; ``softcap``: s = cap·tanh(s/cap) before masking; ``sinks``: [Hq]
+  fp32, one extra logit per head in the denominator with a zero value.
+
+Returns ``o`` [total_q, Hq, D] in q's dtype and ``lse`` [total_q, Hq] fp32 (natural log of the
+masked scores' sum, sink included). A query that sees nothing and has no sink gets o = 0 and
+lse = -inf. A non-finite K/V row that a query cannot see never reaches it; one it sees does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_reference", "merge_state", "check_contract"]
+
+
+def check_contract(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                   qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                   q_pos: torch.Tensor, kv_pos: torch.Tensor, mask: torch.Tensor | None,
+                   mask_indptr: torch.Tensor | None, sinks: torch.Tensor | None) -> tuple[int, int]:
+    """Shape checks shared by every implementation; returns (B, group). Never syncs the device."""
+    if q.dim() != 3 or k_buf.dim() != 3 or v_buf.shape != k_buf.shape:
+        raise ValueError(f"q must be [total_q, Hq, D] and k_buf/v_buf [rows, Hkv, D] alike; got "
+                         f"{tuple(q.shape)}, {tuple(k_buf.shape)}, {tuple(v_buf.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_buf.shape[1]
+    if k_buf.shape[2] != d or hq % hkv:
+        raise ValueError(f"head_dim {k_buf.shape[2]} vs {d}, or Hq={hq} not a multiple of Hkv={hkv}")
+    b = qo_indptr.numel() - 1
+    if kv_indptr.numel() != b + 1 or q_pos.numel() != q.shape[0] or kv_pos.numel() != kv_indices.numel():
+        raise ValueError("indptr/positions disagree with q or kv_indices in length")
+    if (mask is None) != (mask_indptr is None):
+        raise ValueError("mask and mask_indptr come together")
+    if sinks is not None and sinks.numel() != hq:
+        raise ValueError(f"sinks must be [Hq={hq}], got {tuple(sinks.shape)}")
+    return b, hq // hkv
+
+
+def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                        qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                        kv_indices: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
+                        mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None,
+                        window: int | None = None, scale: float, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract above in fp32, vectorized per request. Returns (o, lse)."""
+    nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
+                               mask, mask_indptr, sinks)
+    total_q, hq, d = q.shape
+    hkv = hq // group
+    o = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((total_q, hq), -math.inf, dtype=torch.float32, device=q.device)
+    qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
+    mo = mask_indptr.tolist() if mask_indptr is not None else None
+    sk = sinks.float().view(hkv, group) if sinks is not None else None
+    for b in range(nb):
+        q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
+        nq, nk = q1 - q0, k1 - k0
+        if nq == 0:
+            continue
+        rows = kv_indices[k0:k1].long()
+        kb, vb = k_buf[rows].float(), v_buf[rows].float()                    # [nk, Hkv, D]
+        qp, kp = q_pos[q0:q1].long(), kv_pos[k0:k1].long()
+        if mask is None:
+            allowed = kp[None, :] <= qp[:, None]
+        else:
+            allowed = mask[mo[b]:mo[b] + nq * nk].view(nq, nk).bool()
+        if window is not None:
+            allowed = allowed & (qp[:, None] - kp[None, :] < window)
+        qg = q[q0:q1].float().view(nq, hkv, group, d)
+        s = torch.einsum("qhgd,khd->hgqk", qg, kb) * scale                   # [Hkv, G, nq, nk]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~allowed, -math.inf)  # a masked NaN key becomes -inf here
+        full = s if sk is None else torch.cat([s, sk[:, :, None, None].expand(-1, -1, nq, 1)], -1)
+        lse_b = torch.logsumexp(full, dim=-1)                                # [Hkv, G, nq]
+        base = torch.where(lse_b == -math.inf, torch.zeros_like(lse_b), lse_b)
+        p = torch.exp(s - base[..., None])                                   # masked → exactly 0
+        # 0·NaN would leak a masked non-finite value: multiply clean values, then poison only
+        # the queries that really see a non-finite value.
+        finite = torch.isfinite(vb)
+        ob = torch.einsum("hgqk,khd->qhgd", p, torch.where(finite, vb, torch.zeros_like(vb)))
+        bad = (~finite).any(-1).float()                                      # [nk, Hkv]
+        seen_bad = (allowed.float() @ bad) > 0                               # [nq, Hkv]
+        ob = ob.masked_fill(seen_bad[:, :, None, None], math.nan)
+        o[q0:q1] = ob.reshape(nq, hq, d)
+        lse[q0:q1] = lse_b.permute(2, 0, 1).reshape(nq, hq)
+    return o.to(q.dtype), lse
+
+
+def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention states over disjoint key sets (cascade: prefix + expand).
+
+    o1, o2: [N, H, D] any float dtype; lse1, lse2: [N, H] fp32 (natural log, -inf = empty);
+    sinks: [H] fp32 or None, applied here once. Returns (o [N, H, D] in o1's dtype, lse [N, H]).
+    """
+    parts = [lse1.float(), lse2.float()]
+    if sinks is not None:
+        parts.append(sinks.float()[None, :].expand_as(parts[0]))
+    lse = torch.logsumexp(torch.stack(parts), dim=0)
+    base = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+    w1, w2 = torch.exp(parts[0] - base), torch.exp(parts[1] - base)
+    o = w1[..., None] * o1.float() + w2[..., None] * o2.float()
+    return o.to(o1.dtype), lse

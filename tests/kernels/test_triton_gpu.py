@@ -1,0 +1,127 @@
+"""Triton kernels on a GPU at real shapes, bf16, against ``reference.py`` (fp32 on the same GPU).
+
+Geometries: Gemma 4 SWA layers (32 q / 16 KV heads × 256, W = 1024) and full layers (32 q / 4 KV
+heads × 512); GPT-OSS (64 q / 8 KV heads × 64, sinks, W = 128). Batches up to 64 requests with
+contexts up to 8K; unowned pool rows are NaN, so any stray read fails the NaN check.
+Run: ``TRITON_INTERPRET=0 pytest -m gpu tests/kernels``.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernel_batches import Req, depths, make_batch, tol, tree_parents
+from swafactory.harness.oracle import tree_visibility
+from swafactory.kernels.triton.reference import attention_reference, merge_state
+
+pytestmark = pytest.mark.gpu
+triton = pytest.importorskip("triton")
+
+GEOMS = {  # name: (Hq, Hkv, D, window, sinks)
+    "gemma4_swa": (32, 16, 256, 1024, False),
+    "gemma4_full": (32, 4, 512, None, False),
+    "gptoss_swa": (64, 8, 64, 128, True),
+    "gptoss_full": (64, 8, 64, None, True),
+}
+
+
+def _lens(bs: int, top: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [top] + [rng.randint(1, top) for _ in range(bs - 1)]  # one request at the full context
+
+
+def _compare(fn, batch, window, sinks, **kw):
+    scale = batch.q.shape[-1] ** -0.5
+    o, lse = fn(*batch.args(), **batch.masks(), window=window, scale=scale, sinks=sinks, **kw)
+    torch.cuda.synchronize()
+    ro, rl = attention_reference(*batch.args(), **batch.masks(), window=window, scale=scale,
+                                 sinks=sinks)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(o.float(), ro.float(), **tol(torch.bfloat16))
+    torch.testing.assert_close(lse, rl, rtol=1e-3, atol=1e-3, equal_nan=False)
+    return o, lse
+
+
+def _sinks(hq: int, on: bool):
+    return torch.randn(hq, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) if on else None
+
+
+@pytest.mark.parametrize("trim", [False, True])
+@pytest.mark.parametrize("geom", list(GEOMS))
+def test_decode_real_shapes(geom, trim):
+    from swafactory.kernels.triton.decode import decode_attention
+
+    hq, hkv, d, window, with_sinks = GEOMS[geom]
+    bs, ctx = (64, 8192) if d <= 256 else (32, 8192)
+    reqs = []
+    for n in _lens(bs, ctx, seed=hkv):
+        first = max(0, n - window) if (trim and window) else 0
+        reqs.append(Req(kv_pos=list(range(first, n)), q_pos=[n - 1]))
+    batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=16,
+                       device="cuda", seed=1)
+    _compare(decode_attention, batch, window, _sinks(hq, with_sinks))
+
+
+@pytest.mark.parametrize("geom", list(GEOMS))
+def test_chain_verify_8_tokens(geom):
+    from swafactory.kernels.triton.extend import extend_attention
+
+    hq, hkv, d, window, with_sinks = GEOMS[geom]
+    reqs = [Req(kv_pos=list(range(n + 8)), q_pos=list(range(n, n + 8)))
+            for n in _lens(16, 4096, seed=d)]
+    batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=1,
+                       device="cuda", seed=2)
+    _compare(extend_attention, batch, window, _sinks(hq, with_sinks), max_q_len=8)
+
+
+@pytest.mark.parametrize("topk", [2, 4])
+@pytest.mark.parametrize("geom", ["gemma4_swa", "gemma4_full", "gptoss_swa"])
+def test_tree_verify_and_cascade(geom, topk):
+    from swafactory.kernels.triton.extend import extend_attention
+    from swafactory.kernels.triton.merge import merge_attention_states
+
+    hq, hkv, d, window, with_sinks = GEOMS[geom]
+    sinks = _sinks(hq, with_sinks)
+    prefixes = _lens(8, 2048, seed=topk)
+    trees = [tree_parents(topk, 4, seed=i) for i in range(len(prefixes))]
+    reqs = []
+    for n, parents in zip(prefixes, trees):
+        pos = [n + x for x in depths(parents)]
+        reqs.append(Req(kv_pos=list(range(n)) + pos, q_pos=pos, structure=tree_visibility(n, parents)))
+    batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=16,
+                       device="cuda", seed=3)
+    o_full, lse_full = _compare(extend_attention, batch, window, sinks)
+    # cascade on the same rows: prefix pass (causal, no mask) + expand pass (tree) + merge
+    kv = batch.kv_indices
+    cut = [sum(prefixes[:i]) + i * len(trees[0]) for i in range(len(prefixes) + 1)]
+    pre_idx = torch.cat([kv[cut[i]:cut[i] + prefixes[i]] for i in range(len(prefixes))])
+    exp_idx = torch.cat([kv[cut[i] + prefixes[i]:cut[i + 1]] for i in range(len(prefixes))])
+    pre = make_batch([Req(kv_pos=list(range(n)), q_pos=r.q_pos) for n, r in zip(prefixes, reqs)],
+                     hq=hq, hkv=hkv, d=16, device="cuda")
+    exp = make_batch([Req(kv_pos=r.q_pos, q_pos=r.q_pos, structure=tree_visibility(0, p))
+                      for r, p in zip(reqs, trees)], hq=hq, hkv=hkv, d=16, device="cuda")
+    scale = d ** -0.5
+    o1, l1 = extend_attention(batch.q, batch.k_buf, batch.v_buf, pre.qo_indptr, pre.kv_indptr,
+                              pre_idx, batch.q_pos, pre.kv_pos, window=window, scale=scale)
+    o2, l2 = extend_attention(batch.q, batch.k_buf, batch.v_buf, exp.qo_indptr, exp.kv_indptr,
+                              exp_idx, batch.q_pos, exp.kv_pos, **exp.masks(), window=window,
+                              scale=scale)
+    o, lse = merge_attention_states(o1, l1, o2, l2, sinks=sinks)
+    torch.testing.assert_close(o.float(), o_full.float(), **tol(torch.bfloat16))
+    torch.testing.assert_close(lse, lse_full, rtol=1e-3, atol=1e-3)
+    ro, rl = merge_state(o1, l1, o2, l2, sinks=sinks)
+    torch.testing.assert_close(o.float(), ro.float(), **tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("geom", ["gemma4_swa", "gptoss_full"])
+def test_prefill_with_a_cached_prefix(geom):
+    from swafactory.kernels.triton.extend import extend_attention
+
+    hq, hkv, d, window, with_sinks = GEOMS[geom]
+    reqs = [Req(kv_pos=list(range(n)), q_pos=list(range(n - m, n)))
+            for n, m in [(3000, 1000), (1500, 1500), (777, 13), (2048, 511)]]
+    batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=16,
+                       device="cuda", seed=4)
+    _compare(extend_attention, batch, window, _sinks(hq, with_sinks))
