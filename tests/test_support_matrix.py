@@ -1,9 +1,11 @@
 """docs/support_matrix.md is generated from the registry; this fails when it is stale."""
 from __future__ import annotations
 
-from conftest import REPO
+from pathlib import Path
 
 from swafactory.registry.matrix import MATRIX_PATH, render_support_matrix
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_support_matrix_is_current() -> None:

@@ -8,7 +8,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 

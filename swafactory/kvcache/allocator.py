@@ -154,6 +154,11 @@ class TokenAllocator(_PagedSlots):
     def available_pages(self) -> int:
         return self._free.numel()
 
+    def shuffle(self, generator: torch.Generator) -> None:
+        """Permute the free list, so later pages come in random order (tests, the harness)."""
+        perm = torch.randperm(self._free.numel(), generator=generator)
+        self._free = self._free[perm.to(self._free.device)]
+
     def available_size(self) -> int:
         """Free slots."""
         return self._free.numel() * self.page_size
@@ -249,6 +254,11 @@ class SWAAllocator(_PagedSlots):
 
     def available_pages(self) -> int:
         return min(self.full.available_pages(), self.swa.available_pages())
+
+    def shuffle(self, generator: torch.Generator) -> None:
+        """Permute both free lists independently (random full and SWA page orders)."""
+        self.full.shuffle(generator)
+        self.swa.shuffle(generator)
 
     def available_size(self) -> int:
         """Tokens that can still be allocated: the smaller of the two free lists."""

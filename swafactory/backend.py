@@ -1,0 +1,144 @@
+"""`build_backend(cfg, pools=…, view=…) -> AttentionBackend`: resolver + planner + kernel adapter.
+
+The embedding contract. A host engine gives swafactory a *view*: four facts read fresh on every
+forward (`swafactory.resolve.RunnerView`):
+
+* ``active_pool``: the `HybridSWAPool` this runner's attention reads and writes now (a FROZEN_KV
+  draft may swap it between forwards);
+* ``allocator_pool``: the pool of the shared allocator (the target's);
+* ``role``: ``target``, ``draft_own_pool`` or ``draft_reads_target``;
+* ``spec_algorithm``: the spec key (``none``, ``eagle3``, ``frozen_kv_mtp``, …).
+
+Per forward the engine calls `init_forward_metadata(batch)` once (the only place the resolver
+runs and the only host work), then `forward(q, k, v, layer_id)` once per layer. Adapters wire the
+plan's tables to a kernel and hold no pool logic.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from swafactory.config.schema import SwaFactoryConfig
+from swafactory.errors import ConfigError, Reason, SpaceError
+from swafactory.metadata.batch import ForwardBatch
+from swafactory.metadata.plan import ForwardPlan, plan
+from swafactory.registry.capabilities import Capabilities
+from swafactory.registry.device import detect_device
+from swafactory.registry.select import validate
+from swafactory.registry.table import backend_module
+from swafactory.resolve import RunnerView, resolve_kv_source
+
+__all__ = ["AttentionBackend", "build_backend", "TargetView", "model_windows"]
+
+
+@dataclass
+class TargetView:
+    """The simplest view: a target runner whose active pool is the allocator's."""
+
+    active_pool: object
+    allocator_pool: object | None = None
+    role: str = "target"
+    spec_algorithm: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.allocator_pool is None:
+            self.allocator_pool = self.active_pool
+
+
+def model_windows(cfg: SwaFactoryConfig) -> dict[int, int | None]:
+    """``layer -> W`` for sliding layers, None for full ones (masking, not pool choice)."""
+    w = cfg.model.sliding_window
+    return {i: (w if t == "sliding_attention" else None) for i, t in enumerate(cfg.model.layer_types)}
+
+
+class AttentionBackend:
+    """One runner's attention: plans once per forward, runs a kernel once per layer."""
+
+    def __init__(self, cfg: SwaFactoryConfig, adapter, view: RunnerView,
+                 windows: Mapping[int, int | None], scales: Mapping[int, float]) -> None:
+        self.cfg, self.adapter, self.view = cfg, adapter, view
+        self.windows, self.scales = dict(windows), dict(scales)
+        self.softcap = cfg.model.logit_softcap
+        self.cascade = cfg.backend.tree_mask == "cascade"
+        self._plan: ForwardPlan | None = None
+        self._pool = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The adapter's declared capabilities."""
+        return self.adapter.capabilities
+
+    @property
+    def plan(self) -> ForwardPlan:
+        """The current forward's plan."""
+        if self._plan is None:
+            raise RuntimeError("call init_forward_metadata(batch) before forward()")
+        return self._plan
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> ForwardPlan:
+        """Resolve the KV source from the view *now* and plan the forward (host work, once)."""
+        pool = self.view.active_pool
+        source = resolve_kv_source(self.view, self.cfg.backend.resolver)
+        self._plan = plan(batch, pool.layers_mapping, self.windows, source,
+                          cascade=self.cascade, writes=not pool.read_only)
+        self._pool = pool
+        return self._plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, batch: ForwardBatch | None = None, save_kv: bool = True,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one layer.
+
+        q: [total_q, Hq, D]; k, v: [total_q, Hkv, D] (this forward's new tokens, written first
+        when ``save_kv``); sinks: [Hq] fp32 or None. Returns [total_q, Hq, D] in q's dtype.
+        ``batch`` is accepted for engines that pass it; the plan is the one of
+        `init_forward_metadata`.
+        """
+        del batch
+        g = self.plan.group(layer_id)
+        if save_kv:
+            if g.write_locs is None:
+                raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
+            self._pool.write(layer_id, g.write_locs, k, v)
+        k_buf, v_buf, sub = self._pool.get_kv(layer_id)
+        if not sub.accepts(g.tables.kv_indices):
+            raise SpaceError(f"layer {layer_id} reads {sub.pool_id!r} ({sub.space} space) but its "
+                             f"plan holds {g.tables.kv_indices.space}-space locations of "
+                             f"{g.tables.kv_indices.pool_id!r}")
+        kw = dict(window=g.window, scale=self.scales[layer_id], softcap=self.softcap)
+        if g.cascade is not None:
+            pre, exp = g.cascade
+            o1, l1 = self.adapter.run(pre, q, k_buf, v_buf, **kw)
+            o2, l2 = self.adapter.run(exp, q, k_buf, v_buf, **kw)
+            return self.adapter.merge(o1, l1, o2, l2, sinks)
+        o, _ = self.adapter.run(g.tables, q, k_buf, v_buf, sinks=sinks, **kw)
+        return o
+
+
+def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = None, *,
+                  windows: Mapping[int, int | None] | None = None) -> AttentionBackend:
+    """Validate ``cfg`` for the pools' device and compose the backend.
+
+    pools: a target `HybridSWAPool` (wrapped in a `TargetView`), or give ``view`` (drafts,
+    host engines). windows: ``layer -> W or None`` of the runner's layers (default: the model's).
+    """
+    if view is None:
+        if pools is None:
+            raise ValueError("build_backend needs pools= (a target pool) or view= (any runner)")
+        view = TargetView(pools, spec_algorithm=cfg.spec.algorithm)
+    pool = view.active_pool
+    device = detect_device("cuda" if pool.sub_pools[0].device.type == "cuda" else "cpu")
+    cfg = validate(cfg, device)
+    module = backend_module(cfg.backend.name)
+    if not hasattr(module, "Adapter"):
+        raise ConfigError([Reason("backend", "backend.name", f"{cfg.backend.name}'s capabilities "
+                                  "are declared but its adapter is not built yet",
+                                  "backend=torch", rule="adapter")])
+    windows = model_windows(cfg) if windows is None else windows
+    scales = {}
+    for layer, (sub, _) in pool.layers_mapping.items():
+        head_dim = pool.sub_pool(layer).head_dim
+        scales[layer] = cfg.model.softmax_scale or head_dim ** -0.5
+    return AttentionBackend(cfg, module.Adapter(), view, windows, scales)

@@ -1,0 +1,123 @@
+"""What one forward asks for: the mode and, per request, which keys exist and which are queries.
+
+A request's tokens live in its `ReqToToken` row by *slot order*: positions ``[0, prefix_len)``
+are its committed history, and the ``nodes`` entries after them are the tokens of this step
+(new prefill or decode tokens, a draft chain, a draft tree, a DFlash block). The last
+``nodes - query_from`` of them are this forward's queries, and their K/V are written by it.
+A token's *position* is its index for committed and chain tokens, and ``prefix_len + depth``
+for a tree node: the window and RoPE follow positions, never slot order.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = ["ForwardMode", "MODES", "ReqForward", "ForwardBatch"]
+
+ForwardMode = Literal["extend", "decode", "target_verify", "draft_decode", "draft_extend"]
+MODES: tuple[ForwardMode, ...] = ("extend", "decode", "target_verify", "draft_decode",
+                                  "draft_extend")
+
+
+@dataclass(frozen=True)
+class ReqForward:
+    """One request's part of a forward."""
+
+    rid: Hashable
+    """Request id (for error messages and the harness)."""
+    row: int
+    """Its `ReqToToken` row."""
+    prefix_len: int
+    """Committed tokens already in the pool: positions ``[0, prefix_len)``."""
+    nodes: int
+    """Tokens of this step after the prefix, in slot order (all written by now or by this forward)."""
+    query_from: int = 0
+    """Index of the first node that is a query of this forward (draft decode: the newest level)."""
+    parents: tuple[int, ...] | None = None
+    """Tree: parent node index of each node (-1 = child of the prefix). None = a causal chain."""
+    block: bool = False
+    """DFlash: the nodes see each other (non-causal inside the block)."""
+
+    def __post_init__(self) -> None:
+        if self.prefix_len < 0 or self.nodes < 1 or not 0 <= self.query_from < self.nodes:
+            raise ValueError(f"request {self.rid!r}: need prefix_len >= 0, nodes >= 1 and "
+                             f"0 <= query_from < nodes; got {self.prefix_len}, {self.nodes}, "
+                             f"{self.query_from}")
+        if self.parents is not None:
+            if len(self.parents) != self.nodes:
+                raise ValueError(f"request {self.rid!r}: {len(self.parents)} parents for "
+                                 f"{self.nodes} nodes")
+            if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+                raise ValueError(f"request {self.rid!r}: each parent must precede its node")
+        if self.parents is not None and self.block:
+            raise ValueError(f"request {self.rid!r}: a DFlash block is not a tree")
+
+    @property
+    def q_len(self) -> int:
+        """Queries of this forward."""
+        return self.nodes - self.query_from
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """Depth of each node: its index for a chain or block, its tree depth otherwise."""
+        if self.parents is None:
+            return tuple(range(self.nodes))
+        d: list[int] = []
+        for p in self.parents:
+            d.append(0 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    def node_positions(self) -> torch.Tensor:
+        """[nodes] int64: token positions of the step's nodes."""
+        return self.prefix_len + torch.tensor(self.depths, dtype=torch.int64)
+
+    def node_structure(self) -> torch.Tensor | None:
+        """[q_len, nodes] bool: which nodes each query sees, or None when causal by position."""
+        if self.block:
+            return torch.ones(self.q_len, self.nodes, dtype=torch.bool)
+        if self.parents is None:
+            return None
+        vis = torch.zeros(self.nodes, self.nodes, dtype=torch.bool)
+        for i in range(self.nodes):
+            j = i
+            while j != -1:
+                vis[i, j] = True
+                j = self.parents[j]
+        return vis[self.query_from:]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """The frozen input of one forward: what the planner turns into per-group tables."""
+
+    mode: ForwardMode
+    reqs: tuple[ReqForward, ...]
+    req_to_token: torch.Tensor = field(repr=False)
+    """[max_requests, max_context] int: each request's full slot per slot index."""
+    full_id: str
+    """Id of the full index space the table's slots belong to (the allocator's)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.reqs:
+            raise ValueError("a forward needs at least one request")
+
+    @classmethod
+    def of(cls, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
+           full_id: str) -> ForwardBatch:
+        """Build from any sequence of requests."""
+        return cls(mode, tuple(reqs), req_to_token, full_id)
+
+    @property
+    def total_q(self) -> int:
+        """Query rows of the forward (rows of q, k, v)."""
+        return sum(r.q_len for r in self.reqs)
+
+    @property
+    def has_tree(self) -> bool:
+        """Some request verifies or drafts a tree."""
+        return any(r.parents is not None for r in self.reqs)

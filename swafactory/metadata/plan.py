@@ -1,0 +1,201 @@
+"""`plan(batch, pool, source, windows) -> ForwardPlan`: all host work of a forward, done once.
+
+For each layer group (a sub-pool and a window) it builds the kernel contract of
+`swafactory.kernels`: CSR key lists in the group's typed index space, each key's and query's
+position, the structure mask (trees, DFlash blocks), cascade tables, and write locations.
+Full slots are translated to SWA slots here, once, *before* any split or reorder (DESIGN
+invariant 1); SWA key lists are trimmed to start at ``first query position - W + 1`` (not at 0),
+and their mask columns start there too (sglang #39160).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from swafactory.errors import SpaceError
+from swafactory.kvcache.locs import Locs
+from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
+
+__all__ = ["AttnTables", "GroupPlan", "ForwardPlan", "plan", "group_key"]
+
+
+@dataclass(frozen=True, eq=False)
+class AttnTables:
+    """One attention pass over one layer group: the kernel contract.
+
+    qo_indptr, kv_indptr: [B+1] int32. kv_indices: [total_kv] rows in the group's index space.
+    q_pos: [total_q] int32, kv_pos: [total_kv] int32 (token positions). mask: flattened bool, request
+    b's [q_len_b, kv_len_b] block starting at mask_indptr[b] ([B+1] int32); None = causal by
+    position. The window applies by position: visible = structure & (q_pos - kv_pos < W).
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: Locs
+    q_pos: torch.Tensor
+    kv_pos: torch.Tensor
+    mask: torch.Tensor | None = None
+    mask_indptr: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+
+@dataclass(frozen=True, eq=False)
+class GroupPlan:
+    """Everything the layers of one group need in this forward."""
+
+    key: str
+    """`swa`, `full`, or `full/w<W>` (a window applied as a mask on an unsplit pool)."""
+    sub_pool: str
+    """Sub-pool whose buffers the group's layers read: `swa` or `full`."""
+    window: int | None
+    """HF W of the group's layers; None = full attention."""
+    tables: AttnTables
+    """One pass with the structure mask (custom-mask strategy, and every non-tree forward)."""
+    cascade: tuple[AttnTables, AttnTables] | None
+    """(prefix pass, expand pass) for tree forwards under the cascade strategy; merged by LSE."""
+    write_locs: Locs | None
+    """[total_q] slots of this forward's new tokens in the group's space; None = writes nothing."""
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardPlan:
+    """A forward's plan: one GroupPlan per layer group, and which layer uses which."""
+
+    mode: ForwardMode
+    groups: Mapping[str, GroupPlan]
+    layer_groups: Mapping[int, str]
+    source_rule: str
+    """Why the resolver chose its KV source ("none" when nothing is translated)."""
+    total_q: int
+
+    def group(self, layer_id: int) -> GroupPlan:
+        """The plan of ``layer_id``'s group."""
+        try:
+            return self.groups[self.layer_groups[layer_id]]
+        except KeyError:
+            raise KeyError(f"layer {layer_id} is not in this plan; layers: "
+                           f"{sorted(self.layer_groups)}") from None
+
+
+def group_key(sub_pool: str, window: int | None) -> str:
+    """Layers share a plan when they share a sub-pool and a window."""
+    if sub_pool == "swa" or window is None:
+        return sub_pool
+    return f"{sub_pool}/w{window}"
+
+
+def _start(r: ReqForward, window: int | None) -> int:
+    if window is None:
+        return 0
+    first_q = r.prefix_len + min(r.depths[r.query_from:])
+    return min(r.prefix_len, max(0, first_q - window + 1))
+
+
+def _i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _tables(kv: Locs, reqs: list[ReqForward], kv_lens: list[int], kv_pos: list[torch.Tensor],
+            q_pos: torch.Tensor, masks: list[torch.Tensor] | None, device: torch.device) -> AttnTables:
+    qo = [0]
+    for r in reqs:
+        qo.append(qo[-1] + r.q_len)
+    kvp = [0]
+    for n in kv_lens:
+        kvp.append(kvp[-1] + n)
+    mask = mask_indptr = None
+    if masks is not None:
+        sizes = [0]
+        for m in masks:
+            sizes.append(sizes[-1] + m.numel())
+        mask = torch.cat([m.reshape(-1) for m in masks]).to(device)
+        mask_indptr = _i32(sizes).to(device)
+    return AttnTables(_i32(qo).to(device), _i32(kvp).to(device), kv,
+                      q_pos.to(device=device, dtype=torch.int32),
+                      torch.cat(kv_pos).to(device=device, dtype=torch.int32), mask, mask_indptr)
+
+
+def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch, source,
+                cascade: bool, writes: bool) -> GroupPlan:
+    reqs = list(batch.reqs)
+    table = batch.req_to_token
+    device = table.device
+    starts = [_start(r, window) for r in reqs]
+    slots, pre_len, kv_pos, q_pos, masks, w_slots = [], [], [], [], [], []
+    need_mask = batch.has_tree or any(r.block for r in reqs)
+    for r, s in zip(reqs, starts):
+        end = r.prefix_len + r.nodes
+        slots.append(table[r.row, s:end].long())
+        pre_len.append(r.prefix_len - s)
+        nodes_pos = r.node_positions()
+        kv_pos.append(torch.cat([torch.arange(s, r.prefix_len), nodes_pos]))
+        q_pos.append(nodes_pos[r.query_from:])
+        w_slots.append(table[r.row, r.prefix_len + r.query_from:end].long())
+        if need_mask:
+            structure = r.node_structure()
+            if structure is None:  # a chain inside a tree batch: causal by slot order
+                structure = torch.ones(r.nodes, r.nodes, dtype=torch.bool).tril()[r.query_from:]
+            masks.append(torch.cat([torch.ones(r.q_len, r.prefix_len - s, dtype=torch.bool),
+                                    structure], dim=1))
+    full_kv = Locs("full", batch.full_id, torch.cat(slots))
+    full_w = Locs("full", batch.full_id, torch.cat(w_slots)) if writes else None
+    if sub_pool == "swa":
+        if source is None:
+            raise SpaceError(f"layer group {key!r} reads an SWA sub-pool, but the resolver found "
+                             "no KV source to translate full slots against")
+        kv, w = source.translate(full_kv), (source.translate(full_w) if full_w is not None else None)
+    else:
+        kv, w = full_kv, full_w
+    qp = torch.cat(q_pos)
+    lens = [t.numel() for t in slots]
+    tables = _tables(kv, reqs, lens, kv_pos, qp, masks if need_mask else None, device)
+    casc = None
+    if cascade and batch.has_tree:
+        casc = _cascade(kv, reqs, lens, pre_len, kv_pos, qp, masks, device)
+    return GroupPlan(key, sub_pool, window, tables, casc, w)
+
+
+def _cascade(kv: Locs, reqs, lens, pre_len, kv_pos, qp, masks, device):
+    """Split each request's (already translated) key list into prefix and expand passes."""
+    idx_pre, idx_exp, pos_pre, pos_exp, m_exp = [], [], [], [], []
+    off = 0
+    for r, n, p, kp, m in zip(reqs, lens, pre_len, kv_pos, masks):
+        idx_pre.append(torch.arange(off, off + p))
+        idx_exp.append(torch.arange(off + p, off + n))
+        pos_pre.append(kp[:p])
+        pos_exp.append(kp[p:])
+        m_exp.append(m[:, p:])
+        off += n
+    pre = kv[torch.cat(idx_pre).to(kv.tensor.device)]
+    exp = kv[torch.cat(idx_exp).to(kv.tensor.device)]
+    prefix = _tables(pre, reqs, pre_len, pos_pre, qp, None, device)
+    expand = _tables(exp, reqs, [n - p for n, p in zip(lens, pre_len)], pos_exp, qp, m_exp, device)
+    return prefix, expand
+
+
+def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
+         windows: Mapping[int, int | None], source, *, cascade: bool = False,
+         writes: bool = True) -> ForwardPlan:
+    """Plan one forward.
+
+    layers_mapping: the *active* pool's ``layer -> (sub_pool, local_id)`` (physical, after any
+    frozen rebinding). windows: ``layer -> W or None`` (masking, a separate fact from the pool).
+    source: the resolver's answer for this forward (a `KVSource` or None). cascade: build
+    prefix/expand tables for tree forwards. writes: False for a runner that writes no KV
+    (FROZEN_KV drafts).
+    """
+    keys: dict[str, tuple[str, int | None]] = {}
+    layer_groups: dict[int, str] = {}
+    for layer, (sub, _) in sorted(layers_mapping.items()):
+        k = group_key(sub, windows[layer])
+        keys[k] = (sub, windows[layer])
+        layer_groups[layer] = k
+    groups = {k: _plan_group(k, sub, w, batch, source, cascade, writes)
+              for k, (sub, w) in keys.items()}
+    return ForwardPlan(batch.mode, groups, layer_groups,
+                       source.rule if source is not None else "none", batch.total_q)

@@ -1,0 +1,118 @@
+"""The torch backend against the oracle, over every forward mode, through real pools.
+
+Pages come in random order, lengths are odd and straddle the window edges (W-1, W, W+1 keys),
+SWA slots out of the window are evicted (and poisoned: check mode), and gemma4's SWA and full
+sub-pools have different geometry.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swafactory
+from swafactory.harness.world import World
+
+MODES = ["extend", "extend_prefix", "decode", "verify_chain", "verify_tree_2", "verify_tree_4",
+         "draft_decode", "draft_extend", "dflash_block"]
+
+
+def tree(topk: int) -> tuple[int, ...]:
+    """topk roots, one child each, then two grandchildren: depths 0, 1, 2."""
+    return tuple([-1] * topk + list(range(topk)) + [topk, topk + 1])
+
+
+def make_world(model: str, page: int, extra: list[str] = (), tree_mask="custom_mask", seed=0):
+    cfg = swafactory.compose([f"model={model}", "backend=torch", f"backend.page_size={page}",
+                              f"backend.tree_mask={tree_mask}", "spec=none", *extra])
+    size = 64 * max(16, page) * 4
+    return World(cfg, size_full=size, size_swa=size // 2, seed=seed), cfg
+
+
+def run_mode(world: World, mode: str, layers, W: int) -> list:
+    lens = [W - 1, W, W + 1, 2 * W + 3]
+    rids = list(range(len(lens)))
+    checks = []
+    for rid in rids:
+        world.open(rid)
+    checks += world.forward("extend", [world.req(r, 0, n) for r, n in zip(rids, lens)], layers)
+    for r, n in zip(rids, lens):
+        if world.cfg.model.hybrid_pool and world.cfg.model.swa_layers:
+            world.slots.evict_out_of_window(r, n, W)
+    req = world.req
+    if mode == "extend":
+        return checks
+    if mode == "extend_prefix":
+        reqs = [req(r, n, 7) for r, n in zip(rids, lens)]
+        return checks + world.forward("extend", reqs, layers)
+    if mode == "decode":
+        out = world.forward("decode", [req(r, n, 1) for r, n in zip(rids, lens)], layers)
+        out += world.forward("decode", [req(r, n + 1, 1) for r, n in zip(rids, lens)], layers)
+        return checks + out
+    if mode == "verify_chain":
+        return checks + world.forward("target_verify", [req(r, n, 4) for r, n in zip(rids, lens)],
+                                      layers)
+    if mode.startswith("verify_tree"):
+        p = tree(int(mode[-1]))
+        return checks + world.forward("target_verify", [req(r, n, len(p), parents=p)
+                                                        for r, n in zip(rids, lens)], layers)
+    if mode == "draft_decode":
+        p = tree(2)
+        out = world.forward("draft_decode", [req(r, n, 2, parents=p[:2]) for r, n in zip(rids, lens)],
+                            layers)
+        out += world.forward("draft_decode", [req(r, n, 4, parents=p[:4], query_from=2)
+                                              for r, n in zip(rids, lens)], layers)
+        return checks + out
+    if mode == "draft_extend":
+        return checks + world.forward("draft_extend", [req(r, n, 3) for r, n in zip(rids, lens)],
+                                      layers)
+    if mode == "dflash_block":
+        return checks + world.forward("target_verify", [req(r, n, 5, block=True)
+                                                        for r, n in zip(rids, lens)], layers)
+    raise AssertionError(mode)
+
+
+def assert_close(checks, tol=2e-5) -> None:
+    assert checks
+    for c in checks:
+        assert not torch.isnan(c.out).any(), f"NaN at layer {c.layer} ({c.group})"
+        assert c.error() < tol, f"layer {c.layer} ({c.group}): rel err {c.error():.2e}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("page", [1, 16])
+def test_gemma4_geometry_every_mode(mode: str, page: int) -> None:
+    world, cfg = make_world("gemma4", page, ["model.sliding_window=8"])
+    assert cfg.model.swa != cfg.model.full
+    assert_close(run_mode(world, mode, [0, 5], 8))
+
+
+@pytest.mark.parametrize("tree_mask", ["custom_mask", "cascade"])
+@pytest.mark.parametrize("mode", ["verify_tree_2", "verify_tree_4", "draft_decode"])
+def test_trees_through_both_strategies(mode: str, tree_mask: str) -> None:
+    world, _ = make_world("tiny", 1, ["model.sliding_window=6"], tree_mask=tree_mask)
+    checks = run_mode(world, mode, [0, 2], 6)
+    plan = world.backend.plan
+    assert (plan.groups["swa"].cascade is not None) == (tree_mask == "cascade")
+    assert_close(checks)
+
+
+@pytest.mark.parametrize("heads", [4, 16, 32])  # GQA 1, 4, 8 on the SWA group (4 KV heads)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_gqa_ratios_and_sinks(heads: int, sinks: bool) -> None:
+    world, _ = make_world("tiny", 16, [f"model.num_attention_heads={heads}",
+                                      f"model.attention_sinks={str(sinks).lower()}",
+                                      "model.sliding_window=5"], seed=heads)
+    assert_close(run_mode(world, "verify_tree_2", [0, 2], 5))
+
+
+@pytest.mark.parametrize("model", ["gpt_oss_20b", "mistral_7b", "gemma3_4b"])
+def test_shipped_models_decode_and_verify(model: str) -> None:
+    world, cfg = make_world(model, 1, ["model.sliding_window=7", "model.num_layers=4",
+                                       "model.softmax_scale=0.1"])
+    layers = [0, 1] if model != "mistral_7b" else [0]
+    assert_close(run_mode(world, "verify_chain", layers, 7))
+
+
+def test_softcap() -> None:
+    world, _ = make_world("tiny", 1, ["model.logit_softcap=2.0", "model.sliding_window=5"])
+    assert_close(run_mode(world, "decode", [0, 2], 5))
