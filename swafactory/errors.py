@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Reason", "SwaFactoryError", "ConfigError", "FieldError", "SpaceError", "EXIT_OK", "EXIT_CONFORMANCE",
+__all__ = ["Reason", "SwaFactoryError", "ConfigError", "FieldError", "SpaceError", "CapacityError", "EXIT_OK", "EXIT_CONFORMANCE",
            "EXIT_CONFIG"]
 
 EXIT_OK = 0
@@ -81,6 +81,10 @@ class FieldError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(message)
+
+
+class CapacityError(SwaFactoryError, ValueError):
+    """A pool is too small for what addresses it or for the workload (DESIGN invariant 6)."""
 
 
 class SpaceError(SwaFactoryError, TypeError):

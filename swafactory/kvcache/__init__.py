@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from swafactory.kvcache.errors import CapacityError
+from swafactory.errors import CapacityError
 from swafactory.kvcache.sizing import (BudgetSizing, GroupBytes, PoolSizing, build_pools,
                                        pool_sizing, size_from_budget, swa_tokens_per_request)
 

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from swafactory.errors import SpaceError
-from swafactory.kvcache.errors import CapacityError
+from swafactory.errors import CapacityError
 from swafactory.kvcache.locs import Locs, SlotMapping, Space
 
 __all__ = ["KVPool", "HybridSWAPool", "ReqToToken", "CapacityError", "SubPool",

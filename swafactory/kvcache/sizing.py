@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from swafactory.config.schema import KV_DTYPE_BYTES, SwaFactoryConfig
-from swafactory.kvcache.errors import CapacityError
+from swafactory.errors import CapacityError
 
 if TYPE_CHECKING:
     import torch

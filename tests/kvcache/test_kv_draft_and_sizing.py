@@ -7,7 +7,7 @@ import torch
 import swafactory
 from swafactory.errors import SpaceError
 from swafactory.kvcache.draft import build_draft_pool, own_draft_pool, split_draft_pool
-from swafactory.kvcache.errors import CapacityError
+from swafactory.errors import CapacityError
 from swafactory.kvcache.locs import Locs, translate
 from swafactory.kvcache.sizing import build_pools, pool_sizing, size_from_budget
 from swafactory.layout import frozen_draft_binding
