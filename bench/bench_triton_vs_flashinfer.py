@@ -134,6 +134,17 @@ def main() -> None:
             row[f"{key}_tb_s"] = t["kv_bytes"] / (ms * 1e-3) / 1e12
             row[f"{key}_vs_copy"] = t["kv_bytes"] / (ms * 1e-3) / bw
             row[f"{key}_over_flashinfer"] = ms / ms_fi
+        sweep = {}
+        for n in (1, 2, 4, 8, 16):  # how the split count moves our time (the default is planned)
+            if q_len == 1:
+                fn = lambda n=n: decode_attention(*common, window=window, scale=scale,  # noqa: E731
+                                                  sinks=sk, num_splits=n)
+            else:
+                fn = lambda n=n: extend_attention(*common, window=window, scale=scale,  # noqa: E731
+                                                  mask=t["mask"], mask_indptr=t["mask_indptr"],
+                                                  max_q_len=q_len, num_splits=n)
+            sweep[n] = do_bench(fn, warmup=20, rep=100, return_mode="median")
+        row["ours_ms_by_splits"] = sweep
         row["wall_s"] = time.time() - t0
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -148,8 +159,8 @@ def main() -> None:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s; {meta['gpu']}; torch {meta['torch']}, "
              f"triton {meta['triton']}, flashinfer {meta['flashinfer']}", "",
-             "| case | FlashInfer ms | ours ms | ours/FI | ours TB/s (% copy) | FI TB/s | rel err |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | FlashInfer ms | ours ms | ours/FI | ours TB/s (% copy) | FI TB/s | rel err | "
+             "ours ms by splits 1/2/4/8/16 |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for key in ("ours", "ours_causal"):
             if f"{key}_ms" in r:
@@ -157,7 +168,9 @@ def main() -> None:
                              f"{r['flashinfer_ms']:.3f} | {r[key + '_ms']:.3f} | "
                              f"{r[key + '_over_flashinfer']:.2f}x | {r[key + '_tb_s']:.2f} "
                              f"({100 * r[key + '_vs_copy']:.0f}%) | {r['flashinfer_tb_s']:.2f} | "
-                             f"{r['rel_err_vs_flashinfer']:.1e} |")
+                             f"{r['rel_err_vs_flashinfer']:.1e} | "
+                             + ("/".join(f"{v:.3f}" for v in r["ours_ms_by_splits"].values())
+                                if key == "ours" else "") + " |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "bench_triton_vs_flashinfer.md"), "w") as f:
         f.write(table + "\n")

@@ -253,3 +253,12 @@ def test_decode_refuses_masks_and_odd_head_dims():
     with pytest.raises(ValueError, match="extend_attention"):
         decode_attention(*batch.args(), mask=torch.ones(4, dtype=torch.bool),
                          mask_indptr=torch.tensor([0, 4], dtype=torch.int32), scale=0.2)
+
+
+@pytest.mark.parametrize("fn", [decode_attention, extend_attention])
+def test_untrimmed_lists_much_longer_than_the_window_take_the_tile_skipping_path(fn):
+    # 200 keys, W = 8: most key tiles are invisible, so the kernel branches around them
+    reqs = _decode_reqs([200, 150]) if fn is decode_attention else \
+        [Req(kv_pos=list(range(200)), q_pos=list(range(195, 200)))]
+    batch = make_batch(reqs, hq=4, hkv=2, d=D, page_size=16, seed=17)
+    _check(fn, batch, window=8, num_splits=2)

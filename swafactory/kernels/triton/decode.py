@@ -6,7 +6,8 @@ once per KV head, not once per query head. It walks its share of the request's k
 ``BLOCK_N`` tiles and keeps an online softmax. Keys a query cannot see (outside the window,
 in the future, or past the list) are loaded under a mask. So they cost no bytes, and a NaN
 in the dummy slot or in an evicted row never enters the sum. A tile with no visible key is
-skipped. Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one
+skipped (only
+with a window: the branch costs load pipelining where every tile is visible). Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one
 split, stage 1 writes the final output itself.
 
 Contract: see ``reference.py``; here ``mask`` must be None and ``qo_indptr`` = arange(B+1).
@@ -48,7 +49,7 @@ def _kernel(interpret: bool) -> Any:
                       GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -79,7 +80,11 @@ def _kernel(interpret: bool) -> Any:
             vis = inr & (kp <= qp)
             if HAS_WINDOW:
                 vis = vis & (qp - kp < window)
-            if tl.max(vis.to(tl.int32), axis=0) > 0:
+            if SKIP_EMPTY:  # a runtime branch stops Triton pipelining the loads: only with a window
+                go = tl.max(vis.to(tl.int32), axis=0) > 0
+            else:
+                go = True
+            if go:
                 rows = tl.load(kv_indices + kv0 + offs, mask=vis, other=0).to(tl.int64)
                 k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
                             mask=vis[:, None], other=0.0)
@@ -168,7 +173,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, D=d, SPLITS=splits,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=warps)
+        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        # skip invisible tiles only where the list is longer than the window (not trimmed)
+        SKIP_EMPTY=window is not None and kv_indices.numel() > nb * (window + block_n),
+        num_warps=warps)
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
     return o, lse

@@ -7,7 +7,8 @@ causal by position (``mask`` None) or a per-request bool block.
 One program per (request, KV head, query tile, split). Its tile rows are (query, head) pairs:
 row r is query ``r // GROUP`` and head ``r % GROUP`` of the KV head. So the GQA heads and the
 tile's queries (the 8 tokens of a verify step) share every K/V row load. Keys no row can see
-are loaded under a mask (no bytes, no NaN), and a tile nobody sees is skipped. A key that some
+are loaded under a mask (no bytes, no NaN), and a tile nobody sees is skipped
+(with a window, or in a long causal prefill, where skipping pays for the branch). A key that some
 rows see and others do not is loaded. Its probability is exactly 0 for the rows that cannot
 see it, but 0·NaN would still poison them. So non-finite V values are zeroed before the
 product, and only the rows that really see one are set to NaN (stale reads still show).
@@ -51,7 +52,8 @@ def _kernel(interpret: bool) -> Any:
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, SPLITS: tl.constexpr, HAS_MASK: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                      HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr):
+                      HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+                      SKIP_EMPTY: tl.constexpr):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
         b = tl.program_id(0)
         kh = tl.program_id(1) // QT
@@ -94,7 +96,11 @@ def _kernel(interpret: bool) -> Any:
             if HAS_WINDOW:
                 vis = vis & (qp[:, None] - kp[None, :] < window)
             kvis = tl.max(vis.to(tl.int32), axis=0) > 0          # some row sees the key
-            if tl.max(kvis.to(tl.int32), axis=0) > 0:
+            if SKIP_EMPTY:  # a runtime branch stops Triton pipelining the loads: only where it pays
+                go = tl.max(kvis.to(tl.int32), axis=0) > 0
+            else:
+                go = True
+            if go:
                 rows = tl.load(kv_indices + kv0 + offs, mask=kvis, other=0).to(tl.int64)
                 k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
                             mask=kvis[:, None], other=0.0)
@@ -195,7 +201,11 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, D=d, SPLITS=splits,
         HAS_MASK=mask is not None, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=warps)
+        PRECISION="ieee" if q.dtype == torch.float32 else None,
+        # skip invisible tiles only where many exist: an untrimmed window or a long causal prefill
+        SKIP_EMPTY=(window is not None and kv_indices.numel() > nb * (window + max_q_len + block_n))
+        or (mask is None and max_q_len > block_n),
+        num_warps=warps)
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
     return o, lse

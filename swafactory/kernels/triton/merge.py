@@ -40,7 +40,7 @@ def plan_splits(programs: int, total_kv: int, batch: int, block_n: int, device: 
     programs: stage-1 programs without splitting; total_kv / batch: the average key count. No
     device sync, so the choice is stable under CUDA-graph capture for a fixed shape.
     """
-    target = 2 * _sm_count(str(device))
+    target = 4 * _sm_count(str(device))
     want = -(-target // max(programs, 1))
     avg = total_kv // max(batch, 1)
     most = max(1, -(-avg // (2 * block_n)))  # at least two key tiles per split
