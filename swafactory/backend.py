@@ -48,8 +48,13 @@ class TargetView:
 
 
 def model_windows(cfg: SwaFactoryConfig) -> dict[int, int | None]:
-    """``layer -> W`` for sliding layers, None for full ones (masking, not pool choice)."""
+    """``layer -> W`` for sliding layers, None for full ones (masking, not pool choice).
+
+    The fault switch ``window_off_by_one`` makes sliding layers see W + 1 keys.
+    """
     w = cfg.model.sliding_window
+    if w is not None and cfg.faults.window_off_by_one:
+        w += 1
     return {i: (w if t == "sliding_attention" else None) for i, t in enumerate(cfg.model.layer_types)}
 
 
@@ -57,13 +62,17 @@ class AttentionBackend:
     """One runner's attention: plans once per forward, runs a kernel once per layer."""
 
     def __init__(self, cfg: SwaFactoryConfig, adapter, view: RunnerView,
-                 windows: Mapping[int, int | None], scales: Mapping[int, float]) -> None:
+                 windows: Mapping[int, int | None]) -> None:
         self.cfg, self.adapter, self.view = cfg, adapter, view
-        self.windows, self.scales = dict(windows), dict(scales)
+        self.windows = dict(windows)
         self.softcap = cfg.model.logit_softcap
         self.cascade = cfg.backend.tree_mask == "cascade"
+        self.faults = cfg.faults
         self._plan: ForwardPlan | None = None
         self._pool = None
+        self._frozen = None
+        if self.faults.pool_cached_at_init:  # FAULT: what the view says at construction
+            self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
 
     @property
     def capabilities(self) -> Capabilities:
@@ -79,10 +88,19 @@ class AttentionBackend:
 
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardPlan:
         """Resolve the KV source from the view *now* and plan the forward (host work, once)."""
-        pool = self.view.active_pool
-        source = resolve_kv_source(self.view, self.cfg.backend.resolver)
-        self._plan = plan(batch, pool.layers_mapping, self.windows, source,
-                          cascade=self.cascade, writes=not pool.read_only)
+        f = self.faults
+        if self._frozen is not None:
+            pool, source = self._frozen  # FAULT pool_cached_at_init (sglang #26957)
+        else:
+            pool = self.view.active_pool
+            source = resolve_kv_source(self.view, self.cfg.backend.resolver,
+                                       fault_allocator_for_own_draft=f.allocator_pool_for_own_pool_draft)
+        lmap = pool.layers_mapping
+        if f.allocator_pool_for_own_pool_draft and source is not None and source.pool is not pool:
+            lmap = {j: source.pool.layers_mapping[j] for j in lmap}  # FAULT: reads keyed on it
+        self._plan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
+                          writes=not pool.read_only,
+                          skip_spec_translation=f.skip_spec_translation)
         self._pool = pool
         return self._plan
 
@@ -103,11 +121,17 @@ class AttentionBackend:
                 raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
             self._pool.write(layer_id, g.write_locs, k, v)
         k_buf, v_buf, sub = self._pool.get_kv(layer_id)
+        if q.shape[-1] != sub.head_dim or q.shape[1] % sub.num_kv_heads:
+            raise SpaceError(f"layer {layer_id}: q is {q.shape[1]} heads × {q.shape[-1]}, but the "
+                             f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "
+                             f"{sub.head_dim}): the wrong pool for this layer")
         if not sub.accepts(g.tables.kv_indices):
             raise SpaceError(f"layer {layer_id} reads {sub.pool_id!r} ({sub.space} space) but its "
                              f"plan holds {g.tables.kv_indices.space}-space locations of "
                              f"{g.tables.kv_indices.pool_id!r}")
-        kw = dict(window=g.window, scale=self.scales[layer_id], softcap=self.softcap)
+        # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
+        scale = self.cfg.model.softmax_scale or sub.head_dim ** -0.5
+        kw = dict(window=g.window, scale=scale, softcap=self.softcap)
         if g.cascade is not None:
             pre, exp = g.cascade
             o1, l1 = self.adapter.run(pre, q, k_buf, v_buf, **kw)
@@ -137,8 +161,4 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
                                   "are declared but its adapter is not built yet",
                                   "backend=torch", rule="adapter")])
     windows = model_windows(cfg) if windows is None else windows
-    scales = {}
-    for layer, (sub, _) in pool.layers_mapping.items():
-        head_dim = pool.sub_pool(layer).head_dim
-        scales[layer] = cfg.model.softmax_scale or head_dim ** -0.5
-    return AttentionBackend(cfg, module.Adapter(), view, windows, scales)
+    return AttentionBackend(cfg, module.Adapter(), view, windows)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from swafactory.config.schema import KV_DTYPE_BYTES, SwaFactoryConfig
-from swafactory.kvcache.sizing import pool_sizing
+from swafactory.kvcache.sizing import effective_ratio, pool_sizing
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.table import get_capabilities
 
@@ -118,7 +118,7 @@ def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
         full_only_bytes_per_request=sizing.full_only_bytes_per_request, saving=sizing.saving,
         draft_bytes_per_request=sizing.draft_bytes_per_request,
         full_pool_tokens=full_tokens if m.full_layers else 0,
-        swa_pool_tokens=int(full_tokens * cfg.workload.swa_full_tokens_ratio) if split else 0)
+        swa_pool_tokens=int(full_tokens * effective_ratio(cfg)) if split else 0)
 
 
 def _draft_rows(cfg: SwaFactoryConfig, kernel: str, tree: str, draft_bytes: int) -> list[GroupRow]:

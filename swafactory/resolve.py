@@ -94,10 +94,13 @@ def _source(pool: KVPoolLike, rule: str) -> KVSource:
     return KVSource(pool, pool.mapping, rule)
 
 
-def resolve_kv_source(view: RunnerView, policy: Policy = "auto") -> KVSource | None:
+def resolve_kv_source(view: RunnerView, policy: Policy = "auto", *,
+                      fault_allocator_for_own_draft: bool = False) -> KVSource | None:
     """The KV source of ``view`` under ``policy``, or None when this runner needs no translation.
 
     Pure: reads ``view`` and nothing else, caches nothing. Call it in every forward's planning.
+    ``fault_allocator_for_own_draft`` is the fault-injection switch that reproduces sglang #27737
+    (an own-pool draft answered with the allocator's SWA pool); only the harness sets it.
     """
     role, algo = view.role, view.spec_algorithm
     if role not in _ROLES:
@@ -117,6 +120,8 @@ def resolve_kv_source(view: RunnerView, policy: Policy = "auto") -> KVSource | N
     if _split(active):
         return _source(active, "active pool is split")
     if role == "draft_own_pool":
+        if fault_allocator_for_own_draft and _split(alloc):
+            return _source(alloc, "FAULT: own-pool draft resolved to the allocator's pool")
         return None  # its own pool is full-indexed; the target's mapping must not touch it
     if role == "draft_reads_target":
         if not _split(alloc):

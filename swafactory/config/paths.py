@@ -5,7 +5,7 @@ from pathlib import Path
 
 __all__ = ["conf_dir", "group_options", "GROUPS"]
 
-GROUPS = ("model", "spec", "backend", "workload", "run")
+GROUPS = ("model", "spec", "backend", "workload", "run", "faults")
 _PKG = Path(__file__).resolve().parents[1]
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = ["Geometry", "ModelSpec", "SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec",
            "FrozenKVMTPSpec", "DFlashSpec", "StandaloneSpec", "BackendSpec", "WorkloadSpec",
-           "RunSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
+           "RunSpec", "FaultsSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
 
 LayerType = Literal["sliding_attention", "full_attention"]
 _PATTERN_CODES = {"S": "sliding_attention", "F": "full_attention"}
@@ -309,27 +309,85 @@ class BackendSpec(_Frozen):
 
 
 class WorkloadSpec(_Frozen):
-    """The serving load: requests, context and pool pressure."""
+    """The serving load: requests, lengths, pool pressure and how much the oracle checks."""
 
     name: str
     """Config-group key (the YAML file's stem)."""
+    num_requests: int = Field(default=8, ge=1)
+    """Requests served over the run."""
+    prompt_over_window: tuple[int, int] = (8, 256)
+    """Prompt length = W + a uniform draw from this range (prompts longer than the window)."""
+    output_len: tuple[int, int] = (8, 24)
+    """Tokens generated per request, a uniform draw from this range."""
     max_running_requests: int = Field(default=8, ge=1)
     """Requests decoding at once; the pools are sized for this many."""
+    chunk_size: int = Field(default=256, ge=1)
+    """Chunked prefill: prompt tokens per extend forward."""
     context_len: int = Field(default=8192, ge=1)
-    """Tokens per request the pools are sized for (prompt + output)."""
-    swa_full_tokens_ratio: float = Field(default=0.8, gt=0, le=1)
-    """SWA-pool tokens / full-pool tokens (sglang `--swa-full-tokens-ratio`)."""
+    """Tokens per request that `run=plan` sizes its bytes-per-request figures for."""
+    swa_full_tokens_ratio: float | Literal["auto"] = "auto"
+    """SWA-pool / full-pool tokens (sglang `--swa-full-tokens-ratio`); `auto` sizes the SWA pool
+    to the running requests' windows, so that its use goes above 90%."""
+    eviction_interval: int = Field(default=1, ge=1)
+    """SWA eviction frees out-of-window slots once the frontier moved this many positions."""
+    check_rate: float = Field(default=1.0, ge=0, le=1)
+    """Fraction of prefill attention calls compared with the oracle (decode, verify and draft
+    calls, and calls right after an eviction, are always checked)."""
+    layers: Literal["all", "subset"] = "all"
+    """`subset`: attend two layers per layer group (every geometry), still driving every pool."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where pools and kernels live; `auto` = cuda when a GPU is visible."""
     seed: int = 0
     """Seed of every random tensor and choice."""
 
+    @field_validator("swa_full_tokens_ratio")
+    @classmethod
+    def _ratio(cls, r: float | str) -> float | str:
+        if r != "auto" and not 0 < float(r) <= 1:
+            raise ValueError(f"must lie in (0, 1] or be 'auto', got {r}")
+        return r
+
+    @model_validator(mode="after")
+    def _ranges(self) -> WorkloadSpec:
+        for field, (lo, hi) in (("prompt_over_window", self.prompt_over_window),
+                                ("output_len", self.output_len)):
+            if not 0 <= lo <= hi:
+                raise FieldError(field, f"must be [min, max] with 0 <= min <= max, got [{lo}, {hi}]")
+        if self.output_len[0] < 1:
+            raise FieldError("output_len", "every request generates at least one token")
+        return self
+
 
 class RunSpec(_Frozen):
     """What the command does."""
 
-    mode: Literal["plan"] = "plan"
-    """`plan`: validate and print the plan, allocate nothing."""
+    mode: Literal["plan", "conformance"] = "conformance"
+    """`plan`: validate and print the plan, allocate nothing. `conformance`: the serving
+    simulation with every checked attention output compared with the oracle."""
+
+
+class FaultsSpec(_Frozen):
+    """Fault-injection switches inside the shared parts; each reproduces a known engine bug."""
+
+    name: str = "none"
+    """Config-group key (the YAML file's stem)."""
+    skip_spec_translation: bool = False
+    """Spec/tree tables of SWA groups stay in full space (FA3 + EAGLE3 topk > 1, sglang #24402)."""
+    allocator_pool_for_own_pool_draft: bool = False
+    """An own-pool draft resolves the allocator's SWA pool (FlashInfer + DFlash, sglang #27737)."""
+    pool_cached_at_init: bool = False
+    """The backend keeps the pool it saw at construction (trtllm_mha + FROZEN_KV, sglang #26957)."""
+    window_off_by_one: bool = False
+    """Sliding layers see W + 1 keys."""
+    no_swa_eviction: bool = False
+    """Out-of-window SWA slots are never freed (sglang #33805)."""
+    no_draft_headroom: bool = False
+    """The own draft pool gets half the target's full capacity (sglang #17630)."""
+
+    @property
+    def active(self) -> list[str]:
+        """Names of the switches that are on."""
+        return [k for k, v in self.model_dump().items() if v is True]
 
 
 class SwaFactoryConfig(_Frozen):
@@ -345,6 +403,8 @@ class SwaFactoryConfig(_Frozen):
     """The serving load."""
     run: RunSpec
     """What to do."""
+    faults: FaultsSpec = FaultsSpec()
+    """Fault injection (all off by default)."""
 
     @property
     def combination(self) -> str:

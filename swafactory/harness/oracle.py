@@ -18,6 +18,8 @@ import torch
 
 __all__ = ["oracle_attention", "tree_visibility", "causal_visibility"]
 
+_TINY = torch.finfo(torch.float32).tiny
+
 
 def causal_visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """[nq, nk] bool: a key is visible if it is not in the query's future."""
@@ -53,30 +55,30 @@ def oracle_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     A query that sees no key and has no sink gets zeros.
     """
     nq, hq, d = q.shape
-    hkv = keys.shape[1]
+    nk, hkv = keys.shape[0], keys.shape[1]
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
-    qf, kf, vf = q.double(), keys.double(), values.double()
     # the window, plainly: the distance from the query's own position is < W. Causality is part
     # of `structure` (a DFlash block sees keys ahead of it inside the block).
     dist = q_pos[:, None].long() - k_pos[None, :].long()
     allowed = structure.clone()
     if window is not None:
         allowed &= dist < window
-    out = torch.zeros(nq, hq, d, dtype=torch.float64)
-    for h in range(hq):
-        kh, vh = kf[:, h // group], vf[:, h // group]  # GQA: query head h reads KV head h // group
-        s = (qf[:, h] @ kh.T) * scale
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~allowed, -math.inf)
-        m = s.max(dim=1, keepdim=True).values
-        if sinks is not None:
-            m = torch.maximum(m, torch.full_like(m, float(sinks[h])))
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(s - m)
-        denom = p.sum(dim=1, keepdim=True)
-        if sinks is not None:
-            denom = denom + torch.exp(float(sinks[h]) - m)
-        out[:, h] = torch.where(denom > 0, (p @ vh) / denom.clamp_min(1e-300), 0.0)
-    return out.float()
+    # GQA: query head h reads KV head h // group, so view q as [nq, Hkv, group, D]
+    qg = q.float().reshape(nq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * nq, d)
+    s = torch.bmm(qg, keys.float().permute(1, 2, 0)).reshape(hq, nq, nk) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed[None], -math.inf)
+    if sinks is not None:  # the sink is one more logit in each head's denominator, with no value
+        s = torch.cat([s, sinks.float().view(hq, 1, 1).expand(hq, nq, 1)], dim=2)
+    m = s.max(dim=2, keepdim=True).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    p = p.masked_fill(p < _TINY, 0.0)  # denormals (< 1e-38 of the max) slow CPU matmuls ~20×
+    denom = p.sum(dim=2)  # [Hq, nq]
+    pv = p[..., :nk].reshape(hkv, group * nq, nk)
+    out = torch.bmm(pv, values.float().permute(1, 0, 2).contiguous())
+    out = out.reshape(hkv, group, nq, d).permute(2, 0, 1, 3).reshape(nq, hq, d)
+    out = torch.where(denom.T[..., None] > 0, out / denom.T[..., None].clamp_min(1e-30), 0.0)
+    return out

@@ -1,71 +1,33 @@
-"""A small world of real pools, a real allocator and a built backend, with each request's *logical*
-K/V history kept beside it, so every attention output can be checked against the oracle.
-
-Tests drive it forward by forward; the serving harness drives it step by step. Q, K and V are
-seeded random tensors: no model weights are needed.
-"""
+"""A small world for tests: a target's real pools, allocator and built backend, driven forward by
+forward through a `Worker`, whose logical histories feed the oracle."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from swafactory.backend import AttentionBackend, build_backend
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.harness.oracle import oracle_attention, tree_visibility
+from swafactory.harness.workers import Check, History, LayerSpec, Worker, oracle_for
 from swafactory.kvcache.factory import build_pools, torch_dtype
 from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
-from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
+from swafactory.metadata.batch import ForwardMode, ReqForward
 
-__all__ = ["World", "Check", "oracle_for"]
-
-
-@dataclass
-class _History:
-    """One request's tokens in slot order: position, and K/V per layer."""
-
-    pos: list[int] = field(default_factory=list)
-    k: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    v: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+__all__ = ["World", "Check", "oracle_for", "target_layer_specs"]
 
 
-@dataclass(frozen=True)
-class Check:
-    """One compared attention output."""
-
-    layer: int
-    group: str
-    out: torch.Tensor
-    ref: torch.Tensor
-    rows: dict[Hashable, slice]
-
-    def error(self) -> float:
-        """Max relative error (inf when the output has NaN)."""
-        if torch.isnan(self.out).any():
-            return float("inf")
-        return float((self.out.float() - self.ref).abs().max() / self.ref.abs().max().clamp_min(1e-6))
-
-
-def oracle_for(model, layer: int, r: ReqForward, hist: _History, q: torch.Tensor,
-               sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """The oracle's answer for one request's queries at one layer, from its logical history."""
-    n = r.prefix_len + r.nodes
-    keys = torch.stack(hist.k[layer][:n])
-    values = torch.stack(hist.v[layer][:n])
-    k_pos = torch.tensor(hist.pos[:n])
-    q_pos = k_pos[r.prefix_len + r.query_from:]
-    if r.parents is not None:
-        structure = tree_visibility(r.prefix_len, list(r.parents))
-    elif r.block:
-        structure = torch.ones(r.nodes, n, dtype=torch.bool)
-    else:  # committed history and a chain: causal by position
-        structure = k_pos[None, :] <= k_pos[r.prefix_len:, None]
-    structure = structure[r.query_from:]
-    window = model.sliding_window if model.layer_types[layer] == "sliding_attention" else None
-    return oracle_attention(q, keys, values, q_pos, k_pos, structure, window=window, scale=scale,
-                            softcap=model.logit_softcap, sinks=sinks)
+def target_layer_specs(cfg: SwaFactoryConfig, windows_from: dict[int, int | None] | None = None
+                       ) -> dict[int, LayerSpec]:
+    """The oracle's view of every target layer, from the model config alone."""
+    m = cfg.model
+    out = {}
+    for i, t in enumerate(m.layer_types):
+        geo = m.geometry(i)
+        w = m.sliding_window if t == "sliding_attention" else None
+        out[i] = LayerSpec(w, m.num_attention_heads, geo.num_kv_heads, geo.head_dim,
+                           m.softmax_scale or geo.head_dim ** -0.5, m.logit_softcap, i)
+    return out
 
 
 class World:
@@ -80,17 +42,18 @@ class World:
         self.alloc.shuffle(self.gen)  # random page permutations
         self.slots = RequestSlots(self.alloc, ReqToToken(max_requests, max_context, device))
         self.backend = backend or build_backend(cfg, pools=self.pool)
-        self.hist: dict[Hashable, _History] = {}
+        self.hist: dict[Hashable, History] = {}
+        self.specs = target_layer_specs(cfg)
         m = cfg.model
         self.sinks = {i: torch.randn(m.num_attention_heads, generator=self.gen) * 2
                       for i in range(m.num_layers)} if m.attention_sinks else {}
-        self.q_dtype = torch_dtype(cfg.backend.kv_dtype) if cfg.backend.kv_dtype != "fp8_e4m3" \
-            else torch.bfloat16
+        kv = cfg.backend.kv_dtype
+        self.q_dtype = torch.bfloat16 if kv == "fp8_e4m3" else torch_dtype(kv)
 
     def open(self, rid: Hashable) -> None:
         """Start a request with no tokens."""
         self.slots.open(rid)
-        self.hist[rid] = _History()
+        self.hist[rid] = History()
 
     def kv_len(self, rid: Hashable) -> int:
         """Allocated positions of ``rid``."""
@@ -103,38 +66,12 @@ class World:
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward],
                 layers: Sequence[int]) -> list[Check]:
         """Allocate the nodes not yet allocated, run ``layers`` and return their checks."""
-        m = self.cfg.model
         for r in reqs:
             need = r.prefix_len + r.nodes - self.kv_len(r.rid)
             if need > 0 and self.slots.extend(r.rid, need) is None:
                 raise RuntimeError(f"pools are full: request {r.rid!r} needs {need} slots")
-            h = self.hist[r.rid]
-            del h.pos[r.prefix_len + r.query_from:]
-            h.pos.extend((r.node_positions()[r.query_from:]).tolist())
-        batch = ForwardBatch.of(mode, reqs, self.slots.req_to_token.table, self.alloc.full_id)
-        plan = self.backend.init_forward_metadata(batch)
-        checks = []
-        for layer in layers:
-            geo = m.geometry(layer)
-            nq = batch.total_q
-            q = torch.randn(nq, m.num_attention_heads, geo.head_dim, generator=self.gen)
-            k = torch.randn(nq, geo.num_kv_heads, geo.head_dim, generator=self.gen)
-            v = torch.randn(nq, geo.num_kv_heads, geo.head_dim, generator=self.gen)
-            q, k, v = (t.to(self.q_dtype) for t in (q, k, v))
-            sinks = self.sinks.get(layer)
-            out = self.backend.forward(q.to(self.device), k.to(self.device), v.to(self.device),
-                                       layer, sinks=sinks)
-            refs, rows, row = [], {}, 0
-            for r in reqs:
-                h = self.hist[r.rid]
-                keep = r.prefix_len + r.query_from
-                for store, new in ((h.k, k), (h.v, v)):
-                    lst = store.setdefault(layer, [])
-                    del lst[keep:]
-                    lst.extend(new[row:row + r.q_len].float().unbind(0))
-                scale = self.backend.scales[layer]
-                refs.append(oracle_for(m, layer, r, h, q[row:row + r.q_len].float(), sinks, scale))
-                rows[r.rid] = slice(row, row + r.q_len)
-                row += r.q_len
-            checks.append(Check(layer, plan.layer_groups[layer], out.cpu(), torch.cat(refs), rows))
-        return checks
+        worker = Worker("target", self.backend, {i: self.specs[i] for i in layers}, self.hist,
+                        writes=True, q_dtype=self.q_dtype, device=self.device, gen=self.gen,
+                        sinks=self.sinks)
+        return worker.forward(mode, reqs, self.slots.req_to_token.table, self.alloc.full_id,
+                              check=True)

@@ -14,6 +14,8 @@ from swafactory.registry.capabilities import Capabilities
 
 __all__ = ["CAPABILITIES", "Adapter", "attend", "merge_states"]
 
+_TINY = torch.finfo(torch.float32).tiny
+
 CAPABILITIES = Capabilities(
     name="torch",
     summary="fp32 gather + masked softmax over the same plans; the CPU default and the reference",
@@ -38,7 +40,8 @@ def attend(tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, *,
     a visible key reaches the output, which is how check mode exposes stale reads.
     """
     total_q, hq, d = q.shape
-    group = hq // k_buf.shape[1]
+    hkv = k_buf.shape[1]
+    group = hq // hkv
     o = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((total_q, hq), -math.inf, dtype=torch.float32, device=q.device)
     qo, kvp = tables.qo_indptr.tolist(), tables.kv_indptr.tolist()
@@ -56,21 +59,28 @@ def attend(tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, *,
         if window is not None:
             allowed = allowed & (qp[:, None] - kp[None, :] < window)
         idx = idx_all[k0:k1]
-        k = k_buf[idx].float().repeat_interleave(group, 1)  # [nk, Hq, D]
-        v = v_buf[idx].float().repeat_interleave(group, 1)
-        s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+        nq, nk = q1 - q0, k1 - k0
+        k, v = k_buf[idx].float(), v_buf[idx].float()  # [nk, Hkv, D]
+        # query head h reads KV head h // group: batch over KV heads, rows (group, query)
+        qg = q[q0:q1].float().reshape(nq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
+        s = torch.bmm(qg, k.permute(1, 2, 0)).reshape(hq, nq, nk) * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~allowed[None], -math.inf)
         if sinks is not None:
-            s = torch.cat([s, sinks.float().view(hq, 1, 1).expand(hq, q1 - q0, 1)], dim=2)
+            s = torch.cat([s, sinks.float().view(hq, 1, 1).expand(hq, nq, 1)], dim=2)
         m = torch.logsumexp(s, dim=2)  # [Hq, nq]
-        p = torch.exp(s - m.masked_fill(torch.isinf(m), 0)[..., None])[..., : k1 - k0]
+        p = torch.exp(s - m.masked_fill(torch.isinf(m), 0)[..., None])[..., :nk]
+        p = p.masked_fill(p < _TINY, 0.0)  # denormals (< 1e-38 of the sum) slow CPU matmuls ~20×
         # 0 · NaN is NaN: multiply by NaN-free values, then mark queries that *see* a NaN row
-        nan_row = torch.isnan(v).any(dim=2).T.float()  # [Hq, nk]
-        out = torch.einsum("hqk,khd->qhd", p, torch.nan_to_num(v, nan=0.0))
-        sees_nan = torch.einsum("qk,hk->qh", allowed.float(), nan_row) > 0
-        out[sees_nan] = math.nan
+        bad = torch.isnan(v).any(dim=2)  # [nk, Hkv]
+        if bad.any():
+            v = torch.nan_to_num(v, nan=0.0)
+        out = torch.bmm(p.reshape(hkv, group * nq, nk), v.permute(1, 0, 2).contiguous())
+        out = out.reshape(hkv, group, nq, d).permute(2, 0, 1, 3).reshape(nq, hq, d)
+        if bad.any():
+            sees = (allowed.float() @ bad.float()) > 0  # [nq, Hkv]
+            out[sees.repeat_interleave(group, dim=1)] = math.nan
         o[q0:q1], lse[q0:q1] = out, m.T
     return o.to(q.dtype), lse
 

@@ -17,7 +17,7 @@ from swafactory.errors import CapacityError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GroupBytes", "PoolSizing", "pool_sizing", "swa_tokens_per_request", "BudgetSizing",
+__all__ = ["GroupBytes", "PoolSizing", "pool_sizing", "swa_tokens_per_request", "effective_ratio", "BudgetSizing",
            "size_from_budget", "build_pools"]
 
 
@@ -81,6 +81,20 @@ def swa_tokens_per_request(window: int, draft_tokens: int, page_size: int) -> in
     return window + draft_tokens + page_size
 
 
+def effective_ratio(cfg: SwaFactoryConfig) -> float:
+    """The workload's SWA/full ratio; `auto` = just enough SWA slots for each request's window
+    at `context_len` (the plan's sizing)."""
+    r = cfg.workload.swa_full_tokens_ratio
+    if r != "auto":
+        return float(r)
+    m, ctx = cfg.model, cfg.workload.context_len
+    if not (m.swa_layers and m.hybrid_pool and m.sliding_window):
+        return 1.0
+    keep = swa_tokens_per_request(m.sliding_window, cfg.spec.draft_tokens_per_step,
+                                  cfg.backend.page_size)
+    return min(1.0, keep / ctx)
+
+
 def pool_sizing(cfg: SwaFactoryConfig, context_len: int | None = None) -> PoolSizing:
     """Per-group bytes for ``context_len`` tokens per request (default: the workload's)."""
     m, b = cfg.model, cfg.backend
@@ -140,7 +154,7 @@ def size_from_budget(cfg: SwaFactoryConfig, budget_bytes: int, *, ratio: float |
     cannot hold ``W + page`` or ``max_running · (W + draft + page)`` slots.
     """
     m, b, s, w = cfg.model, cfg.backend, cfg.spec, cfg.workload
-    r = w.swa_full_tokens_ratio if ratio is None else ratio
+    r = effective_ratio(cfg) if ratio is None else ratio
     reqs = w.max_running_requests if max_running_requests is None else max_running_requests
     W = m.sliding_window if window is None else window
     d = s.draft_tokens_per_step if draft_tokens is None else draft_tokens

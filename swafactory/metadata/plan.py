@@ -121,7 +121,7 @@ def _tables(kv: Locs, reqs: list[ReqForward], kv_lens: list[int], kv_pos: list[t
 
 
 def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch, source,
-                cascade: bool, writes: bool) -> GroupPlan:
+                cascade: bool, writes: bool, skip_translation: bool) -> GroupPlan:
     reqs = list(batch.reqs)
     table = batch.req_to_token
     device = table.device
@@ -144,7 +144,7 @@ def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch
                                     structure], dim=1))
     full_kv = Locs("full", batch.full_id, torch.cat(slots))
     full_w = Locs("full", batch.full_id, torch.cat(w_slots)) if writes else None
-    if sub_pool == "swa":
+    if sub_pool == "swa" and not skip_translation:
         if source is None:
             raise SpaceError(f"layer group {key!r} reads an SWA sub-pool, but the resolver found "
                              "no KV source to translate full slots against")
@@ -180,14 +180,16 @@ def _cascade(kv: Locs, reqs, lens, pre_len, kv_pos, qp, masks, device):
 
 def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          windows: Mapping[int, int | None], source, *, cascade: bool = False,
-         writes: bool = True) -> ForwardPlan:
+         writes: bool = True, skip_spec_translation: bool = False) -> ForwardPlan:
     """Plan one forward.
 
     layers_mapping: the *active* pool's ``layer -> (sub_pool, local_id)`` (physical, after any
     frozen rebinding). windows: ``layer -> W or None`` (masking, a separate fact from the pool).
     source: the resolver's answer for this forward (a `KVSource` or None). cascade: build
     prefix/expand tables for tree forwards. writes: False for a runner that writes no KV
-    (FROZEN_KV drafts).
+    (FROZEN_KV drafts). skip_spec_translation is the fault-injection switch that reproduces
+    FA3 + EAGLE3 (sglang #24402): tree forwards keep SWA tables in full space. Only the harness
+    sets it; the typed index spaces then refuse the tables.
     """
     keys: dict[str, tuple[str, int | None]] = {}
     layer_groups: dict[int, str] = {}
@@ -195,7 +197,8 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
         k = group_key(sub, windows[layer])
         keys[k] = (sub, windows[layer])
         layer_groups[layer] = k
-    groups = {k: _plan_group(k, sub, w, batch, source, cascade, writes)
+    groups = {k: _plan_group(k, sub, w, batch, source, cascade, writes,
+                             skip_spec_translation and batch.has_tree)
               for k, (sub, w) in keys.items()}
     return ForwardPlan(batch.mode, groups, layer_groups,
                        source.rule if source is not None else "none", batch.total_q)

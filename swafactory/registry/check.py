@@ -172,7 +172,7 @@ def _resolver(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Ite
 
 def _sizing(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
     m, w = cfg.model, cfg.workload
-    if not (m.swa_layers and m.hybrid_pool and m.sliding_window):
+    if not (m.swa_layers and m.hybrid_pool and m.sliding_window) or w.swa_full_tokens_ratio == "auto":
         return
     need = min(w.context_len, swa_tokens_per_request(m.sliding_window, cfg.spec.draft_tokens_per_step,
                                                      cfg.backend.page_size))

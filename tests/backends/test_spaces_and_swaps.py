@@ -117,7 +117,7 @@ def test_frozen_kv_draft_follows_a_pool_swap_between_forwards() -> None:
         assert plan.groups["swa"].write_locs is None
         q = torch.randn(1, cfg.model.num_attention_heads, 256)
         out = draft.forward(q, None, None, 0, save_kv=False)
-        ref = oracle_for(cfg.model, binding[0], r, w.hist["r"], q, None, 1.0)
+        ref = oracle_for(w.specs[binding[0]], r, w.hist["r"], q, None)
         assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4), "the draft read a stale pool"
     with pytest.raises(SpaceError, match="writes no KV"):
         draft.forward(q, q[:, :16], q[:, :16], 0)

@@ -1,0 +1,169 @@
+"""Build a conformance run's parts from a validated config: pool sizes, pools, draft, workers."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from swafactory.backend import build_backend, model_windows
+from swafactory.config.schema import SwaFactoryConfig
+from swafactory.errors import CapacityError, ConfigError, Reason
+from swafactory.harness.workers import History, LayerSpec, Worker
+from swafactory.harness.world import target_layer_specs
+from swafactory.kvcache.draft import build_draft_pool, frozen_draft_view, own_draft_pool
+from swafactory.kvcache.factory import build_pools, torch_dtype
+from swafactory.kvcache.pool import ReqToToken
+from swafactory.kvcache.requests import RequestSlots
+from swafactory.layout import frozen_draft_binding
+from swafactory.metadata.plan import group_key
+
+__all__ = ["Sizes", "pool_sizes", "draft_nodes", "Parts", "build_parts", "DraftView"]
+
+
+def draft_nodes(cfg: SwaFactoryConfig) -> int:
+    """Slots one request takes beyond its committed tokens in one decode or spec step."""
+    s = cfg.spec
+    if s.algorithm == "none":
+        return 1
+    if s.is_tree:
+        return 1 + s.topk * s.num_steps  # the whole drafted tree, root included
+    return s.num_draft_tokens
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Slots of each space, and what one request may hold of them."""
+
+    full: int
+    swa: int
+    full_pages_per_req: int
+    swa_pages_per_req: int
+    max_context: int
+
+
+def pool_sizes(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> Sizes:
+    """Full space: every running request's whole context. SWA: `auto` gives each running request
+    just its window + one step's nodes + eviction lag + page slack, so use peaks above 90%."""
+    w, m, P = cfg.workload, cfg.model, cfg.backend.page_size
+    R, T, I = w.max_running_requests, draft_nodes(cfg), w.eviction_interval
+    ctx = max(p + o for p, o in zip(prompts, outs)) + T
+    full_pages = math.ceil(ctx / P) + 2
+    full = R * full_pages * P
+    W = m.sliding_window or 0
+    # one step's nodes, eviction lag, page slack, and a little prefill headroom (≤ 1/16 of the
+    # window: steady decode still fills the share above 90%)
+    need = math.ceil((W + T + I + P + 1 + (W + T) // 16) / P) + 1
+    if w.swa_full_tokens_ratio == "auto":
+        swa_pages = need
+    else:
+        swa_pages = int(full * float(w.swa_full_tokens_ratio)) // P // R
+        if swa_pages < need:
+            raise ConfigError([Reason(
+                "workload", "workload.swa_full_tokens_ratio",
+                f"{w.swa_full_tokens_ratio} gives each of {R} running requests {swa_pages * P} SWA "
+                f"slots, but one needs W + step nodes + eviction lag + page = {need * P}",
+                "workload.swa_full_tokens_ratio=auto", rule="sizing")])
+    return Sizes(full, R * swa_pages * P, full_pages, swa_pages, full_pages * P)
+
+
+class DraftView:
+    """A draft runner's view (`swafactory.resolve.RunnerView`); the harness swaps `active_pool`."""
+
+    def __init__(self, active_pool, allocator_pool, role: str, spec_algorithm: str) -> None:
+        self.active_pool, self.allocator_pool = active_pool, allocator_pool
+        self.role, self.spec_algorithm = role, spec_algorithm
+
+
+@dataclass
+class Parts:
+    """Everything the loop drives."""
+
+    cfg: SwaFactoryConfig
+    sizes: Sizes
+    pool: object
+    alloc: object
+    slots: RequestSlots
+    target: Worker
+    draft: Worker | None
+    draft_pool: object | None
+    draft_view: DraftView | None
+    frozen_view: object | None
+    dummy_pool: object | None
+    hist_t: dict = field(default_factory=dict)
+    hist_d: dict = field(default_factory=dict)
+
+    @property
+    def split(self) -> bool:
+        m = self.cfg.model
+        return bool(m.swa_layers) and m.hybrid_pool
+
+
+def _subset(cfg: SwaFactoryConfig, pool, extra: tuple[int, ...]) -> list[int]:
+    """Two layers per layer group (the last two), every geometry present, plus ``extra``."""
+    if cfg.workload.layers == "all":
+        return list(range(cfg.model.num_layers))
+    windows = model_windows(cfg)
+    groups: dict[str, list[int]] = {}
+    for layer, (sub, _) in sorted(pool.layers_mapping.items()):
+        groups.setdefault(group_key(sub, windows[layer]), []).append(layer)
+    return sorted({*(i for ids in groups.values() for i in ids[-2:]), *extra})
+
+
+def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], device: str,
+                gen: torch.Generator) -> Parts:
+    """Pools, allocator, backends and workers for a validated config."""
+    m, s, f = cfg.model, cfg.spec, cfg.faults
+    sizes = pool_sizes(cfg, prompts, outs)
+    pool, alloc = build_pools(cfg, sizes.full, sizes.swa, device, check_mode=True)
+    alloc.shuffle(gen)  # pages in random order
+    slots = RequestSlots(alloc, ReqToToken(cfg.workload.max_running_requests, sizes.max_context,
+                                           device))
+    kv = cfg.backend.kv_dtype
+    q_dtype = torch.bfloat16 if kv == "fp8_e4m3" else torch_dtype(kv)
+    sinks = {i: (torch.randn(m.num_attention_heads, generator=gen) * 2)
+             for i in range(m.num_layers)} if m.attention_sinks else {}
+    binding = frozen_draft_binding(cfg) if s.draft_kv == "target_pool" else ()
+    specs = target_layer_specs(cfg)
+    parts = Parts(cfg, sizes, pool, alloc, slots, None, None, None, None, None, None)  # type: ignore[arg-type]
+    layers = _subset(cfg, pool, tuple(binding))
+    parts.target = Worker("target", build_backend(cfg, pools=pool), {i: specs[i] for i in layers},
+                          parts.hist_t, writes=True, q_dtype=q_dtype, device=device, gen=gen,
+                          sinks=sinks)
+    if s.draft_kv == "own_pool":
+        headroom = 0.5 if f.no_draft_headroom else 1.0
+        dpool = build_draft_pool(cfg, pool, alloc, device=device, check_mode=True,
+                                 headroom=headroom, unsafe_undersized=f.no_draft_headroom)
+        view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
+        types = ["full_attention"] * s.draft_num_layers
+        if dpool.is_split:
+            types = list(m.layer_types[-s.draft_num_layers:])
+        windows = {j: (m.sliding_window if t == "sliding_attention" else None)
+                   for j, t in enumerate(types)}
+        dspecs = {}
+        for j in range(s.draft_num_layers):
+            sub = dpool.sub_pool(j)
+            dspecs[j] = LayerSpec(windows[j], m.num_attention_heads, sub.num_kv_heads, sub.head_dim,
+                                  m.softmax_scale or sub.head_dim ** -0.5, m.logit_softcap, j)
+        parts.draft_pool, parts.draft_view = dpool, view
+        parts.draft = Worker("draft", build_backend(cfg, view=view, windows=windows), dspecs,
+                             parts.hist_d, writes=True, q_dtype=q_dtype, device=device, gen=gen,
+                             sinks={})
+    elif s.draft_kv == "target_pool":
+        geo = m.full or m.swa
+        # the FROZEN_KV runner's own pool is a dummy non-split pool; the engine swaps the target's
+        # view in for each draft forward (sglang), which is what a cached resolver gets wrong
+        dummy = own_draft_pool(sizes.full, cfg.backend.page_size, len(binding), geo.num_kv_heads,
+                               geo.head_dim, torch_dtype(kv), device, check_mode=True)
+        view = DraftView(dummy, pool, "draft_reads_target", s.algorithm)
+        windows = {j: model_windows(cfg)[t] for j, t in enumerate(binding)}
+        dspecs = {j: specs[t] for j, t in enumerate(binding)}
+        parts.dummy_pool, parts.draft_view = dummy, view
+        parts.frozen_view = frozen_draft_view(pool, binding)
+        parts.draft = Worker("draft", build_backend(cfg, view=view, windows=windows), dspecs,
+                             parts.hist_t, writes=False, q_dtype=q_dtype, device=device, gen=gen,
+                             sinks={j: sinks[t] for j, t in enumerate(binding) if t in sinks})
+    if parts.draft_pool is not None and parts.draft_pool.sub_pools[0].size < sizes.full and \
+            not f.no_draft_headroom:
+        raise CapacityError("the draft pool is smaller than the target's full space")
+    return parts

@@ -1,0 +1,166 @@
+"""A worker (the target, or a draft) driven forward by forward, with each request's *logical* K/V
+history kept beside its pool, so every attention output can be compared with the oracle.
+
+Q, K and V are seeded random tensors: no model weights are needed.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swafactory.backend import AttentionBackend
+from swafactory.harness.oracle import oracle_attention, tree_visibility
+from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
+
+__all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for"]
+
+
+@dataclass
+class History:
+    """One request's tokens in slot order: position, and K/V per (history) layer."""
+
+    pos: list[int] = field(default_factory=list)
+    k: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    v: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens (rejected draft tokens are dropped)."""
+        del self.pos[n:]
+        for store in (self.k, self.v):
+            for lst in store.values():
+                del lst[n:]
+
+    def reorder_tail(self, start: int, picks: Sequence[int]) -> None:
+        """Tokens ``start + picks[j]`` become ``start + j`` (accepted tree path moved in place)."""
+        for store in (self.k, self.v):
+            for lst in store.values():
+                moved = [lst[start + i] for i in picks]
+                del lst[start:]
+                lst.extend(moved)
+        del self.pos[start:]
+        self.pos.extend(range(start, start + len(picks)))
+
+
+@dataclass(frozen=True)
+class Check:
+    """One compared attention output."""
+
+    layer: int
+    group: str
+    out: torch.Tensor
+    ref: torch.Tensor
+    rows: dict[Hashable, slice]
+
+    def error(self) -> float:
+        """Max relative error (inf when the output has NaN)."""
+        if torch.isnan(self.out).any():
+            return float("inf")
+        return float((self.out.float() - self.ref).abs().max() / self.ref.abs().max().clamp_min(1e-6))
+
+    def worst_request(self) -> Hashable:
+        """The request with the largest error."""
+        errs = {rid: float(torch.nan_to_num((self.out[s].float() - self.ref[s]).abs(), nan=1e30).max())
+                for rid, s in self.rows.items() if s.stop > s.start}
+        return max(errs, key=errs.get)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What the oracle needs of one layer, stated from the config (not from the backend)."""
+
+    window: int | None
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    softcap: float | None
+    history_layer: int
+    """Key of the logical history it reads (a FROZEN_KV draft layer reads its bound target layer)."""
+
+
+def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+    """The oracle's answer for one request's queries at one layer, from its logical history."""
+    n = r.prefix_len + r.nodes
+    keys = torch.stack(hist.k[spec.history_layer][:n])
+    values = torch.stack(hist.v[spec.history_layer][:n])
+    k_pos = torch.tensor(hist.pos[:n])
+    if r.parents is not None:
+        structure = tree_visibility(r.prefix_len, list(r.parents))
+    elif r.block:
+        structure = torch.ones(r.nodes, n, dtype=torch.bool)
+    else:  # committed history and a chain: causal by position
+        structure = k_pos[None, :] <= k_pos[r.prefix_len:, None]
+    structure = structure[r.query_from:]
+    q_pos = k_pos[r.prefix_len + r.query_from:]
+    return oracle_attention(q, keys, values, q_pos, k_pos, structure, window=spec.window,
+                            scale=spec.scale, softcap=spec.softcap, sinks=sinks)
+
+
+class Worker:
+    """One runner: its backend (which owns the view and the pool), its layers and histories."""
+
+    def __init__(self, name: str, backend: AttentionBackend, layers: Mapping[int, LayerSpec],
+                 histories: dict[Hashable, History], *, writes: bool, q_dtype: torch.dtype,
+                 device: str, gen: torch.Generator, sinks: Mapping[int, torch.Tensor]) -> None:
+        self.name, self.backend, self.layers = name, backend, dict(layers)
+        self.hist, self.writes, self.q_dtype = histories, writes, q_dtype
+        self.device, self.gen, self.sinks = device, gen, dict(sinks)
+        self.plan_s = self.attn_s = 0.0
+
+    def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
+                full_id: str, *, check: bool) -> list[Check]:
+        """Plan once, run every layer; compare with the oracle when ``check``."""
+        if self.writes:
+            for r in reqs:
+                h = self.hist[r.rid]
+                del h.pos[r.prefix_len + r.query_from:]
+                h.pos.extend(r.node_positions()[r.query_from:].tolist())
+        batch = ForwardBatch.of(mode, reqs, req_to_token, full_id)
+        t0 = time.perf_counter()
+        plan = self.backend.init_forward_metadata(batch)
+        self.plan_s += time.perf_counter() - t0
+        checks = []
+        for layer, spec in self.layers.items():
+            nq = batch.total_q
+            q = torch.randn(nq, spec.num_q_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
+            k = v = None
+            if self.writes:
+                k = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
+                v = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
+            sinks = self.sinks.get(layer)
+            t0 = time.perf_counter()
+            out = self.backend.forward(q.to(self.device), _dev(k, self.device), _dev(v, self.device),
+                                       layer, save_kv=self.writes,
+                                       sinks=None if sinks is None else sinks.to(self.device))
+            if out.is_cuda:
+                torch.cuda.synchronize()
+            self.attn_s += time.perf_counter() - t0
+            if self.writes:
+                self._record(reqs, spec.history_layer, k, v)
+            if check:
+                refs, rows, row = [], {}, 0
+                for r in reqs:
+                    refs.append(oracle_for(spec, r, self.hist[r.rid], q[row:row + r.q_len].float(), sinks))
+                    rows[r.rid] = slice(row, row + r.q_len)
+                    row += r.q_len
+                checks.append(Check(layer, plan.layer_groups[layer], out.cpu(), torch.cat(refs), rows))
+        return checks
+
+    def _record(self, reqs: Sequence[ReqForward], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        row = 0
+        for r in reqs:
+            h = self.hist[r.rid]
+            keep = r.prefix_len + r.query_from
+            for store, new in ((h.k, k), (h.v, v)):
+                lst = store.setdefault(layer, [])
+                del lst[keep:]
+                lst.extend(new[row:row + r.q_len].float().unbind(0))
+            row += r.q_len
+
+
+def _dev(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

@@ -1,0 +1,38 @@
+"""Move K/V between full slots of one pool, in every layer: the accepted tree path into place.
+
+Both slot lists are full-space; the SWA sub-pool's rows are found by translating them through
+the pool's own registered mapping (DESIGN invariant 1: translate before indexing).
+"""
+from __future__ import annotations
+
+from swafactory.errors import SpaceError
+from swafactory.kvcache.locs import Locs, translate
+from swafactory.kvcache.pool import HybridSWAPool
+
+__all__ = ["move_kv"]
+
+
+def move_kv(pool: HybridSWAPool, src: Locs, dst: Locs) -> None:
+    """Copy K/V of ``src`` slots to ``dst`` slots (both ``[n]`` full-space) in every layer.
+
+    Gathers before scattering, so overlapping lists (a path moved toward the prefix) are safe.
+    """
+    if pool.read_only:
+        raise SpaceError(f"pool {pool.name!r} is a read-only view; its KV cannot be moved")
+    if len(src) != len(dst):
+        raise ValueError(f"move_kv needs as many sources as destinations, got {len(src)} → "
+                         f"{len(dst)}")
+    for sub in pool.sub_pools:
+        if sub.space == "swa":
+            if pool.mapping is None:
+                raise SpaceError(f"pool {pool.name!r} has an SWA sub-pool but no mapping")
+            s, d = translate(src, pool.mapping, sub), translate(dst, pool.mapping, sub)
+        else:
+            s, d = src, dst
+        if not (sub.accepts(s) and sub.accepts(d)):
+            raise SpaceError(f"move_kv: {s.space}-space slots of {s.pool_id!r} cannot index "
+                             f"{sub.pool_id!r}")
+        si, di = s.tensor.long(), d.tensor.long()
+        for k, v in zip(sub.k_bufs, sub.v_bufs):
+            k[di] = k[si].clone()
+            v[di] = v[si].clone()
