@@ -1,6 +1,7 @@
 """`python -m swafactory …` / `swafactory …`: the Hydra app. The only place that maps errors to exit codes.
 
 Exit codes: 0 ok; 1 conformance failure; 2 configuration refused (message on stderr, no traceback).
+In a multirun sweep each job records its outcome in result.json and the sweep goes on.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from swafactory.config.paths import conf_dir
@@ -23,8 +25,10 @@ def _app(cfg: DictConfig) -> None:
     _ran_task = True
     from swafactory.cli import run_cli
 
+    hc = HydraConfig.get()
     try:
-        code = run_cli(cfg, Path(HydraConfig.get().runtime.output_dir))
+        code = run_cli(cfg, Path(hc.runtime.output_dir), overrides=list(hc.overrides.task),
+                       sweep=hc.mode == RunMode.MULTIRUN)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         sys.exit(EXIT_CONFIG)

@@ -102,6 +102,8 @@ class AttentionBackend:
                           writes=not pool.read_only,
                           skip_spec_translation=f.skip_spec_translation)
         self._pool = pool
+        if hasattr(self.adapter, "plan"):  # kernels with host-side planning (FlashInfer): once here
+            self.adapter.plan(self._plan, pool)
         return self._plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

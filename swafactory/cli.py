@@ -1,15 +1,21 @@
-"""What the command line does with a composed config: validate, then print and save the plan."""
+"""What the command line does with a composed config: plan, or run the conformance job.
+
+Every job writes `result.json` in its output directory (ok, refused or failed), which the
+multirun callback turns into `matrix.md`. In a single run, a refusal raises ConfigError (exit 2)
+and a failure returns 1; in a sweep both are recorded and the sweep goes on.
+"""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from swafactory.config.from_hydra import from_hydra
+from swafactory.errors import EXIT_CONFORMANCE, EXIT_OK, ConfigError
 from swafactory.layout import PlanSummary, describe
 from swafactory.registry.device import detect_device
 from swafactory.registry.select import validate
@@ -48,16 +54,71 @@ def render_plan(plan: PlanSummary, console: Console) -> None:
         + f"\npool tokens: full {plan.full_pool_tokens:,}, swa {plan.swa_pool_tokens:,}")
 
 
-def run_cli(cfg: DictConfig, output_dir: Path | None) -> int:
-    """Validate and run the composed config; returns the exit code. Raises ConfigError on refusal."""
-    conf = from_hydra(cfg)
-    device = detect_device(conf.workload.device)
-    conf = validate(conf, device)
-    plan = describe(conf, device)
-    render_plan(plan, Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140))
+def _names(cfg: DictConfig) -> dict[str, str]:
+    get = lambda key: str(OmegaConf.select(cfg, key, default="?"))  # noqa: E731
+    return {"backend": get("backend.name"), "spec": get("spec.name"), "model": get("model.name"),
+            "workload": get("workload.name")}
+
+
+def _write_result(out: Path | None, cfg: DictConfig, overrides: list[str], status: str, *,
+                   reasons: list[str] = (), report=None, error: str | None = None) -> None:
+    if out is None:
+        return
+    from swafactory.harness.callback import JobResult
+
+    n = _names(cfg)
+    res = JobResult(combination=f"backend={n['backend']} spec={n['spec']} model={n['model']}",
+                    overrides=overrides, status=status, reasons=list(reasons), report=report,
+                    error=error, **n)
+    (out / "result.json").write_text(res.model_dump_json(indent=1))
+
+
+def run_cli(cfg: DictConfig, output_dir: Path | None, *, overrides: list[str] = (),
+            sweep: bool = False) -> int:
+    """Validate and run the composed config; returns the exit code.
+
+    Raises ConfigError on refusal, except in a sweep, where the refusal is recorded and 0 returned.
+    """
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140)
+    try:
+        conf = from_hydra(cfg)
+        device = detect_device(conf.workload.device)
+        conf = validate(conf, device)
+    except ConfigError as exc:
+        _write_result(output_dir, cfg, list(overrides), "refused",
+                      reasons=[str(r) for r in exc.reasons])
+        if not sweep:
+            raise
+        print(exc, file=sys.stderr)
+        return EXIT_OK
+    if conf.run.mode == "plan":
+        plan = describe(conf, device)
+        render_plan(plan, console)
+        if output_dir is not None:
+            path = output_dir / "plan.json"
+            path.write_text(json.dumps({"plan": plan.model_dump(),
+                                        "config": conf.model_dump(mode="json")}, indent=2))
+            _write_result(output_dir, cfg, list(overrides), "ok")
+            console.print(f"wrote {path}")
+        return EXIT_OK
+    return _conformance(conf, device, cfg, output_dir, list(overrides), console, sweep)
+
+
+def _conformance(conf, device, cfg, output_dir, overrides, console, sweep) -> int:
+    from swafactory.harness.report import progress, render_summary, write_report
+    from swafactory.harness.run import run
+
+    with progress(conf.workload.num_requests, console) as bar:
+        report = run(conf, device, on_step=bar.update)
+    render_summary(report, console)
     if output_dir is not None:
-        path = output_dir / "plan.json"
-        path.write_text(json.dumps({"plan": plan.model_dump(), "config": conf.model_dump(mode="json")},
-                                   indent=2))
-        print(f"wrote {path}")
-    return 0
+        for path in write_report(report, output_dir):
+            console.print(f"wrote {path}")
+        _write_result(output_dir, cfg, overrides, report.status, report=report)
+    if report.status != "ok":
+        m = report.mismatch
+        print(f"conformance FAILED at step {m.step}: {m.worker} {m.mode}, layer {m.layer} "
+              f"({m.group}), request {m.request}, caught by the {m.check} check: {m.error}",
+              file=sys.stderr)
+        return EXIT_OK if sweep else EXIT_CONFORMANCE
+    return EXIT_OK

@@ -7,13 +7,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+# triton fixes interpreter vs compiled mode when it is first imported: decide once per session,
+# before any test imports it (CPU machines interpret; `TRITON_INTERPRET=0 pytest -m gpu` on GPUs)
+if "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
+
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest hook
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible (CPU machine / CI)")

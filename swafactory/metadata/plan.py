@@ -38,6 +38,8 @@ class AttnTables:
     kv_pos: torch.Tensor
     mask: torch.Tensor | None = None
     mask_indptr: torch.Tensor | None = None
+    max_q_len: int = 0
+    """Longest request's query count (host-known: kernels need no device read for it)."""
 
     @property
     def batch_size(self) -> int:
@@ -117,7 +119,8 @@ def _tables(kv: Locs, reqs: list[ReqForward], kv_lens: list[int], kv_pos: list[t
         mask_indptr = _i32(sizes).to(device)
     return AttnTables(_i32(qo).to(device), _i32(kvp).to(device), kv,
                       q_pos.to(device=device, dtype=torch.int32),
-                      torch.cat(kv_pos).to(device=device, dtype=torch.int32), mask, mask_indptr)
+                      torch.cat(kv_pos).to(device=device, dtype=torch.int32), mask, mask_indptr,
+                      max(r.q_len for r in reqs))
 
 
 def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch, source,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from swafactory.registry.capabilities import Capabilities
 
-__all__ = ["CAPABILITIES"]
+__all__ = ["CAPABILITIES", "Adapter"]
 
 CAPABILITIES = Capabilities(
     name="triton",
@@ -20,3 +20,25 @@ CAPABILITIES = Capabilities(
     cuda_graph=True,
     kv_dtypes=frozenset({"float32", "float16", "bfloat16"}),
 )
+
+
+class Adapter:
+    """Wires planner tables to the Triton kernels (`ops.paged_attention`); holds no pool logic."""
+
+    capabilities = CAPABILITIES
+
+    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
+        """One pass → (o, lse)."""
+        from swafactory.kernels.triton.ops import paged_attention
+
+        t = tables
+        return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_indices.tensor,
+                               t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
+                               window=window, scale=scale, softcap=softcap, sinks=sinks,
+                               max_q_len=t.max_q_len)
+
+    def merge(self, o1, lse1, o2, lse2, sinks=None):
+        """Cascade merge → o."""
+        from swafactory.kernels.triton.merge import merge_attention_states
+
+        return merge_attention_states(o1, lse1, o2, lse2, sinks)[0]

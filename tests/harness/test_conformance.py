@@ -1,0 +1,96 @@
+"""The main job: every spec serves a workload under SWA pool pressure with 0 oracle mismatches,
+and every fault switch makes the run fail, named by the check that caught it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import swafactory
+from swafactory.config.paths import group_options
+from swafactory.harness.report_model import Report
+
+SPECS = group_options("spec")
+
+
+def _run(*overrides: str) -> Report:
+    return swafactory.run(swafactory.compose(["backend=torch", "workload=smoke", *overrides]))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_spec_on_gpt_oss_passes_under_pool_pressure(spec: str) -> None:
+    r = _run(f"spec={spec}", "model=gpt_oss_20b")
+    assert r.status == "ok", r.mismatch
+    assert r.checks > 0 and r.passed == r.checks and r.max_rel_err <= r.tolerance
+    assert r.peak_swa_use > 0.9 and r.evictions > 0
+    modes = {(m.worker, m.mode) for m in r.mode_stats}
+    assert ("target", "extend") in modes
+    if spec == "none":
+        assert ("target", "decode") in modes and r.accept_len is None
+    else:
+        assert {("target", "target_verify"), ("draft", "draft_decode")} <= modes
+        assert r.accept_len is not None and r.accept_len >= 1
+    assert all(m.checks > 0 for m in r.mode_stats if m.mode != "extend"), "decode/verify/draft " \
+        "calls are always checked"
+
+
+@pytest.mark.parametrize("spec", ["eagle3", "frozen_kv_mtp"])
+def test_gemma4_split_geometry_passes(spec: str) -> None:
+    r = _run(f"spec={spec}", "model=gemma4")
+    assert r.status == "ok", r.mismatch
+    assert r.peak_swa_use > 0.9 and r.evictions > 0
+    assert r.layers_attended == [53, 57, 58, 59]  # two per group, every geometry
+
+
+def test_tree_verify_by_cascade() -> None:
+    r = _run("spec=eagle3", "model=gpt_oss_20b", "backend.tree_mask=cascade")
+    assert r.status == "ok" and r.parts["tree"] == "cascade"
+
+
+FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
+    "skip_spec_translation": ("eagle3", "space"),
+    "allocator_pool_for_own_pool_draft": ("dflash", "space"),
+    "pool_cached_at_init": ("frozen_kv_mtp", "nan"),
+    "window_off_by_one": ("none", "oracle"),
+    "no_swa_eviction": ("none", "capacity"),
+    "no_draft_headroom": ("eagle", "capacity"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_each_fault_fails_the_run_naming_its_check(fault: str, tmp_path) -> None:
+    spec, check = FAULTS[fault]
+    out = subprocess.run(
+        [sys.executable, "-m", "swafactory", "backend=torch", f"spec={spec}", "model=gpt_oss_20b",
+         "workload=smoke", f"faults={fault}", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "COLUMNS": "140"})
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"caught by the {check} check" in out.stderr
+    report = Report.model_validate_json((tmp_path / "report.json").read_text())
+    assert report.status == "failed" and report.fault == fault and report.mismatch.check == check
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "failed"
+
+
+def test_cli_writes_a_valid_report_and_a_png(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-m", "swafactory", "backend=torch", "model=tiny",
+                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    Report.model_validate_json((tmp_path / "report.json").read_text())
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "forwards and oracle checks" in out.stdout
+
+
+def test_triton_backend_under_the_interpreter_on_tiny(tmp_path) -> None:
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-m", "swafactory", "backend=triton", "model=tiny",
+                          "spec=eagle3", "backend.kv_dtype=float32", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = Report.model_validate_json((tmp_path / "report.json").read_text())
+    assert r.backend == "triton" and r.status == "ok" and r.checks == r.passed > 0
