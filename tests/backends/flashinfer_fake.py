@@ -1,0 +1,101 @@
+"""A CPU stand-in for the two FlashInfer wrappers the adapter uses, with FlashInfer's semantics.
+
+It reproduces exactly what the adapter has to get right, so the adapter's plumbing (masks,
+windows, index lists, the base-2 LSE, sinks, cascade) is tested on machines without a GPU:
+
+* paged NHD caches ``[pages, page_size, Hkv, D]`` read through ``indices`` (page size 1 here);
+* ``window_left`` counted from ``kv_len - q_len + i`` (query i's *list* position, not its token
+  position): the reason the adapter puts windows into the custom mask for multi-query passes;
+* a custom mask, flattened per request, row-major ``[q_len, kv_len]``;
+* the LSE in base 2 (``m·log2e + log2 d``, as FlashInfer's kernels write it).
+
+The real kernels are checked against the oracle on the GPU (`test_flashinfer_vs_oracle.py`).
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+__all__ = ["module"]
+
+
+class _Wrapper:
+    def __init__(self, workspace: torch.Tensor, layout: str = "NHD", **kw) -> None:
+        assert layout == "NHD"
+        self.decode = False
+        self.plans = 0
+
+    def _common(self, hq, hkv, d, page_size, window_left=-1, sm_scale=None,
+                logits_soft_cap=None, q_data_type=None, kv_data_type=None, custom_mask=None):
+        assert page_size == 1 and hq % hkv == 0
+        self.hq, self.hkv, self.d = hq, hkv, d
+        self.window_left, self.scale = window_left, sm_scale or d ** -0.5
+        self.softcap = logits_soft_cap or 0.0
+        self.q_dtype, self.kv_dtype = q_data_type, kv_data_type
+        self.mask = None if custom_mask is None else custom_mask.cpu().bool()
+        self.plans += 1
+
+    def run(self, q, paged_kv_cache, return_lse=False):
+        k_cache, v_cache = paged_kv_cache
+        assert q.dtype == self.q_dtype and k_cache.dtype == self.kv_dtype
+        qo = self.qo.tolist() if not self.decode else list(range(self.kv.numel()))
+        kv = self.kv.tolist()
+        o = torch.zeros(q.shape, dtype=torch.float32)
+        lse = torch.full(q.shape[:2], -math.inf)
+        group = self.hq // self.hkv
+        mask_off = 0
+        for b in range(len(kv) - 1):
+            q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
+            nq, nk = q1 - q0, k1 - k0
+            rows = self.indices[k0:k1].long()
+            k = k_cache[rows, 0].float().repeat_interleave(group, dim=1)  # [nk, Hq, D]
+            v = v_cache[rows, 0].float().repeat_interleave(group, dim=1)
+            s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * self.scale
+            if self.softcap > 0:
+                s = self.softcap * torch.tanh(s / self.softcap)
+            i = torch.arange(nq)[:, None]
+            j = torch.arange(nk)[None, :]
+            ok = torch.ones(nq, nk, dtype=torch.bool)
+            if self.mask is not None:
+                ok = self.mask[mask_off:mask_off + nq * nk].view(nq, nk)
+                mask_off += nq * nk
+            if self.window_left >= 0:  # FlashInfer: relative to the query's index in the list
+                ok = ok & (j + nq + self.window_left >= nk + i)
+            s = s.masked_fill(~ok[None], -math.inf)
+            m = torch.logsumexp(s, dim=2)  # [Hq, nq]
+            p = torch.exp(s - m.masked_fill(torch.isinf(m), 0)[..., None])
+            o[q0:q1] = torch.einsum("hqk,khd->qhd", p, v)
+            lse[q0:q1] = (m / math.log(2.0)).T  # base 2
+        o = o.to(q.dtype)
+        return (o, lse) if return_lse else o
+
+
+class _Decode(_Wrapper):
+    def __init__(self, workspace, layout="NHD", use_tensor_cores=False, **kw) -> None:
+        super().__init__(workspace, layout)
+        self.decode = True
+
+    def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, **kw) -> None:
+        assert "custom_mask" not in kw
+        self.kv, self.indices = indptr.cpu(), indices.cpu()
+        assert bool((last_page_len.cpu() == 1).all())
+        self._common(hq, hkv, d, page_size, **kw)
+
+
+class _Prefill(_Wrapper):
+    def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size,
+             **kw) -> None:
+        self.qo, self.kv, self.indices = qo_indptr.cpu(), kv_indptr.cpu(), indices.cpu()
+        assert bool((last_page_len.cpu() == 1).all())
+        self._common(hq, hkv, d, page_size, **kw)
+
+
+def module() -> types.ModuleType:
+    """A module object to install as ``sys.modules['flashinfer']``."""
+    mod = types.ModuleType("flashinfer")
+    mod.BatchDecodeWithPagedKVCacheWrapper = _Decode
+    mod.BatchPrefillWithPagedKVCacheWrapper = _Prefill
+    mod.__version__ = "fake"
+    return mod

@@ -1,0 +1,69 @@
+"""Compile the FlashInfer kernel variants the GPU tests and smoke runs use, in parallel.
+
+FlashInfer JIT-compiles one module per (kind, head_dim, dtype, sliding window, soft-cap) on first
+use, 15–25 s each, one after another inside a process. Building them here in parallel processes
+(the JIT cache is shared on disk) turns minutes of serial compiles into one batch. The plan
+arguments mirror `swafactory.kernels.flashinfer.Adapter` exactly, so the cached modules are the
+ones the adapter loads. Run on the GPU host: ``python3 tests/backends/flashinfer_warm.py``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+__all__ = ["VARIANTS", "warm"]
+
+# (decode?, Hq, Hkv, head_dim, window_left >= 0?, soft-cap?)
+VARIANTS = [
+    (True, 32, 16, 256, True, False), (True, 32, 4, 512, False, False),      # gemma4 decode
+    (False, 32, 16, 256, False, False), (False, 32, 4, 512, False, False),   # gemma4 prefill
+    (True, 8, 4, 64, True, False), (True, 8, 2, 64, False, False),           # tiny d64 / gpt-oss
+    (False, 8, 4, 64, False, False),
+    (True, 8, 4, 64, True, True), (True, 8, 2, 64, False, True),             # soft-cap
+    (False, 8, 4, 64, False, True),
+    (False, 32, 8, 128, False, False),                                       # mistral
+]
+
+
+def warm(v: tuple) -> str:
+    import flashinfer
+    import torch
+
+    decode, hq, hkv, d, window, softcap = v
+    t0 = time.time()
+    dev = "cuda"
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    n = 16
+    k = torch.randn(n + 1, 1, hkv, d, dtype=torch.bfloat16, device=dev)
+    idx = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
+    kv_indptr = torch.tensor([0, n], dtype=torch.int32)
+    last = torch.ones(1, dtype=torch.int32, device=dev)
+    common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=d ** -0.5,
+                  logits_soft_cap=2.0 if softcap else None)
+    if decode:
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        w.plan(kv_indptr, idx, last, hq, hkv, d, 1, window_left=7 if window else -1, **common)
+        q = torch.randn(1, hq, d, dtype=torch.bfloat16, device=dev)
+    else:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        mask = torch.ones(4 * n, dtype=torch.bool, device=dev)
+        w.plan(torch.tensor([0, 4], dtype=torch.int32), kv_indptr, idx, last, hq, hkv, d, 1,
+               custom_mask=mask, window_left=-1, **common)
+        q = torch.randn(4, hq, d, dtype=torch.bfloat16, device=dev)
+    w.run(q, (k, k), return_lse=True)
+    torch.cuda.synchronize()
+    return f"{v}: {time.time() - t0:.1f}s"
+
+
+def main() -> int:
+    t0 = time.time()
+    with ProcessPoolExecutor(max_workers=len(VARIANTS)) as ex:
+        for line in ex.map(warm, VARIANTS):
+            print(line, flush=True)
+    print(f"warmed {len(VARIANTS)} variants in {time.time() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

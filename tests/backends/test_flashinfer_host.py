@@ -1,0 +1,143 @@
+"""The flashinfer adapter on machines without FlashInfer: imports, masks, sinks, and its whole
+plumbing against the oracle through `flashinfer_fake` (FlashInfer's semantics on CPU tensors).
+
+The fake keeps FlashInfer's window convention (relative to the query's index in the key list) and
+its base-2 LSE, so a window left to the kernel for a trimmed or tree pass, or a forgotten LSE
+conversion, fails here exactly as it would on the GPU.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import swafactory
+from flashinfer_fake import module as fake_flashinfer
+from swafactory.backend import AttentionBackend, TargetView, model_windows
+from swafactory.harness.world import World
+from swafactory.kernels import flashinfer as fi
+from swafactory.kernels.torch_ref import attend
+from swafactory.metadata import ForwardBatch
+from test_backends_vs_oracle import MODES, assert_close, run_mode
+
+
+def adapter_world(model: str, page: int, extra=(), *, tree_mask: str = "custom_mask", seed: int = 0,
+                  device: str = "cpu", kv_dtype: str = "float32", via_registry: bool = False):
+    """A `World` whose backend runs the flashinfer adapter.
+
+    via_registry: build through `build_backend` (the registry must accept the combination);
+    otherwise the world is built for the torch backend and its backend swapped for one around the
+    flashinfer adapter (CPU tensors with the fake, or combinations the registry refuses today).
+    """
+    name = "flashinfer" if via_registry else "torch"
+    cfg = swafactory.compose([f"model={model}", f"backend={name}", f"backend.page_size={page}",
+                              f"backend.tree_mask={tree_mask}", "spec=none",
+                              f"backend.kv_dtype={kv_dtype}", "backend.cuda_graph=false", *extra])
+    size = 64 * max(16, page) * 4
+    world = World(cfg, size_full=size, size_swa=size // 2, seed=seed, device=device)
+    if not via_registry:
+        world.backend = AttentionBackend(cfg, fi.Adapter(), TargetView(world.pool),
+                                         model_windows(cfg))
+    assert isinstance(world.backend.adapter, fi.Adapter)
+    return world, cfg
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+
+
+def test_module_imports_without_flashinfer() -> None:
+    code = ("import sys; sys.modules['flashinfer'] = None; "
+            "from swafactory.kernels.flashinfer import Adapter, CAPABILITIES; Adapter(); "
+            "print(CAPABILITIES.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "flashinfer", out.stderr
+
+
+def test_sink_epilogue_equals_sinks_in_the_softmax(fake) -> None:
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5"])
+    world.open(0)
+    world.forward("extend", [world.req(0, 0, 9)], [0])
+    world.forward("target_verify", [world.req(0, 9, 3)], [0])  # writes the nodes' K/V
+    batch = ForwardBatch.of("target_verify", [world.req(0, 9, 3)], world.slots.req_to_token.table,
+                            world.alloc.full_id)
+    t = world.backend.init_forward_metadata(batch).groups["swa"].tables
+    k, v, _ = world.pool.get_kv(0)
+    q = torch.randn(3, 8, k.shape[-1])
+    sinks = torch.randn(8) * 2
+    o0, l0 = attend(t, q, k, v, window=5, scale=0.3)
+    o1, l1 = attend(t, q, k, v, window=5, scale=0.3, sinks=sinks)
+    o2, l2 = fi.apply_sinks(o0, l0, sinks)
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-6)
+
+
+def test_custom_mask_is_structure_and_window_by_position(fake) -> None:
+    """A trimmed SWA list: the first keys are outside later queries' windows; tree nodes sit at
+    prefix + depth, not at their list index."""
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=4"])
+    world.open(0)
+    world.forward("extend", [world.req(0, 0, 10)], [0])
+    parents = (-1, -1, 0, 1)  # two roots at depth 0, one child each at depth 1
+    batch = ForwardBatch.of("target_verify", [world.req(0, 10, 4, parents=parents)],
+                            world.slots.req_to_token.table, world.alloc.full_id)
+    t = world.backend.init_forward_metadata(batch).groups["swa"].tables
+    m = fi.custom_mask(t, 4).view(4, -1)
+    kv_pos = t.kv_pos.tolist()
+    assert kv_pos == [7, 8, 9, 10, 10, 11, 11]  # trimmed to 10 - 4 + 1, nodes at prefix + depth
+    expect = torch.tensor([[1, 1, 1, 1, 0, 0, 0],   # root a at 10: keys 7..10, itself
+                           [1, 1, 1, 0, 1, 0, 0],   # root b at 10
+                           [0, 1, 1, 1, 0, 1, 0],   # a's child at 11: 8..11 on its branch
+                           [0, 1, 1, 0, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(m, expect)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("page", [1, 16])
+def test_gemma4_every_mode_through_the_fake(fake, mode: str, page: int) -> None:
+    world, _ = adapter_world("gemma4", page, ["model.sliding_window=8"])
+    assert_close(run_mode(world, mode, [0, 5], 8))
+
+
+@pytest.mark.parametrize("tree_mask", ["custom_mask", "cascade"])
+@pytest.mark.parametrize("mode", ["verify_tree_2", "verify_tree_4", "draft_decode"])
+def test_trees_both_strategies_through_the_fake(fake, mode: str, tree_mask: str) -> None:
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=6"], tree_mask=tree_mask)
+    checks = run_mode(world, mode, [0, 2], 6)
+    assert (world.backend.plan.groups["swa"].cascade is not None) == (tree_mask == "cascade")
+    assert_close(checks)
+
+
+@pytest.mark.parametrize("tree_mask", ["custom_mask", "cascade"])
+@pytest.mark.parametrize("mode", ["decode", "verify_chain", "verify_tree_2"])
+def test_sinks_and_softcap_through_the_fake(fake, mode: str, tree_mask: str) -> None:
+    world, _ = adapter_world("tiny", 16, ["model.attention_sinks=true", "model.logit_softcap=2.0",
+                                          "model.sliding_window=5", "model.num_attention_heads=16"],
+                             tree_mask=tree_mask, seed=3)
+    assert_close(run_mode(world, mode, [0, 2], 5))
+
+
+def test_one_wrapper_plan_per_pass_per_forward(fake) -> None:
+    """Host work once per forward: later layers of a group reuse the first layer's plan."""
+    world, cfg = adapter_world("gemma4", 1, ["model.sliding_window=8"])
+    world.open(0)
+    world.forward("extend", [world.req(0, 0, 12)], [0, 1, 2, 5, 11])
+    ad = world.backend.adapter
+    assert {k[0] for k in ad._wrappers} == {"swa", "full"}
+    assert all(w.plans == 1 for w in ad._wrappers.values())
+    world.forward("decode", [world.req(0, 12, 1)], [0, 1, 2, 5, 11])
+    assert sorted(w.plans for w in ad._wrappers.values()) == [1, 1, 1, 1]  # decode wrappers new
+
+
+def test_run_without_plan_is_refused(fake) -> None:
+    world, _ = adapter_world("tiny", 1)
+    world.open(0)
+    world.forward("extend", [world.req(0, 0, 4)], [0])
+    t = world.backend.plan.groups["swa"].tables
+    world.backend.adapter._passes.clear()
+    k, v, _ = world.pool.get_kv(0)
+    with pytest.raises(RuntimeError, match="not planned"):
+        world.backend.adapter.run(t, torch.zeros(4, 8, 16), k, v, window=16, scale=1.0)
