@@ -106,7 +106,7 @@ class _Pass:
     indices: torch.Tensor
     """[total_kv] int32 slot rows on the device."""
     last: torch.Tensor
-    """[B] int32 ones on the device (page size 1)."""
+    """[B] int32 ones on the host (page size 1; plan checks it beside the host indptrs)."""
     mask: torch.Tensor | None
     """Flattened bool visibility (prefill passes only)."""
     planned_for: tuple | None = None
@@ -147,7 +147,7 @@ class Adapter:
         decode = t.mask is None and all(n == 1 for n in q_lens)
         return _Pass(key, role, window, decode, qo_host, kv_host,
                      t.kv_indices.tensor.to(dev, torch.int32),
-                     torch.ones(len(q_lens), dtype=torch.int32, device=dev),
+                     torch.ones(len(q_lens), dtype=torch.int32),
                      None if decode else custom_mask(t, window))
 
     def _wrapper(self, p: _Pass, device: torch.device):

@@ -27,6 +27,13 @@ VARIANTS = [
 
 
 def warm(v: tuple) -> str:
+    try:
+        return _warm(v)
+    except Exception as e:  # report every variant, not just the first failure
+        return f"{v}: FAILED {type(e).__name__}: {e}"
+
+
+def _warm(v: tuple) -> str:
     import flashinfer
     import torch
 
@@ -38,7 +45,7 @@ def warm(v: tuple) -> str:
     k = torch.randn(n + 1, 1, hkv, d, dtype=torch.bfloat16, device=dev)
     idx = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
     kv_indptr = torch.tensor([0, n], dtype=torch.int32)
-    last = torch.ones(1, dtype=torch.int32, device=dev)
+    last = torch.ones(1, dtype=torch.int32)  # host, like the adapter
     common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=d ** -0.5,
                   logits_soft_cap=2.0 if softcap else None)
     if decode:
