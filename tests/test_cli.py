@@ -51,7 +51,8 @@ def test_console_script_matches_python_m(tmp_path) -> None:
     from pathlib import Path
 
     exe = shutil.which("swafactory") or str(Path(sys.executable).parent / "swafactory")
-    out = subprocess.run([exe, "backend=torch", "model=mistral_7b", f"hydra.run.dir={tmp_path}"],
+    out = subprocess.run([exe, "backend=torch", "model=mistral_7b", "run=plan",
+                          f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "8×128" in out.stdout and (tmp_path / "plan.json").is_file()

@@ -7,17 +7,14 @@ place (translated for SWA layers), and a draft extend over the accepted tokens.
 """
 from __future__ import annotations
 
-import math
 import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from swafactory.errors import CapacityError
 from swafactory.harness.setup import Parts, draft_nodes
-from swafactory.harness.workers import Check, Worker
+from swafactory.harness.workers import Check, History, Worker
 from swafactory.kvcache.locs import Locs
 from swafactory.kvcache.move import move_kv
 from swafactory.metadata.batch import ForwardMode, ReqForward
@@ -102,9 +99,9 @@ class Loop:
         while self.waiting and len(self.running) < R:
             r = self.waiting.popleft()
             self.p.slots.open(r.rid)
-            self.p.hist_t[r.rid] = _new_hist()
+            self.p.hist_t[r.rid] = History()
             if self.p.draft is not None and self.p.draft.writes:
-                self.p.hist_d[r.rid] = _new_hist()
+                self.p.hist_d[r.rid] = History()
             self.running.append(r)
 
     def step_once(self) -> str:
@@ -253,12 +250,6 @@ def pool_use(alloc, space: str) -> float:
     """Used / total slots of one space (`swa` or `full`) of an allocator."""
     sub = getattr(alloc, space, alloc)  # an SWAAllocator has .full/.swa; a TokenAllocator is one
     return sub.used_size() / sub.size
-
-
-def _new_hist():
-    from swafactory.harness.workers import History
-
-    return History()
 
 
 def _tree(topk: int, steps: int, rng: random.Random) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ import torch
 from swafactory.backend import build_backend, model_windows
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import CapacityError, ConfigError, Reason
-from swafactory.harness.workers import History, LayerSpec, Worker
+from swafactory.harness.workers import LayerSpec, Worker
 from swafactory.harness.world import target_layer_specs
 from swafactory.kvcache.draft import build_draft_pool, frozen_draft_view, own_draft_pool
 from swafactory.kvcache.factory import build_pools, torch_dtype

@@ -1,0 +1,178 @@
+"""Speculative-decoding configs: one pydantic model per algorithm, discriminated by `algorithm`.
+
+Each says who owns the draft KV (`draft_kv`): nobody, its own pool, or the target's pool.
+"""
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from swafactory.errors import FieldError
+
+__all__ = ["SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec", "FrozenKVMTPSpec",
+           "DFlashSpec", "StandaloneSpec", "SPEC_ALGORITHMS", "DraftKV"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+DraftKV = Literal["none", "own_pool", "target_pool"]
+
+
+class _SpecBase(_Frozen):
+    name: str
+    """Config-group key (the YAML file's stem)."""
+    num_steps: int = Field(default=1, ge=1)
+    """Draft forwards per step (tree depth)."""
+    topk: int = Field(default=1, ge=1)
+    """Branches per draft step; > 1 makes a tree verified with a tree mask."""
+    num_draft_tokens: int = Field(default=2, ge=2)
+    """Tokens verified per request per step, the verified root included."""
+    draft_num_layers: int = Field(default=1, ge=1)
+    """Attention layers of the draft model."""
+
+    @property
+    def is_tree(self) -> bool:
+        """True when verify needs a tree mask (topk > 1)."""
+        return self.topk > 1
+
+    @property
+    def draft_tokens_per_step(self) -> int:
+        """KV slots a request may hold beyond its accepted tokens in one step."""
+        return max(self.num_steps * self.topk, self.num_draft_tokens)
+
+    def _need(self, ok: bool, field: str, msg: str) -> None:
+        if not ok:
+            raise FieldError(field, msg)
+
+
+class NoSpec(_Frozen):
+    """No speculative decoding: extend and decode only."""
+
+    name: str
+    """Config-group key (the YAML file's stem)."""
+    algorithm: Literal["none"]
+    """Spec algorithm key."""
+    draft_kv: Literal["none"] = "none"
+    """No draft worker, so no draft KV."""
+    is_tree: ClassVar[bool] = False
+    draft_tokens_per_step: ClassVar[int] = 0
+    topk: ClassVar[int] = 1
+    num_steps: ClassVar[int] = 0
+    num_draft_tokens: ClassVar[int] = 0
+    draft_num_layers: ClassVar[int] = 0
+
+
+class EagleSpec(_SpecBase):
+    """EAGLE, chain drafts (topk 1); the draft owns a full-index-space pool."""
+
+    algorithm: Literal["eagle"]
+    """Spec algorithm key."""
+    draft_kv: Literal["own_pool"] = "own_pool"
+    """EAGLE drafts write their own, non-SWA pool, indexed with the target's full slots."""
+
+    @model_validator(mode="after")
+    def _chain(self) -> EagleSpec:
+        self._need(self.topk == 1, "topk", f"eagle drafts a chain: topk must be 1, got {self.topk} "
+                                   "(use spec=eagle3 for trees)")
+        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
+                   f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens, "
+                   f"got num_draft_tokens={self.num_draft_tokens}")
+        return self
+
+
+class Eagle3Spec(_SpecBase):
+    """EAGLE-3: topk >= 1 trees, verified with a custom mask or cascade."""
+
+    algorithm: Literal["eagle3"]
+    """Spec algorithm key."""
+    draft_kv: Literal["own_pool"] = "own_pool"
+    """EAGLE-3 drafts write their own, non-SWA pool, indexed with the target's full slots."""
+
+    @model_validator(mode="after")
+    def _tree(self) -> Eagle3Spec:
+        most = self.topk * self.num_steps + 1
+        self._need(self.num_draft_tokens <= most, "num_draft_tokens",
+                   f"a tree of {self.num_steps} steps × topk {self.topk} has at most {most} "
+                   f"tokens, got num_draft_tokens={self.num_draft_tokens}")
+        if self.topk == 1:
+            self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
+                       f"with topk=1 the chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
+        return self
+
+
+class NextNSpec(_SpecBase):
+    """NextN / MTP: one draft layer with its own pool, chain verify."""
+
+    algorithm: Literal["nextn"]
+    """Spec algorithm key."""
+    draft_kv: Literal["own_pool"] = "own_pool"
+    """The MTP layer writes its own pool, indexed with the target's full slots."""
+
+    @model_validator(mode="after")
+    def _chain(self) -> NextNSpec:
+        self._need(self.topk == 1, "topk", f"nextn drafts a chain: topk must be 1, got {self.topk}")
+        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
+                   f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
+        return self
+
+
+class FrozenKVMTPSpec(_SpecBase):
+    """FROZEN_KV MTP: draft layers read the target's KV, write none; chain verify."""
+
+    algorithm: Literal["frozen_kv_mtp"]
+    """Spec algorithm key."""
+    draft_kv: Literal["target_pool"] = "target_pool"
+    """The draft reads a frozen view of the target's pool, its layers bound to same-type layers."""
+
+    @model_validator(mode="after")
+    def _chain(self) -> FrozenKVMTPSpec:
+        self._need(self.topk == 1, "topk", f"frozen_kv_mtp verifies a chain: topk must be 1, got {self.topk}")
+        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
+                   f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
+        return self
+
+
+class DFlashSpec(_SpecBase):
+    """DFlash: drafts a block in parallel (non-causal inside the block), chain verify."""
+
+    algorithm: Literal["dflash"]
+    """Spec algorithm key."""
+    draft_kv: Literal["own_pool"] = "own_pool"
+    """DFlash drafts write their own pool."""
+    block_size: int = Field(default=8, ge=2)
+    """Tokens drafted in one parallel, non-causal block."""
+    draft_pool_split: bool = False
+    """The draft pool is itself hybrid: it shares the target's full→SWA mapping."""
+
+    @model_validator(mode="after")
+    def _block(self) -> DFlashSpec:
+        self._need(self.topk == 1 and self.num_steps == 1, "topk" if self.topk != 1 else "num_steps",
+                   f"dflash drafts one block: topk and num_steps must be 1, got topk={self.topk}, "
+                   f"num_steps={self.num_steps}")
+        self._need(self.num_draft_tokens == self.block_size, "num_draft_tokens",
+                   f"dflash verifies its block: num_draft_tokens must equal block_size="
+                   f"{self.block_size}, got {self.num_draft_tokens}")
+        return self
+
+
+class StandaloneSpec(_SpecBase):
+    """A separate small draft model with its own pool; chain or tree verify."""
+
+    algorithm: Literal["standalone"]
+    """Spec algorithm key."""
+    draft_kv: Literal["own_pool"] = "own_pool"
+    """The draft model writes its own, non-SWA pool, indexed with the target's full slots."""
+
+    @model_validator(mode="after")
+    def _shape(self) -> StandaloneSpec:
+        most = self.topk * self.num_steps + 1
+        self._need(self.num_draft_tokens <= most, "num_draft_tokens", f"at most {most} draft tokens for this tree")
+        return self
+
+
+SpecConfig = Annotated[Union[NoSpec, EagleSpec, Eagle3Spec, NextNSpec, FrozenKVMTPSpec, DFlashSpec,
+                             StandaloneSpec], Field(discriminator="algorithm")]
+SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "nextn", "frozen_kv_mtp", "dflash", "standalone")
