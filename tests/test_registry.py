@@ -12,11 +12,14 @@ from swafactory import ConfigError
 from swafactory.registry import CPU, H200, get_capabilities, list_backends, register_backend
 from swafactory.registry.device import B200, DeviceInfo
 from swafactory.registry.matrix import shipped_config
-from swafactory.registry.select import resolve_auto, validate
+from swafactory.registry.select import AUTO_PREFERENCE, resolve_auto, validate
+from swafactory.registry.table import has_adapter
 
 
 def rules(cfg, device) -> set[str]:
-    return {f"{r.rule}@{r.field}" for r in swafactory.check(cfg, device)}
+    """The reasons as `rule@field`, leaving out the adapter rule (which follows what is built,
+    not what the kernels can do; tested on its own below)."""
+    return {f"{r.rule}@{r.field}" for r in swafactory.check(cfg, device) if r.rule != "adapter"}
 
 
 def test_flash_attn_gemma4_on_cpu_names_512_and_the_gpu_and_suggests() -> None:
@@ -44,10 +47,37 @@ def test_trtllm_eagle3_gives_sm100_and_topk_reasons() -> None:
     assert not rules(shipped_config("trtllm_mha", "eagle", "gemma4"), B200)
 
 
-def test_sinks_refuse_flashinfer_for_gpt_oss() -> None:
-    assert rules(shipped_config("flashinfer", "none", "gpt_oss_20b"), H200) == {
-        "sinks@model.attention_sinks"}
-    assert not rules(shipped_config("flashinfer", "none", "gemma4"), H200)
+def test_a_backend_without_an_adapter_is_refused_everywhere() -> None:
+    # trtllm_mha is declared for validation only: on its own arch the missing adapter remains
+    reasons = swafactory.check(shipped_config("trtllm_mha", "eagle", "gemma4"), B200)
+    assert [r.rule for r in reasons] == ["adapter"]
+    assert "no adapter" in reasons[0].message
+
+
+def test_sinks_are_refused_where_the_backend_cannot_serve_them(monkeypatch) -> None:
+    import sys
+    import types
+
+    from swafactory.registry import table
+    from swafactory.registry.capabilities import Capabilities
+
+    # flashinfer serves sinks on SM90 through its LSE epilogue
+    assert rules(shipped_config("flashinfer", "none", "gpt_oss_20b"), H200) == set()
+    mod = types.ModuleType("nosinks_backend")
+    mod.CAPABILITIES = Capabilities(name="nosinks", summary="test", kernel="test",
+                                    devices=frozenset({"cpu"}), sinks_note="not here")
+    mod.Adapter = object
+    monkeypatch.setitem(sys.modules, "nosinks_backend", mod)
+    monkeypatch.setattr(table, "BACKENDS", {**table.BACKENDS, "nosinks": "nosinks_backend"})
+    table.get_capabilities.cache_clear()
+    table.has_adapter.cache_clear()
+    cfg = shipped_config("torch", "none", "gpt_oss_20b")
+    cfg = cfg.model_copy(update={"backend": cfg.backend.model_copy(update={"name": "nosinks",
+                                                                            "kv_dtype": "bfloat16"})})
+    reasons = swafactory.check(cfg, CPU)
+    assert [r.field for r in reasons] == ["model.attention_sinks"] and "not here" in reasons[0].message
+    assert not swafactory.check(cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"attention_sinks": False})}), CPU)
 
 
 def test_missing_package_is_a_reason_with_the_install_fix() -> None:
@@ -103,15 +133,21 @@ def test_tree_rules_strategy_and_paged_trees() -> None:
 def test_cuda_graph_and_dtype_rules() -> None:
     cfg = swafactory.compose(["backend=torch", "backend.cuda_graph=true", "backend.kv_dtype=fp8_e4m3"])
     assert rules(cfg, CPU) == {"cuda_graph@backend.cuda_graph", "dtype@backend.kv_dtype"}
+    graphs = swafactory.compose(["backend=flashinfer", "backend.cuda_graph=true"])
+    assert rules(graphs, H200) == {"cuda_graph@backend.cuda_graph"}  # no graph path is built yet
 
 
 def test_auto_picks_torch_on_cpu_and_the_fastest_on_h200() -> None:
     cfg = swafactory.compose([])
     assert cfg.backend.name == "auto"
     assert resolve_auto(cfg, CPU).backend.name == "torch"
-    assert resolve_auto(cfg, H200).backend.name == "flashinfer"
-    oss = swafactory.compose(["model=gpt_oss_20b", "spec=none"])
-    assert resolve_auto(oss, H200).backend.name == "flash_attn"  # flashinfer refuses sinks on SM90
+    for model in ("gemma4", "gpt_oss_20b"):
+        c = swafactory.compose([f"model={model}", "spec=none"])
+        want = next(b for b in AUTO_PREFERENCE["cuda"]
+                    if not swafactory.check(c.model_copy(update={"backend": c.backend.model_copy(
+                        update={"name": b})}), H200))
+        got = resolve_auto(c, H200).backend.name
+        assert got == want and has_adapter(got)
 
 
 def test_auto_keeps_the_user_fields() -> None:

@@ -16,4 +16,4 @@ def test_support_matrix_is_current() -> None:
 
 def test_matrix_shows_refusals_and_passes() -> None:
     text = render_support_matrix()
-    assert "❌ head_dims" in text and "❌ sinks" in text and "✅ → torch" in text
+    assert "❌ adapter, head_dims" in text and "❌ device" in text and "✅ → torch" in text

@@ -46,11 +46,12 @@ CAPABILITIES = Capabilities(
     head_dims=frozenset({64, 128, 256, 512}),
     head_dim_note="FlashInfer compiles head dims 64, 128, 256 and 512",
     tree_masks=frozenset({"custom_mask", "cascade"}),
-    sinks=False,
-    sinks_note="FlashInfer 0.6.18 reads sinks only in its trtllm-gen kernels (SM100+); the adapter "
-               "can add them as an LSE epilogue, not yet switched on in the registry",
+    sinks=True,
+    sinks_note="FlashInfer 0.6.18 reads sinks only in its trtllm-gen kernels (SM100+); on SM90 the "
+               "adapter applies them exactly after the kernel from the LSE, o·σ(lse − sink) "
+               "(checked against the oracle on the H200)",
     softcap=True,
-    cuda_graph=True,
+    cuda_graph=False,  # the adapter has no graph-captured variants yet
     kv_dtypes=frozenset({"float16", "bfloat16"}),
 )
 

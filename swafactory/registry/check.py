@@ -14,7 +14,7 @@ from swafactory.errors import Reason
 from swafactory.kvcache.sizing import swa_tokens_per_request
 from swafactory.registry.capabilities import Capabilities
 from swafactory.registry.device import DeviceInfo
-from swafactory.registry.table import get_capabilities
+from swafactory.registry.table import get_capabilities, has_adapter
 
 __all__ = ["check"]
 
@@ -25,7 +25,7 @@ def check(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[Reason]:
         raise ValueError("resolve backend=auto first (registry.select.resolve_auto)")
     caps = get_capabilities(cfg.backend.name)
     reasons: list[Reason] = []
-    for rule in (_device, _packages, _page_size, _head_dims, _geometry, _window, _tree, _dflash,
+    for rule in (_adapter, _device, _packages, _page_size, _head_dims, _geometry, _window, _tree, _dflash,
                  _sinks, _softcap, _dtype, _cuda_graph, _resolver, _sizing):
         reasons.extend(replace(r, rule=rule.__name__.lstrip("_")) for r in rule(cfg, caps, device))
     return reasons
@@ -33,6 +33,12 @@ def check(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[Reason]:
 
 def _r(field: str, message: str, fix: str | None = None) -> Reason:
     return Reason(field.split(".")[0], field, message, fix)
+
+
+def _adapter(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    if not has_adapter(caps.name):
+        yield _r("backend.name", f"swafactory declares {caps.name}'s capabilities but has no "
+                                 f"adapter that calls its kernels yet, so nothing can run on it")
 
 
 def _device(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:

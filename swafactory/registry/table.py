@@ -11,7 +11,8 @@ from functools import cache
 
 from swafactory.registry.capabilities import Capabilities
 
-__all__ = ["BACKENDS", "register_backend", "list_backends", "get_capabilities", "backend_module"]
+__all__ = ["BACKENDS", "register_backend", "list_backends", "get_capabilities", "backend_module",
+           "has_adapter"]
 
 BACKENDS: dict[str, str] = {
     "torch": "swafactory.kernels.torch_ref",
@@ -29,6 +30,7 @@ def register_backend(name: str, module: str) -> None:
         raise ValueError(f"backend {name!r} is already registered (to {BACKENDS.get(name, 'auto')})")
     BACKENDS[name] = module
     get_capabilities.cache_clear()
+    has_adapter.cache_clear()
 
 
 def list_backends() -> tuple[str, ...]:
@@ -50,3 +52,10 @@ def get_capabilities(name: str) -> Capabilities:
     if caps.name != name:
         raise ValueError(f"{BACKENDS[name]}.CAPABILITIES.name is {caps.name!r}, registered as {name!r}")
     return caps
+
+
+@cache
+def has_adapter(name: str) -> bool:
+    """Whether the backend's module defines an `Adapter` (a kernel swafactory can call), as
+    opposed to declaring capabilities only."""
+    return hasattr(backend_module(name), "Adapter")
