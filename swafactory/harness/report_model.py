@@ -62,7 +62,8 @@ class Mismatch(_Model):
     request: str
     error: str
     check: str
-    """Which check caught it: `oracle`, `space` (typed index spaces), `capacity`, `nan`."""
+    """Which check caught it: `oracle`, `nan`, `space` (typed index spaces), `capacity`, or
+    `kernel` (a kernel raised)."""
 
 
 class Report(_Model):

@@ -82,11 +82,14 @@ def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
                             error=f"max relative error {exc.error:.3g} > tolerance {tol:g}"
                                   + (" (NaN: a poisoned, freed or dummy slot was read)"
                                      if kind == "nan" else ""), check=kind)
-    except (SpaceError, CapacityError) as exc:
+    except (SpaceError, CapacityError, RuntimeError) as exc:
+        # a typed-space refusal, a pool that ran out, or a kernel that raised: the run stops here
         worker, mode = loop.current if loop else ("-", "setup")
+        check = ("space" if isinstance(exc, SpaceError) else
+                 "capacity" if isinstance(exc, CapacityError) else "kernel")
         mismatch = Mismatch(step=loop.step if loop else 0, worker=worker, mode=mode, layer=-1,
-                            group="-", request="-",
-                            error=str(exc), check="space" if isinstance(exc, SpaceError) else "capacity")
+                            group="-", request="-", error=f"{type(exc).__name__}: {exc}",
+                            check=check)
     wall = time.perf_counter() - t0
     return _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall)
 
