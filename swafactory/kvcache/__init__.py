@@ -19,7 +19,7 @@ _LAZY = {
     "TokenAllocator": "allocator", "SWAAllocator": "allocator",
     "RequestSlots": "requests", "ReqState": "requests",
     "own_draft_pool": "draft", "frozen_draft_view": "draft", "split_draft_pool": "draft",
-    "build_draft_pool": "draft", "torch_dtype": "factory",
+    "build_draft_pool": "draft", "torch_dtype": "factory", "move_kv": "move",
 }
 
 __all__ = ["CapacityError", "BudgetSizing", "GroupBytes", "PoolSizing", "build_pools",

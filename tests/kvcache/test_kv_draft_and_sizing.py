@@ -14,7 +14,9 @@ from swafactory.layout import frozen_draft_binding
 
 
 def _cfg(*overrides: str):
-    return swafactory.compose(["model=tiny", "backend=torch", *overrides])
+    # sglang's default ratio, stated explicitly (the shipped workloads size the SWA pool `auto`)
+    return swafactory.compose(["model=tiny", "backend=torch", "workload.swa_full_tokens_ratio=0.8",
+                               *overrides])
 
 
 def test_own_draft_pool_covers_the_target_full_space_and_under_sizing_needs_a_switch():
