@@ -16,7 +16,7 @@ FIELDS = ["spec.topk", "spec.num_steps", "spec.num_draft_tokens", "spec.block_si
           "backend.cuda_graph", "backend.name", "model.sliding_window", "model.num_layers",
           "model.layer_pattern", "model.swa.head_dim", "model.full.num_kv_heads",
           "workload.swa_full_tokens_ratio", "workload.context_len", "workload.device",
-          "+backend.bogus", "~model.full", "model.attention_sinks", "run.mode"]
+          "+backend.bogus", "~model.full", "model.attention_sinks", "run.mode", "parallel.tp"]
 VALUES = st.one_of(st.integers(-3, 5000).map(str), st.sampled_from(
     ["0", "1", "16", "0.5", "1e9", "true", "null", "cascade", "custom_mask", "allocator",
      "active_pool", "SF", "SXS", "torch", "cuda", "[1,2]", "'a b'", "${model.num_layers}"]),

@@ -17,7 +17,7 @@ from swafactory.errors import FieldError
 
 __all__ = ["Geometry", "ModelSpec", "SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec",
            "FrozenKVMTPSpec", "DFlashSpec", "StandaloneSpec", "BackendSpec", "WorkloadSpec",
-           "RunSpec", "FaultsSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
+           "RunSpec", "FaultsSpec", "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
 
 LayerType = Literal["sliding_attention", "full_attention"]
 _PATTERN_CODES = {"S": "sliding_attention", "F": "full_attention"}
@@ -232,6 +232,14 @@ class FaultsSpec(_Frozen):
         return [k for k, v in self.model_dump().items() if v is True]
 
 
+class ParallelSpec(_Frozen):
+    """How attention is spread over processes."""
+
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size: query and KV heads are sharded over this many ranks (torch.distributed;
+    gloo on CPU, NCCL on GPUs). KV heads fewer than `tp` are replicated, as in vLLM."""
+
+
 class SwaFactoryConfig(_Frozen):
     """A whole, validated configuration: model × spec × backend × workload × run."""
 
@@ -247,6 +255,8 @@ class SwaFactoryConfig(_Frozen):
     """What to do."""
     faults: FaultsSpec = FaultsSpec()
     """Fault injection (all off by default)."""
+    parallel: ParallelSpec = ParallelSpec()
+    """Tensor parallelism (one process by default)."""
 
     @property
     def combination(self) -> str:

@@ -106,5 +106,11 @@ class Report(_Model):
     tokens_per_s: float
     """Tokens committed per second of wall time (oracle checks included)."""
     wall_s: float
+    tp: int = 1
+    """Tensor-parallel ranks (heads sharded; outputs all-gathered before the oracle check)."""
+    rank_attention_ms: list[float] = Field(default_factory=list)
+    """Attention time per step on each rank (tp > 1)."""
+    gather_ms_per_step: float = 0.0
+    """All-gather time per step on rank 0 (tp > 1)."""
     history: list[StepRecord] = Field(default_factory=list)
     mismatch: Mismatch | None = None

@@ -33,6 +33,24 @@ def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     fault returns a Report with ``status="failed"``. ``on_step(finished, step, swa_use)``."""
     dev = device or detect_device(cfg.workload.device)
     cfg = validate(cfg, dev)
+    if cfg.parallel.tp > 1:
+        from swafactory.parallel import launch
+
+        return launch(cfg, dev.kind)
+    return _run_local(cfg, dev, on_step, None)
+
+
+def run_rank(cfg: SwaFactoryConfig, shard) -> Report:
+    """One tensor-parallel rank's run (called by `swafactory.parallel`; the config is validated)."""
+    dev = detect_device(cfg.workload.device)
+    if dev.kind == "cuda":
+        import dataclasses
+        dev = dataclasses.replace(dev, name=f"{dev.name} ×{shard.tp}")
+    return _run_local(cfg, dev, None, shard)
+
+
+def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
+               on_step: Callable[[int, int, float], None] | None, shard) -> Report:
     w, m = cfg.workload, cfg.model
     rng = random.Random(w.seed)
     gen = torch.Generator().manual_seed(w.seed)
@@ -61,7 +79,7 @@ def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     mismatch = None
     loop = None
     try:
-        parts = build_parts(cfg, prompts, outs, torch_dev, gen)
+        parts = build_parts(cfg, prompts, outs, torch_dev, gen, shard)
         loop = Loop(parts, prompts, outs, tolerance=tol, rng=rng, on_forward=on_forward)
         while not loop.finished():
             step_err[0] = 0.0
@@ -91,7 +109,24 @@ def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
                             group="-", request="-", error=f"{type(exc).__name__}: {exc}",
                             check=check)
     wall = time.perf_counter() - t0
-    return _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall)
+    report = _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall)
+    if shard is not None:
+        report = _with_ranks(report, parts, loop)
+    return report
+
+
+def _with_ranks(report: Report, parts, loop) -> Report:
+    """Add every rank's attention time and this rank's all-gather cost (per step)."""
+    import torch.distributed as dist
+
+    workers = [x for x in (parts.target, parts.draft) if x is not None] if parts else []
+    steps = max(1, loop.step if loop else 1)
+    mine = 1000 * sum(x.attn_s for x in workers) / steps
+    gather = 1000 * sum(x.gather_s for x in workers) / steps
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return report.model_copy(update={"tp": dist.get_world_size(), "rank_attention_ms": every,
+                                     "gather_ms_per_step": gather})
 
 
 def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall) -> Report:
@@ -105,11 +140,12 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall) -> Repor
     tokens = sum(r.committed for r in (loop.done + loop.running)) if loop else 0
     pool_bytes = sum(sp.bytes for sp in parts.pool.sub_pools) if parts else 0
     full_only = 0
-    if parts:
+    if parts:  # the same layers, each keeping every full slot (per rank when sharded)
         rows = parts.sizes.full + b.page_size
         elt = parts.pool.sub_pools[0].k_bufs[0].element_size()
-        full_only = sum(2 * m.geometry(i).num_kv_heads * m.geometry(i).head_dim * elt * rows
-                        for i in range(m.num_layers))
+        for i in range(m.num_layers):
+            sub = parts.pool.sub_pool(i)
+            full_only += 2 * sub.num_kv_heads * sub.head_dim * elt * rows
     draft_kind = {"own_pool": "own pool (full index space)", "target_pool": "frozen view of "
                   "the target, swapped in per forward", "none": "-"}[s.draft_kv]
     if parts and parts.draft_pool is not None and parts.draft_pool.is_split:

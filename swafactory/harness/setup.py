@@ -17,6 +17,7 @@ from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.layout import frozen_draft_binding
 from swafactory.metadata.plan import group_key
+from swafactory.parallel import Shard, shard_config
 
 __all__ = ["Sizes", "pool_sizes", "draft_nodes", "Parts", "build_parts", "DraftView"]
 
@@ -111,11 +112,16 @@ def _subset(cfg: SwaFactoryConfig, pool, extra: tuple[int, ...]) -> list[int]:
 
 
 def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], device: str,
-                gen: torch.Generator) -> Parts:
-    """Pools, allocator, backends and workers for a validated config."""
+                gen: torch.Generator, shard: Shard | None = None) -> Parts:
+    """Pools, allocator, backends and workers for a validated config.
+
+    With a ``shard`` (tensor parallelism) the pools and backends hold this rank's heads only;
+    the oracle's layer specs stay those of the whole model.
+    """
     m, s, f = cfg.model, cfg.spec, cfg.faults
+    scfg = cfg if shard is None else shard_config(cfg, shard)
     sizes = pool_sizes(cfg, prompts, outs)
-    pool, alloc = build_pools(cfg, sizes.full, sizes.swa, device, check_mode=True)
+    pool, alloc = build_pools(scfg, sizes.full, sizes.swa, device, check_mode=True)
     alloc.shuffle(gen)  # pages in random order
     slots = RequestSlots(alloc, ReqToToken(cfg.workload.max_running_requests, sizes.max_context,
                                            device))
@@ -127,12 +133,12 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
     specs = target_layer_specs(cfg)
     parts = Parts(cfg, sizes, pool, alloc, slots, None, None, None, None, None, None)  # type: ignore[arg-type]
     layers = _subset(cfg, pool, tuple(binding))
-    parts.target = Worker("target", build_backend(cfg, pools=pool), {i: specs[i] for i in layers},
+    parts.target = Worker("target", build_backend(scfg, pools=pool), {i: specs[i] for i in layers},
                           parts.hist_t, writes=True, q_dtype=q_dtype, device=device, gen=gen,
-                          sinks=sinks)
+                          sinks=sinks, shard=shard)
     if s.draft_kv == "own_pool":
         headroom = 0.5 if f.no_draft_headroom else 1.0
-        dpool = build_draft_pool(cfg, pool, alloc, device=device, check_mode=True,
+        dpool = build_draft_pool(scfg, pool, alloc, device=device, check_mode=True,
                                  headroom=headroom, unsafe_undersized=f.no_draft_headroom)
         view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
         types = ["full_attention"] * s.draft_num_layers
@@ -141,16 +147,16 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
         windows = {j: (m.sliding_window if t == "sliding_attention" else None)
                    for j, t in enumerate(types)}
         dspecs = {}
-        for j in range(s.draft_num_layers):
-            sub = dpool.sub_pool(j)
-            dspecs[j] = LayerSpec(windows[j], m.num_attention_heads, sub.num_kv_heads, sub.head_dim,
-                                  m.softmax_scale or sub.head_dim ** -0.5, m.logit_softcap, j)
+        for j, t in enumerate(types):  # whole-model geometry: the oracle sees every head
+            geo = (m.swa if t == "sliding_attention" else m.full) if dpool.is_split else (m.full or m.swa)
+            dspecs[j] = LayerSpec(windows[j], m.num_attention_heads, geo.num_kv_heads, geo.head_dim,
+                                  m.softmax_scale or geo.head_dim ** -0.5, m.logit_softcap, j)
         parts.draft_pool, parts.draft_view = dpool, view
-        parts.draft = Worker("draft", build_backend(cfg, view=view, windows=windows), dspecs,
+        parts.draft = Worker("draft", build_backend(scfg, view=view, windows=windows), dspecs,
                              parts.hist_d, writes=True, q_dtype=q_dtype, device=device, gen=gen,
-                             sinks={})
+                             sinks={}, shard=shard)
     elif s.draft_kv == "target_pool":
-        geo = m.full or m.swa
+        geo = scfg.model.full or scfg.model.swa
         # the FROZEN_KV runner's own pool is a dummy non-split pool; the engine swaps the target's
         # view in for each draft forward (sglang), which is what a cached resolver gets wrong
         dummy = own_draft_pool(sizes.full, cfg.backend.page_size, len(binding), geo.num_kv_heads,
@@ -160,9 +166,10 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
         dspecs = {j: specs[t] for j, t in enumerate(binding)}
         parts.dummy_pool, parts.draft_view = dummy, view
         parts.frozen_view = frozen_draft_view(pool, binding)
-        parts.draft = Worker("draft", build_backend(cfg, view=view, windows=windows), dspecs,
+        parts.draft = Worker("draft", build_backend(scfg, view=view, windows=windows), dspecs,
                              parts.hist_t, writes=False, q_dtype=q_dtype, device=device, gen=gen,
-                             sinks={j: sinks[t] for j, t in enumerate(binding) if t in sinks})
+                             sinks={j: sinks[t] for j, t in enumerate(binding) if t in sinks},
+                             shard=shard)
     if parts.draft_pool is not None and parts.draft_pool.sub_pools[0].size < sizes.full and \
             not f.no_draft_headroom:
         raise CapacityError("the draft pool is smaller than the target's full space")

@@ -105,11 +105,13 @@ class Worker:
 
     def __init__(self, name: str, backend: AttentionBackend, layers: Mapping[int, LayerSpec],
                  histories: dict[Hashable, History], *, writes: bool, q_dtype: torch.dtype,
-                 device: str, gen: torch.Generator, sinks: Mapping[int, torch.Tensor]) -> None:
+                 device: str, gen: torch.Generator, sinks: Mapping[int, torch.Tensor],
+                 shard=None) -> None:
         self.name, self.backend, self.layers = name, backend, dict(layers)
         self.hist, self.writes, self.q_dtype = histories, writes, q_dtype
         self.device, self.gen, self.sinks = device, gen, dict(sinks)
-        self.plan_s = self.attn_s = 0.0
+        self.shard = shard  # a swafactory.parallel.Shard: this rank's heads (None = all heads)
+        self.plan_s = self.attn_s = self.gather_s = 0.0
 
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
                 full_id: str, *, check: bool) -> list[Check]:
@@ -132,13 +134,23 @@ class Worker:
                 k = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
                 v = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
             sinks = self.sinks.get(layer)
+            # every rank draws the full-head tensors (same seed) and keeps its heads, so the
+            # gathered output is checked against the single-process oracle
+            qs = slice(None) if self.shard is None else self.shard.q_heads(spec.num_q_heads)
+            ks = slice(None) if self.shard is None else self.shard.kv_heads(spec.num_kv_heads)
             t0 = time.perf_counter()
-            out = self.backend.forward(q.to(self.device), _dev(k, self.device), _dev(v, self.device),
-                                       layer, save_kv=self.writes,
-                                       sinks=None if sinks is None else sinks.to(self.device))
+            out = self.backend.forward(
+                q[:, qs].contiguous().to(self.device),
+                None if k is None else k[:, ks].contiguous().to(self.device),
+                None if v is None else v[:, ks].contiguous().to(self.device), layer, save_kv=self.writes,
+                sinks=None if sinks is None else sinks[qs].to(self.device))
             if out.is_cuda:
                 torch.cuda.synchronize()
             self.attn_s += time.perf_counter() - t0
+            if self.shard is not None:
+                t0 = time.perf_counter()
+                out = _all_gather_heads(out)
+                self.gather_s += time.perf_counter() - t0
             if self.writes:
                 self._record(reqs, spec.history_layer, k, v)
             if check:
@@ -162,5 +174,10 @@ class Worker:
             row += r.q_len
 
 
-def _dev(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
+def _all_gather_heads(out: torch.Tensor) -> torch.Tensor:
+    """[n, H/tp, D] on each rank → [n, H, D] everywhere (ranks hold consecutive head shards)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, out.contiguous())
+    return torch.cat(parts, dim=1)

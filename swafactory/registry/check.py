@@ -26,7 +26,7 @@ def check(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[Reason]:
     caps = get_capabilities(cfg.backend.name)
     reasons: list[Reason] = []
     for rule in (_adapter, _device, _packages, _page_size, _head_dims, _geometry, _window, _tree, _dflash,
-                 _sinks, _softcap, _dtype, _cuda_graph, _resolver, _sizing):
+                 _sinks, _softcap, _dtype, _cuda_graph, _resolver, _sizing, _parallel):
         reasons.extend(replace(r, rule=rule.__name__.lstrip("_")) for r in rule(cfg, caps, device))
     return reasons
 
@@ -189,3 +189,21 @@ def _sizing(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Itera
                  f"the SWA pool holds {have} tokens per request (context_len {w.context_len} × "
                  f"ratio {w.swa_full_tokens_ratio}), but each request needs W + draft tokens + page "
                  f"= {need} (DESIGN invariant 6)", f"workload.swa_full_tokens_ratio={min(1.0, ratio)}")
+
+
+def _parallel(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+    tp, m = cfg.parallel.tp, cfg.model
+    if tp == 1:
+        return
+    if m.num_attention_heads % tp:
+        ok = [d for d in range(1, m.num_attention_heads + 1) if m.num_attention_heads % d == 0]
+        yield _r("parallel.tp", f"{m.num_attention_heads} query heads of {m.name} do not split "
+                                f"over {tp} ranks; tp must divide them: {ok}")
+    for group, geo in (("swa", m.swa), ("full", m.full)):
+        if geo is None:
+            continue
+        kv = geo.num_kv_heads
+        if kv % tp and tp % kv:
+            yield _r(f"model.{group}.num_kv_heads",
+                     f"{kv} KV heads neither split over {tp} ranks nor replicate evenly onto them "
+                     "(need kv % tp == 0, or tp % kv == 0 to replicate)")
