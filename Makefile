@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(VENV)/bin/python -m swafactory $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n auto
 
 matrix: $(STAMP)
 	$(VENV)/bin/python tools/gen_support_matrix.py

@@ -16,6 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 if "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
+# under pytest-xdist each worker is one process: one thread each keeps the cores from thrashing
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest hook
     if torch.cuda.is_available():

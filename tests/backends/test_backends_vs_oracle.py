@@ -31,9 +31,16 @@ def _runnable_here(name: str) -> bool:
     return torch.cuda.is_available()  # GPU adapters are tested on the GPU host
 
 
+def _why_not(name: str) -> str:
+    from swafactory.registry.table import has_adapter
+
+    if not has_adapter(name):
+        return f"{name} has no adapter yet (the registry refuses it)"
+    return f"{name} kernels need a CUDA GPU (triton: or TRITON_INTERPRET=1); this is a CPU run"
+
+
 BACKENDS = [pytest.param(b, marks=[] if _runnable_here(b) else pytest.mark.skip(
-    reason=f"{b} has no adapter here, or needs a CUDA GPU (triton: or TRITON_INTERPRET=1)"))
-    for b in list_backends()]
+    reason=_why_not(b))) for b in list_backends()]
 
 MODES = ["extend", "extend_prefix", "decode", "verify_chain", "verify_tree_2", "verify_tree_4",
          "draft_decode", "draft_extend", "dflash_block"]
