@@ -47,6 +47,24 @@ class _SpecBase(_Frozen):
         if not ok:
             raise FieldError(field, msg)
 
+    def _chain(self, hint: str = "") -> None:
+        """A chain: topk 1, and the verified root plus one token per draft step."""
+        algo = getattr(self, "algorithm", "this spec")
+        self._need(self.topk == 1, "topk", f"{algo} drafts a chain: topk must be 1, got "
+                                           f"{self.topk}{hint}")
+        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
+                   f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens, "
+                   f"got num_draft_tokens={self.num_draft_tokens}")
+
+    def _tree(self) -> None:
+        """A tree of num_steps levels × topk holds at most topk·num_steps + 1 tokens."""
+        most = self.topk * self.num_steps + 1
+        self._need(self.num_draft_tokens <= most, "num_draft_tokens",
+                   f"a tree of {self.num_steps} steps × topk {self.topk} has at most {most} "
+                   f"tokens, got num_draft_tokens={self.num_draft_tokens}")
+        if self.topk == 1:
+            self._chain()
+
 
 class NoSpec(_Frozen):
     """No speculative decoding: extend and decode only."""
@@ -74,12 +92,8 @@ class EagleSpec(_SpecBase):
     """EAGLE drafts write their own, non-SWA pool, indexed with the target's full slots."""
 
     @model_validator(mode="after")
-    def _chain(self) -> EagleSpec:
-        self._need(self.topk == 1, "topk", f"eagle drafts a chain: topk must be 1, got {self.topk} "
-                                   "(use spec=eagle3 for trees)")
-        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
-                   f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens, "
-                   f"got num_draft_tokens={self.num_draft_tokens}")
+    def _shape(self) -> EagleSpec:
+        self._chain(" (use spec=eagle3 for trees)")
         return self
 
 
@@ -92,14 +106,8 @@ class Eagle3Spec(_SpecBase):
     """EAGLE-3 drafts write their own, non-SWA pool, indexed with the target's full slots."""
 
     @model_validator(mode="after")
-    def _tree(self) -> Eagle3Spec:
-        most = self.topk * self.num_steps + 1
-        self._need(self.num_draft_tokens <= most, "num_draft_tokens",
-                   f"a tree of {self.num_steps} steps × topk {self.topk} has at most {most} "
-                   f"tokens, got num_draft_tokens={self.num_draft_tokens}")
-        if self.topk == 1:
-            self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
-                       f"with topk=1 the chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
+    def _shape(self) -> Eagle3Spec:
+        self._tree()
         return self
 
 
@@ -112,10 +120,8 @@ class NextNSpec(_SpecBase):
     """The MTP layer writes its own pool, indexed with the target's full slots."""
 
     @model_validator(mode="after")
-    def _chain(self) -> NextNSpec:
-        self._need(self.topk == 1, "topk", f"nextn drafts a chain: topk must be 1, got {self.topk}")
-        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
-                   f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
+    def _shape(self) -> NextNSpec:
+        self._chain()
         return self
 
 
@@ -128,10 +134,8 @@ class FrozenKVMTPSpec(_SpecBase):
     """The draft reads a frozen view of the target's pool, its layers bound to same-type layers."""
 
     @model_validator(mode="after")
-    def _chain(self) -> FrozenKVMTPSpec:
-        self._need(self.topk == 1, "topk", f"frozen_kv_mtp verifies a chain: topk must be 1, got {self.topk}")
-        self._need(self.num_draft_tokens == self.num_steps + 1, "num_draft_tokens",
-                   f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens")
+    def _shape(self) -> FrozenKVMTPSpec:
+        self._chain()
         return self
 
 
@@ -168,8 +172,7 @@ class StandaloneSpec(_SpecBase):
 
     @model_validator(mode="after")
     def _shape(self) -> StandaloneSpec:
-        most = self.topk * self.num_steps + 1
-        self._need(self.num_draft_tokens <= most, "num_draft_tokens", f"at most {most} draft tokens for this tree")
+        self._tree()
         return self
 
 
