@@ -106,6 +106,13 @@ class AttentionBackend:
             self.adapter.plan(self._plan, pool)
         return self._plan
 
+    def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
+        g = self.plan.group(layer_id)
+        if g.write_locs is None:
+            raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
+        self._pool.write(layer_id, g.write_locs, k, v)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, batch: ForwardBatch | None = None, save_kv: bool = True,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,9 +126,7 @@ class AttentionBackend:
         del batch
         g = self.plan.group(layer_id)
         if save_kv:
-            if g.write_locs is None:
-                raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
-            self._pool.write(layer_id, g.write_locs, k, v)
+            self.write_kv(layer_id, k, v)
         k_buf, v_buf, sub = self._pool.get_kv(layer_id)
         if q.shape[-1] != sub.head_dim or q.shape[1] % sub.num_kv_heads:
             raise SpaceError(f"layer {layer_id}: q is {q.shape[1]} heads × {q.shape[-1]}, but the "

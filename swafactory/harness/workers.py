@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swafactory.backend import AttentionBackend
+from swafactory.graphs import GraphedAttention
 from swafactory.harness.oracle import oracle_attention, tree_visibility
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
@@ -112,6 +113,8 @@ class Worker:
         self.device, self.gen, self.sinks = device, gen, dict(sinks)
         self.shard = shard  # a swafactory.parallel.Shard: this rank's heads (None = all heads)
         self.plan_s = self.attn_s = self.gather_s = 0.0
+        self._graphs: dict[tuple[str, int], GraphedAttention] = {}
+        self._full: dict[int, tuple] = {}  # layer → this forward's full-head (q, k, v) on the host
 
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
                 full_id: str, *, check: bool) -> list[Check]:
@@ -122,31 +125,27 @@ class Worker:
                 del h.pos[r.prefix_len + r.query_from:]
                 h.pos.extend(r.node_positions()[r.query_from:].tolist())
         batch = ForwardBatch.of(mode, reqs, req_to_token, full_id)
+        graphed = self._graphed(batch)
         t0 = time.perf_counter()
-        plan = self.backend.init_forward_metadata(batch)
+        plan = None if graphed is not None else self.backend.init_forward_metadata(batch)
         self.plan_s += time.perf_counter() - t0
+        inputs = {layer: self._draw(layer, spec, batch.total_q) for layer, spec in self.layers.items()}
+        t0 = time.perf_counter()
+        if graphed is not None:  # plans inside (padded to the graph's bucket)
+            outs = graphed.forward(batch, {l: x[0] for l, x in inputs.items()},
+                                   {l: x[1:] for l, x in inputs.items()} if self.writes else None)
+            plan = self.backend.plan
+        else:
+            outs = {layer: self.backend.forward(q, k, v, layer, save_kv=self.writes,
+                                                sinks=self._sinks(layer))
+                    for layer, (q, k, v) in inputs.items()}
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        self.attn_s += time.perf_counter() - t0
         checks = []
         for layer, spec in self.layers.items():
-            nq = batch.total_q
-            q = torch.randn(nq, spec.num_q_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
-            k = v = None
-            if self.writes:
-                k = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
-                v = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
-            sinks = self.sinks.get(layer)
-            # every rank draws the full-head tensors (same seed) and keeps its heads, so the
-            # gathered output is checked against the single-process oracle
-            qs = slice(None) if self.shard is None else self.shard.q_heads(spec.num_q_heads)
-            ks = slice(None) if self.shard is None else self.shard.kv_heads(spec.num_kv_heads)
-            t0 = time.perf_counter()
-            out = self.backend.forward(
-                q[:, qs].contiguous().to(self.device),
-                None if k is None else k[:, ks].contiguous().to(self.device),
-                None if v is None else v[:, ks].contiguous().to(self.device), layer, save_kv=self.writes,
-                sinks=None if sinks is None else sinks[qs].to(self.device))
-            if out.is_cuda:
-                torch.cuda.synchronize()
-            self.attn_s += time.perf_counter() - t0
+            q, k, v = self._full[layer]
+            out = outs[layer]
             if self.shard is not None:
                 t0 = time.perf_counter()
                 out = _all_gather_heads(out)
@@ -155,12 +154,55 @@ class Worker:
                 self._record(reqs, spec.history_layer, k, v)
             if check:
                 refs, rows, row = [], {}, 0
+                sinks = self.sinks.get(layer)
                 for r in reqs:
                     refs.append(oracle_for(spec, r, self.hist[r.rid], q[row:row + r.q_len].float(), sinks))
                     rows[r.rid] = slice(row, row + r.q_len)
                     row += r.q_len
                 checks.append(Check(layer, plan.layer_groups[layer], out.cpu(), torch.cat(refs), rows))
         return checks
+
+    def _draw(self, layer: int, spec: LayerSpec, nq: int):
+        """Seeded q (and k, v when writing) of one layer; returns this runner's head shard of
+        each on the device. Every rank draws the full-head tensors (same seed) and keeps its
+        heads, so the gathered output is checked against the single-process oracle."""
+        q = torch.randn(nq, spec.num_q_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
+        k = v = None
+        if self.writes:
+            k = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
+            v = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
+        self._full[layer] = (q, k, v)
+        qs = slice(None) if self.shard is None else self.shard.q_heads(spec.num_q_heads)
+        ks = slice(None) if self.shard is None else self.shard.kv_heads(spec.num_kv_heads)
+        dev = lambda x, s: None if x is None else x[:, s].contiguous().to(self.device)  # noqa: E731
+        return dev(q, qs), dev(k, ks), dev(v, ks)
+
+    def _sinks(self, layer: int) -> torch.Tensor | None:
+        sinks = self.sinks.get(layer)
+        if sinks is None:
+            return None
+        qs = slice(None) if self.shard is None else self.shard.q_heads(sinks.numel())
+        return sinks[qs].to(self.device)
+
+    def _graphed(self, batch: ForwardBatch) -> GraphedAttention | None:
+        """The CUDA graph for this forward, when the config asks for graphs and the forward is
+        one a graph serves (decode or verify, every request the same query count)."""
+        if not self.backend.cfg.backend.cuda_graph or batch.mode not in ("decode", "target_verify"):
+            return None
+        tokens = {r.q_len for r in batch.reqs}
+        if len(tokens) != 1:
+            return None
+        key = (batch.mode, tokens.pop())
+        if key not in self._graphs:
+            shapes = {}
+            for layer, spec in self.layers.items():
+                hq = spec.num_q_heads // (1 if self.shard is None else self.shard.tp)
+                shapes[layer] = (hq, spec.head_dim)
+            self._graphs[key] = GraphedAttention(
+                self.backend, shapes, tokens=key[1], dtype=self.q_dtype,
+                sinks={layer: self._sinks(layer) for layer in self.layers if layer in self.sinks})
+        g = self._graphs[key]
+        return g if batch.batch_size <= g.buckets[-1] else None
 
     def _record(self, reqs: Sequence[ReqForward], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         row = 0

@@ -1,13 +1,46 @@
-"""flash-attn-4 (CuTe DSL): varlen paged attention; trees through cascade + LSE merge."""
+"""flash-attn-4 (CuTe DSL): `flash_attn_varlen_func` over a page-size-1 view of the pool.
+
+Layout. Pool buffers ``[rows, Hkv, D]`` viewed as ``[rows, 1, Hkv, D]`` are FA4's paged cache
+with one token per page, so a request's key rows are its ``page_table`` row and ``seqused_k`` its
+key count. FA4 aligns causality and its window bottom-right in *index* space (query i of a
+sequence sees key j iff ``j ≤ i + kv_len − q_len`` and ``j ≥ i + kv_len − q_len − left``).
+
+Two shapes of a pass, chosen once per forward (`Adapter.plan`):
+
+* ``natural``: no structure mask, each request's keys are consecutive positions that end with its
+  queries (decode, extend, chain verify, draft extend). Index space equals position space there,
+  so ``causal=True, window_size=(W-1, 0)`` is exact, trimmed SWA lists included.
+* ``expanded``: everything else (trees, DFlash blocks, cascade halves). Each query row becomes a
+  sequence of one query whose page-table row lists exactly the keys it sees (structure & window,
+  the shared rule of `flex.padded_pass`), run non-causal. Any mask is exact this way.
+
+Known library limit (4.0.0b9, SM90): the non-TMA paged loader sizes a per-thread page buffer as
+``tile_n // 128``, which is 0 for head_dim 256 (tile_n 64/80), hence "Expected size in shape to be
+strictly positive, but got 0" (flash-attention PR #2446; fixed upstream in #2745, first released
+in fa4-v4.0.0.beta26). Head dims above 128 therefore run without a page table: each layer's keys
+are gathered into ``[B, S, Hkv, D]`` with ``seqused_k``. head_dim 512 is refused by the library on
+SM90 and so by the registry. Sinks use the exact LSE epilogue: ``learnable_sink`` takes bf16
+sinks only, and the models' sinks are fp32.
+"""
 from __future__ import annotations
 
-from swafactory.registry.capabilities import Capabilities
+from dataclasses import dataclass
 
-__all__ = ["CAPABILITIES"]
+import torch
+
+from swafactory.kernels.flex import padded_pass
+from swafactory.kernels.torch_ref import apply_sinks, merge_states
+from swafactory.registry.capabilities import Capabilities
+from swafactory.window import flash_attn_window_size
+
+__all__ = ["CAPABILITIES", "Adapter", "PAGED_MAX_HEAD_DIM"]
+
+PAGED_MAX_HEAD_DIM = 128
+"""Largest head dim FA4 4.0.0b9 serves through ``page_table`` at page size 1 on SM90."""
 
 CAPABILITIES = Capabilities(
     name="flash_attn",
-    summary="flash-attn-4 flash_attn_varlen_func with page_table/seqused_k; trees via cascade",
+    summary="flash-attn-4 varlen over a page-size-1 page table; masks as per-query key lists",
     kernel="flash-attn-4 varlen (cute)",
     devices=frozenset({"cuda"}),
     cuda_archs=frozenset({90, 100, 103}),
@@ -15,11 +48,129 @@ CAPABILITIES = Capabilities(
     requires=(("flash_attn.cute", "swafactory[flash-attn]"),),
     max_head_dim=256,
     head_dim_note="flash-attn-4 refuses head_dim > 256 on SM90 ('head_dim must be between 8 and 256')",
-    tree_masks=frozenset({"cascade"}),
-    paged_trees=False,
+    tree_masks=frozenset({"custom_mask", "cascade"}),
     sinks=True,
-    sinks_note="learnable_sink",
+    sinks_note="applied exactly from the returned LSE (learnable_sink takes bf16 sinks only)",
     softcap=True,
-    cuda_graph=True,
     kv_dtypes=frozenset({"float16", "bfloat16"}),
 )
+
+
+@dataclass(eq=False)
+class _FaPass:
+    """One planned pass in FA4's terms (device tensors, int32)."""
+
+    natural: bool
+    cu_seqlens_q: torch.Tensor
+    """[n+1] int32: n = requests (natural) or query rows (expanded)."""
+    max_seqlen_q: int
+    page_table: torch.Tensor
+    """[n, S] int32 pool rows; entries past seqused_k are never read."""
+    seqused_k: torch.Tensor
+    """[n] int32 key counts."""
+    empty: torch.Tensor | None
+    """[total_q] bool: rows that see no key (expanded cascade halves), or None."""
+    window: int | None
+
+
+def _is_natural(tables, pp) -> bool:
+    """Keys are consecutive positions ending with the request's own queries, with no mask."""
+    if tables.mask is not None:
+        return False
+    qo, kv = tables.qo_indptr.long(), tables.kv_indptr.long()
+    b, qmax, kvmax = pp.shape
+    kv_len = (kv[1:] - kv[:-1])[:, None]
+    q_len = (qo[1:] - qo[:-1])[:, None]
+    ki, qi = torch.arange(kvmax, device=kv.device), torch.arange(qmax, device=kv.device)
+    kv_rows = torch.where(ki < kv_len, kv[:-1, None] + ki, 0)
+    kpos = tables.kv_pos.long()[kv_rows]  # [B, kvmax]
+    consecutive = ((kpos - kpos[:, :1] == ki) | (ki >= kv_len)).all()
+    q_rows = torch.where(qi < q_len, qo[:-1, None] + qi, 0)
+    own = kv_len - q_len + qi  # index of each query's own key
+    qpos = tables.q_pos.long()[q_rows]
+    at_end = ((qpos == kpos[:, :1] + own) | (qi >= q_len)).all()
+    return bool(consecutive & at_end & (q_len <= kv_len).all())
+
+
+def plan_pass(tables, window: int | None) -> _FaPass:
+    """FA4 arguments for one pass. tables: `metadata.AttnTables`."""
+    pp = padded_pass(tables, window)
+    b, qmax, kvmax = pp.shape
+    dev = tables.qo_indptr.device
+    kv_rows = pp.kv_index.view(b, kvmax)
+    if _is_natural(tables, pp):
+        kv_len = pp.kv_valid.view(b, kvmax).sum(1)
+        return _FaPass(True, tables.qo_indptr.to(torch.int32), qmax, kv_rows.to(torch.int32),
+                       kv_len.to(torch.int32), None, window)
+    vis = pp.vis.view(b * qmax, kvmax)[pp.q_valid]  # [total_q, kvmax]
+    counts = vis.sum(1)
+    width = max(1, int(counts.max())) if counts.numel() else 1
+    order = torch.sort((~vis).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+    req = torch.arange(b, device=dev).repeat_interleave(qmax)[pp.q_valid]
+    table = torch.gather(kv_rows[req], 1, order)
+    n = vis.shape[0]
+    empty = counts == 0
+    return _FaPass(False, torch.arange(n + 1, device=dev, dtype=torch.int32), 1,
+                   table.to(torch.int32), counts.to(torch.int32),
+                   empty if bool(empty.any()) else None, window)
+
+
+def _varlen():
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+class Adapter:
+    """Wires planner tables to flash-attn-4; holds no pool logic."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self) -> None:
+        self._passes: dict[int, _FaPass] = {}
+
+    def plan(self, forward_plan, pool) -> None:
+        """FA4 arguments for every pass of ``forward_plan`` (once per forward)."""
+        del pool
+        self._passes.clear()
+        for g in forward_plan.groups.values():
+            for t in [g.tables] + (list(g.cascade) if g.cascade is not None else []):
+                self._passes[id(t)] = plan_pass(t, g.window)  # the plan keeps t alive
+
+    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
+        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log).
+
+        q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16); sinks: [Hq] or None.
+        """
+        p = self._passes.get(id(tables))
+        if p is None:
+            raise RuntimeError("flash_attn adapter: these tables were not planned in this "
+                               "forward (call AttentionBackend.init_forward_metadata first)")
+        if window != p.window:
+            raise ValueError(f"pass planned for window {p.window}, run with {window}")
+        kw = dict(cu_seqlens_q=p.cu_seqlens_q, max_seqlen_q=p.max_seqlen_q,
+                  seqused_k=p.seqused_k, softmax_scale=scale, softcap=softcap or 0.0,
+                  return_lse=True)
+        if p.natural:
+            left, _ = flash_attn_window_size(window)
+            kw.update(causal=True, window_size=(left if window is not None else None, 0))
+        else:
+            kw.update(causal=False, window_size=(None, None))
+        if q.shape[-1] <= PAGED_MAX_HEAD_DIM:
+            k, v = k_buf.unsqueeze(1), v_buf.unsqueeze(1)  # [rows, page_size 1, Hkv, D]
+            kw["page_table"] = p.page_table
+        else:  # b9's paged loader is broken for tile_n < 128 (see the module docstring)
+            rows = p.page_table.long()
+            k, v = k_buf[rows], v_buf[rows]  # [n, S, Hkv, D]
+        o, lse = _varlen()(q, k, v, **kw)
+        lse = lse.float().transpose(0, 1)  # FA4 varlen LSE is [Hq, total_q]
+        if p.empty is not None:  # a cascade half that sees nothing: the contract's (0, -inf)
+            o = torch.where(p.empty[:, None, None], 0, o)
+            lse = torch.where(p.empty[:, None], float("-inf"), lse)
+        if sinks is not None:
+            o, lse = apply_sinks(o, lse, sinks)
+        return o.to(q.dtype), lse
+
+    def merge(self, o1, lse1, o2, lse2, sinks=None):
+        """Cascade merge → o (the sink joins once, here)."""
+        return merge_states(o1, lse1, o2, lse2, sinks)

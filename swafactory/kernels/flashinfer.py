@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swafactory.kernels.torch_ref import apply_sinks, merge_states
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
@@ -53,7 +54,7 @@ CAPABILITIES = Capabilities(
                "adapter applies them exactly after the kernel from the LSE, o·σ(lse − sink) "
                "(checked against the oracle on the H200)",
     softcap=True,
-    cuda_graph=False,  # the adapter has no graph-captured variants yet
+    cuda_graph=True,  # decode and verify (uniform query counts) through swafactory.graphs
     kv_dtypes=frozenset({"float16", "bfloat16"}),
 )
 
@@ -81,19 +82,6 @@ def custom_mask(tables, window: int | None) -> torch.Tensor:
     return torch.cat(blocks).to(tables.qo_indptr.device)
 
 
-def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add one sink logit per head to the softmax denominator, after the fact (exact).
-
-    o: [n, H, D]; lse: [n, H] natural-log fp32 (-inf = no visible key); sinks: [H].
-    With ``Z = exp(lse)`` the sinkless denominator, the sink-aware output is
-    ``o · Z / (Z + exp(sink)) = o · σ(lse - sink)`` and its LSE is ``logaddexp(lse, sink)``.
-    """
-    s = sinks.float().view(1, -1)
-    w = torch.sigmoid(lse - s)
-    return (o.float() * w[..., None]).to(o.dtype), torch.logaddexp(lse, s)
-
-
 @dataclass(eq=False)
 class _Pass:
     """One planned pass (a group's tables, or a cascade half) in this forward."""
@@ -114,6 +102,8 @@ class _Pass:
     """Flattened bool visibility (prefill passes only)."""
     planned_for: tuple | None = None
     wrapper: object = field(default=None, repr=False)
+    graph: tuple[int, int] | None = None
+    """(bucket, tokens per request) when planned for a CUDA-graph bucket, else None."""
 
 
 class Adapter:
@@ -121,26 +111,38 @@ class Adapter:
 
     Wrappers are kept per (group, pass role, decode/prefill) and re-planned every forward; the
     float workspace is one buffer shared by all of them (they run one after another on a stream).
+
+    Graph mode (`swafactory.graphs.GraphedAttention` sets ``graph = (bucket, tokens)`` around
+    its plan call): passes are padded to ``bucket`` requests of ``tokens`` queries (padding
+    requests read one key, the pool's dummy row 0), and run through ``use_cuda_graph`` wrappers
+    whose fixed buffers the captured kernels read. A captured wrapper is re-planned here, at plan
+    time, with the signature it was captured with, because replays call no `run`.
     """
 
     capabilities = CAPABILITIES
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
-        self._wrappers: dict[tuple[str, str, bool], object] = {}
+        self._wrappers: dict[tuple, object] = {}
         self._passes: dict[int, _Pass] = {}
+        self.graph: tuple[int, int] | None = None
+        self._graph_sigs: dict[tuple, tuple] = {}
+        self._max_rows = 0
 
     def plan(self, forward_plan, pool) -> None:
         """Host work for every pass of ``forward_plan`` (once per forward)."""
-        del pool  # geometry is read from the buffers each layer actually reads (run)
         self._passes.clear()
+        self._max_rows = max(sp.rows for sp in pool.sub_pools)
         for key, g in forward_plan.groups.items():
             passes = [("main", g.tables)]
             if g.cascade is not None:
                 passes += [("pre", g.cascade[0]), ("exp", g.cascade[1])]
             for role, t in passes:
                 # keyed by id: the plan holds the tables alive for the whole forward
-                self._passes[id(t)] = self._prepare(key, role, t, g.window)
+                p = self._passes[id(t)] = self._prepare(key, role, t, g.window)
+                sig = self._graph_sigs.get(self._key(p))
+                if sig is not None:  # a captured wrapper: replays run no `run` to plan it
+                    self._plan_wrapper(p, sig, t.qo_indptr.device)
 
     def _prepare(self, key: str, role: str, t, window: int | None) -> _Pass:
         dev = t.qo_indptr.device
@@ -148,10 +150,27 @@ class Adapter:
         kv_host = t.kv_indptr.to("cpu", torch.int32)
         q_lens = (qo_host[1:] - qo_host[:-1]).tolist()
         decode = t.mask is None and all(n == 1 for n in q_lens)
-        return _Pass(key, role, window, decode, qo_host, kv_host,
-                     t.kv_indices.tensor.to(dev, torch.int32),
-                     torch.ones(len(q_lens), dtype=torch.int32),
-                     None if decode else custom_mask(t, window))
+        indices = t.kv_indices.tensor.to(dev, torch.int32)
+        mask = None if decode else custom_mask(t, window)
+        if self.graph is not None:
+            n, tokens = self.graph
+            if len(q_lens) > n or any(x != tokens for x in q_lens):
+                raise ValueError(f"a graph bucket of {n} requests × {tokens} queries cannot hold "
+                                 f"query counts {q_lens}")
+            pad = n - len(q_lens)
+            step = torch.arange(1, pad + 1, dtype=torch.int32)
+            qo_host = torch.cat([qo_host, qo_host[-1] + tokens * step])
+            kv_host = torch.cat([kv_host, kv_host[-1] + step])  # one key each: dummy row 0
+            indices = torch.cat([indices, indices.new_zeros(pad)])
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(pad * tokens)])
+        return _Pass(key, role, window, decode, qo_host, kv_host, indices,
+                     torch.ones(qo_host.numel() - 1, dtype=torch.int32), mask,
+                     graph=self.graph)
+
+    @staticmethod
+    def _key(p: _Pass) -> tuple:
+        return (p.group, p.role, p.decode, p.graph)
 
     def _wrapper(self, p: _Pass, device: torch.device):
         import flashinfer
@@ -159,22 +178,40 @@ class Adapter:
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._wrappers.clear()
-        k = (p.group, p.role, p.decode)
-        if k not in self._wrappers:
-            if p.decode:  # tensor cores: the fast path for GQA, and the one that serves D = 512
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
-                                                                  use_tensor_cores=True)
+            self._graph_sigs.clear()
+        k = self._key(p)
+        if k in self._wrappers:
+            return self._wrappers[k]
+        kw = {}
+        if p.graph is not None:  # fixed buffers, sized for the bucket's worst case
+            n, tokens = p.graph
+            i32 = dict(dtype=torch.int32, device=device)
+            max_kv = n * self._max_rows
+            kw = dict(use_cuda_graph=True)
+            if p.decode:
+                kw.update(paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
+                          paged_kv_indices_buffer=torch.zeros(max_kv, **i32),
+                          paged_kv_last_page_len_buffer=torch.ones(n, **i32))
             else:
-                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-            self._wrappers[k] = w
-        return self._wrappers[k]
+                kw.update(qo_indptr_buf=torch.zeros(n + 1, **i32),
+                          paged_kv_indptr_buf=torch.zeros(n + 1, **i32),
+                          paged_kv_indices_buf=torch.zeros(max_kv, **i32),
+                          paged_kv_last_page_len_buf=torch.ones(n, **i32),
+                          custom_mask_buf=torch.zeros((tokens * max_kv + 7) // 8 + n,
+                                                      dtype=torch.uint8, device=device),
+                          mask_indptr_buf=torch.zeros(n + 1, **i32))
+        if p.decode:  # tensor cores: the fast path for GQA, and the one that serves D = 512
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                              use_tensor_cores=True, **kw)
+        else:
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", **kw)
+        self._wrappers[k] = w
+        return w
 
-    def _plan_wrapper(self, p: _Pass, q: torch.Tensor, k_buf: torch.Tensor, scale: float,
-                      softcap: float | None) -> None:
-        hq, d = q.shape[1], q.shape[2]
-        hkv = k_buf.shape[1]
-        w = self._wrapper(p, q.device)
-        common = dict(q_data_type=q.dtype, kv_data_type=k_buf.dtype, sm_scale=scale,
+    def _plan_wrapper(self, p: _Pass, sig: tuple, device: torch.device) -> None:
+        hq, hkv, d, q_dtype, kv_dtype, scale, softcap = sig
+        w = self._wrapper(p, device)
+        common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale,
                       logits_soft_cap=softcap)
         if p.decode:
             w.plan(p.kv_host, p.indices, p.last, hq, hkv, d, 1,
@@ -182,7 +219,9 @@ class Adapter:
         else:  # the window is inside the mask: FlashInfer's own would count from kv_len - q_len
             w.plan(p.qo_host, p.kv_host, p.indices, p.last, hq, hkv, d, 1,
                    custom_mask=p.mask, window_left=-1, **common)
-        p.wrapper = w
+        p.wrapper, p.planned_for = w, sig
+        if p.graph is not None:
+            self._graph_sigs[self._key(p)] = sig
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
         """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log).
@@ -198,8 +237,7 @@ class Adapter:
                              f"{window}")
         sig = (q.shape[1], k_buf.shape[1], q.shape[2], q.dtype, k_buf.dtype, scale, softcap)
         if p.planned_for != sig:
-            self._plan_wrapper(p, q, k_buf, scale, softcap)
-            p.planned_for = sig
+            self._plan_wrapper(p, sig, q.device)
         o, lse = p.wrapper.run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), return_lse=True)
         lse = lse * _LN2  # FlashInfer's LSE is base 2 (m·log2e + log2 d in its kernels)
         if sinks is not None:
@@ -208,6 +246,4 @@ class Adapter:
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""
-        from swafactory.kernels.torch_ref import merge_states
-
         return merge_states(o1, lse1, o2, lse2, sinks)

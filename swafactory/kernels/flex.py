@@ -1,21 +1,196 @@
-"""torch FlexAttention: block masks for window and tree; the page size is the KV block size."""
+"""torch FlexAttention over a padded per-request view of the planner's tables.
+
+Layout. FlexAttention reads dense ``[B, H, S, D]`` tensors, not a paged pool. Once per forward
+(`Adapter.plan`) each pass's CSR tables become a padded batch: request b's queries in row b
+(``q_len_b`` of ``qmax``), its key rows in row b (``kv_len_b`` of ``kvmax``), and one bool
+visibility tensor ``[B, qmax, kvmax]`` = ``structure & (q_pos - kv_pos < W)``, the same rule as
+every other backend (causal by position when there is no structure mask). The block mask is built
+from that tensor once per pass, so empty key blocks (padding, out-of-window keys) are skipped and
+full blocks run unmasked. Per layer only the gather of the layer's K/V rows and the kernel run.
+
+Because the keys are gathered, any pool page size works; the price is one K/V copy per layer.
+On CUDA the kernel is ``torch.compile``d (dynamic shapes: batch and lengths change every
+forward); on CPU it runs FlexAttention's unfused eager path, for tests at small shapes.
+Sinks use the exact LSE epilogue (`torch_ref.apply_sinks`); FlexAttention's LSE is natural-log.
+"""
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from swafactory.kernels.torch_ref import apply_sinks, merge_states
 from swafactory.registry.capabilities import Capabilities
 
-__all__ = ["CAPABILITIES"]
+__all__ = ["CAPABILITIES", "Adapter", "padded_pass"]
 
 CAPABILITIES = Capabilities(
     name="flex",
-    summary="torch FlexAttention with paged block masks (mask_mod for window, tree and DFlash block)",
-    kernel="FlexAttention (paged block mask)",
-    devices=frozenset({"cuda"}),
-    page_sizes=frozenset({16, 32, 64, 128}),
+    summary="torch FlexAttention on a padded per-request gather; one block mask per pass per forward",
+    kernel="FlexAttention (block mask)",
+    devices=frozenset({"cpu", "cuda"}),
     max_head_dim=256,
-    head_dim_note="swafactory caps FlexAttention at head_dim 256 until a larger one is verified on a GPU",
-    tree_masks=frozenset({"custom_mask"}),
+    head_dim_note="swafactory caps FlexAttention at head_dim 256: larger heads are not verified "
+                  "on a GPU",
+    tree_masks=frozenset({"custom_mask", "cascade"}),
     sinks=True,
-    sinks_note="sinks are applied by rescaling with the returned LSE",
+    sinks_note="sinks join the denominator after the kernel, from the returned LSE",
     softcap=True,
     kv_dtypes=frozenset({"float32", "float16", "bfloat16"}),
 )
+
+_BLOCK = 128  # FlexAttention's own default: the kernels' tile sizes divide it on every arch
+
+
+@dataclass(eq=False)
+class _Padded:
+    """One pass as a padded batch (host work, once per forward)."""
+
+    q_index: torch.Tensor
+    """[B * qmax] long: total_q row of each padded query slot (0 in padding)."""
+    q_valid: torch.Tensor
+    """[B * qmax] bool."""
+    kv_index: torch.Tensor
+    """[B * kvmax] long: pool row of each padded key slot (0 in padding, zeroed after gather)."""
+    kv_valid: torch.Tensor
+    """[B * kvmax] bool."""
+    vis: torch.Tensor
+    """[B, qmax, kvmax] bool visibility (structure, causality, window, padding)."""
+    shape: tuple[int, int, int]
+    """(B, qmax, kvmax)."""
+    block_mask: object = None
+
+
+def padded_pass(tables, window: int | None) -> _Padded:
+    """The padded-batch form of one pass. tables: `metadata.AttnTables`."""
+    dev = tables.qo_indptr.device
+    qo = tables.qo_indptr.long()
+    kv = tables.kv_indptr.long()
+    q_len, kv_len = qo[1:] - qo[:-1], kv[1:] - kv[:-1]
+    b = q_len.numel()
+    qmax = max(1, int(q_len.max())) if b else 1
+    kvmax = max(1, int(kv_len.max())) if b else 1
+    qi = torch.arange(qmax, device=dev)
+    ki = torch.arange(kvmax, device=dev)
+    q_valid = qi[None, :] < q_len[:, None]  # [B, qmax]
+    kv_valid = ki[None, :] < kv_len[:, None]
+    q_rows = torch.where(q_valid, qo[:-1, None] + qi[None, :], 0)
+    kv_rows = torch.where(kv_valid, kv[:-1, None] + ki[None, :], 0)
+    q_pos = tables.q_pos.long()[q_rows]  # [B, qmax]
+    kv_pos = tables.kv_pos.long()[kv_rows]
+    d = q_pos[:, :, None] - kv_pos[:, None, :]
+    if tables.mask is not None:
+        mi = tables.mask_indptr.long()
+        flat = mi[:-1, None, None] + qi[None, :, None] * kv_len[:, None, None] + ki[None, None, :]
+        inside = q_valid[:, :, None] & kv_valid[:, None, :]
+        vis = tables.mask.bool()[torch.where(inside, flat, 0)] & inside
+    else:
+        vis = (d >= 0) & q_valid[:, :, None] & kv_valid[:, None, :]
+    if window is not None:
+        vis = vis & (d < window)
+    kv_index = tables.kv_indices.tensor.long()[kv_rows]
+    return _Padded(q_rows.reshape(-1), q_valid.reshape(-1), kv_index.reshape(-1),
+                   kv_valid.reshape(-1), vis, (b, qmax, kvmax))
+
+
+@cache
+def _flex():
+    import torch._dynamo
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # one compiled variant per (head_dim, GQA, soft-cap, dtype) a process meets; past dynamo's
+    # default limit of 8 it would silently fall back to the unfused path, which materializes
+    # every score. Raise the limit, never lower it.
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), 64))
+    return torch.compile(flex_attention, dynamic=True), flex_attention
+
+
+def _lse_kwarg() -> dict:
+    try:  # torch ≥ 2.9 returns auxiliary outputs through AuxRequest; return_lse is deprecated
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+def _block_mask(p: _Padded):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    vis = p.vis
+    b, qmax, kvmax = p.shape
+
+    def mask_mod(bi, h, qi, ki):
+        return vis[bi, qi, ki]
+
+    return create_block_mask(mask_mod, b, None, qmax, kvmax, device=vis.device,
+                             BLOCK_SIZE=_BLOCK)
+
+
+class Adapter:
+    """Wires planner tables to FlexAttention; holds no pool logic."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self) -> None:
+        self._passes: dict[int, _Padded] = {}
+
+    def plan(self, forward_plan, pool) -> None:
+        """Padded layouts and block masks for every pass of ``forward_plan`` (once per forward)."""
+        del pool
+        self._passes.clear()
+        for g in forward_plan.groups.values():
+            passes = [g.tables] + (list(g.cascade) if g.cascade is not None else [])
+            for t in passes:  # keyed by id: the plan holds the tables alive for the forward
+                p = padded_pass(t, g.window)
+                p.block_mask = _block_mask(p)
+                self._passes[id(t)] = p
+
+    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
+        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log).
+
+        q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D]; sinks: [Hq] or None.
+        """
+        del window  # inside the planned visibility
+        p = self._passes.get(id(tables))
+        if p is None:
+            raise RuntimeError("flex adapter: these tables were not planned in this forward "
+                               "(call AttentionBackend.init_forward_metadata first)")
+        b, qmax, kvmax = p.shape
+        hq, d = q.shape[1], q.shape[2]
+        hkv = k_buf.shape[1]
+        qp = q[p.q_index].view(b, qmax, hq, d).transpose(1, 2)
+        valid = p.kv_valid[:, None, None]
+        # padding rows point at row 0, which may be a poisoned (NaN) slot: 0 · NaN is NaN
+        kp = torch.where(valid, k_buf[p.kv_index], 0).to(q.dtype)
+        vp = torch.where(valid, v_buf[p.kv_index], 0).to(q.dtype)
+        kp = kp.view(b, kvmax, hkv, d).transpose(1, 2)
+        vp = vp.view(b, kvmax, hkv, d).transpose(1, 2)
+        score_mod = None
+        if softcap is not None:
+            cap = float(softcap)
+
+            def score_mod(s, bi, h, qi, ki):
+                return cap * torch.tanh(s / cap)
+
+        compiled, eager = _flex()
+        fn = compiled if q.is_cuda else eager
+        with warnings.catch_warnings():  # CPU: the unfused path is the point (tests, small shapes)
+            warnings.filterwarnings("ignore", message=".*without torch.compile.*")
+            o, lse = fn(qp, kp, vp, score_mod=score_mod, block_mask=p.block_mask, scale=scale,
+                        enable_gqa=hq != hkv, **_lse_kwarg())
+        lse = getattr(lse, "lse", lse)
+        o = o.transpose(1, 2).reshape(b * qmax, hq, d)[p.q_valid]
+        lse = lse.transpose(1, 2).reshape(b * qmax, hq)[p.q_valid].float()
+        # a query that sees no key: FlexAttention leaves lse at -inf but o at 0, as the contract
+        if sinks is not None:
+            o, lse = apply_sinks(o, lse, sinks)
+        return o.to(q.dtype), lse
+
+    def merge(self, o1, lse1, o2, lse2, sinks=None):
+        """Cascade merge → o (the sink joins once, here)."""
+        return merge_states(o1, lse1, o2, lse2, sinks)

@@ -12,7 +12,7 @@ import torch
 
 from swafactory.registry.capabilities import Capabilities
 
-__all__ = ["CAPABILITIES", "Adapter", "attend", "merge_states"]
+__all__ = ["CAPABILITIES", "Adapter", "attend", "merge_states", "apply_sinks"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -98,6 +98,19 @@ def merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: t
     w1 = torch.exp(lse1 - safe)[..., None]
     w2 = torch.exp(lse2 - safe)[..., None]
     return (w1 * o1.float() + w2 * o2.float()).to(o1.dtype)
+
+
+def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add one sink logit per head to the softmax denominator, after the fact (exact).
+
+    o: [n, H, D]; lse: [n, H] natural-log fp32 (-inf = no visible key); sinks: [H].
+    With ``Z = exp(lse)`` the sinkless denominator, the sink-aware output is
+    ``o · Z / (Z + exp(sink)) = o · σ(lse - sink)`` and its LSE is ``logaddexp(lse, sink)``.
+    """
+    s = sinks.float().view(1, -1)
+    w = torch.sigmoid(lse - s)
+    return (o.float() * w[..., None]).to(o.dtype), torch.logaddexp(lse, s)
 
 
 class Adapter:

@@ -113,6 +113,11 @@ class ForwardBatch:
         return cls(mode, tuple(reqs), req_to_token, full_id)
 
     @property
+    def batch_size(self) -> int:
+        """Requests in the forward."""
+        return len(self.reqs)
+
+    @property
     def total_q(self) -> int:
         """Query rows of the forward (rows of q, k, v)."""
         return sum(r.q_len for r in self.reqs)

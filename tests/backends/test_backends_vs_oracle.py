@@ -19,11 +19,11 @@ from swafactory.registry.table import list_backends
 
 def _runnable_here(name: str) -> bool:
     """Backends whose kernels run on this machine's tensors (the interpreter counts on CPU)."""
-    from swafactory.registry.table import backend_module
+    from swafactory.registry.table import backend_module, get_capabilities
 
     if not hasattr(backend_module(name), "Adapter"):
         return False
-    if name == "torch":
+    if "cpu" in get_capabilities(name).devices:
         return True
     if name == "triton":
         return importlib.util.find_spec("triton") is not None and (

@@ -20,27 +20,30 @@ from swafactory.harness.world import World
 from swafactory.kernels import flashinfer as fi
 from swafactory.kernels.torch_ref import attend
 from swafactory.metadata import ForwardBatch
+from swafactory.registry.table import backend_module
 from test_backends_vs_oracle import MODES, assert_close, run_mode
 
 
 def adapter_world(model: str, page: int, extra=(), *, tree_mask: str = "custom_mask", seed: int = 0,
-                  device: str = "cpu", kv_dtype: str = "float32", via_registry: bool = False):
-    """A `World` whose backend runs the flashinfer adapter.
+                  device: str = "cpu", kv_dtype: str = "float32", via_registry: bool = False,
+                  backend: str = "flashinfer"):
+    """A `World` whose backend runs ``backend``'s adapter.
 
     via_registry: build through `build_backend` (the registry must accept the combination);
     otherwise the world is built for the torch backend and its backend swapped for one around the
-    flashinfer adapter (CPU tensors with the fake, or combinations the registry refuses today).
+    adapter (CPU tensors with a fake kernel module, or combinations the registry refuses).
     """
-    name = "flashinfer" if via_registry else "torch"
+    adapter_cls = backend_module(backend).Adapter
+    name = backend if via_registry else "torch"
     cfg = swafactory.compose([f"model={model}", f"backend={name}", f"backend.page_size={page}",
                               f"backend.tree_mask={tree_mask}", "spec=none",
                               f"backend.kv_dtype={kv_dtype}", "backend.cuda_graph=false", *extra])
     size = 64 * max(16, page) * 4
     world = World(cfg, size_full=size, size_swa=size // 2, seed=seed, device=device)
     if not via_registry:
-        world.backend = AttentionBackend(cfg, fi.Adapter(), TargetView(world.pool),
+        world.backend = AttentionBackend(cfg, adapter_cls(), TargetView(world.pool),
                                          model_windows(cfg))
-    assert isinstance(world.backend.adapter, fi.Adapter)
+    assert isinstance(world.backend.adapter, adapter_cls)
     return world, cfg
 
 

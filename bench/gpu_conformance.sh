@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU conformance run: backend tests, the serve matrix, and the faults on flashinfer.
+#
+# On a GPU host, from the repository root:
+#     bench/gpu_conformance.sh OUT [STAGE...]      STAGE: tests matrix faults (default: all three)
+# Environment:
+#     WHEELS   folders of wheels to install first with pip --no-index --target /tmp/site (offline
+#              hosts; docs/gpu.md says how to fetch them); unset = use the environment as it is.
+#     JOBS     parallel harness processes sharing the GPU (default 8).
+#     MODELS / BACKENDS / SPECS   narrow the matrix (defaults: the issue-7 matrix).
+# Writes OUT/tests.txt, OUT/matrix/matrix.md (+ one folder per job), OUT/faults/matrix.md.
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_conformance.sh OUT [tests|matrix|faults]...}
+shift
+STAGES=${*:-tests matrix faults}
+JOBS=${JOBS:-8}
+BACKENDS=${BACKENDS:-flashinfer,flash_attn,flex,triton,torch}
+SPECS=${SPECS:-none,eagle,eagle3,nextn,frozen_kv_mtp,dflash}
+MODELS=${MODELS:-gemma4,gpt_oss_20b,mistral_7b}
+mkdir -p "$OUT"
+
+if [ -n "${WHEELS:-}" ]; then
+    for d in $WHEELS; do
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl || exit 2
+    done
+    # pip --target skips .pth files: add cutlass-dsl's package path by hand (flash-attn-4)
+    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export TRITON_INTERPRET=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+python3 - <<'EOF'
+import importlib.util, torch
+print("torch", torch.__version__, torch.cuda.get_device_name(0))
+for m in ("flashinfer", "flash_attn.cute", "hydra", "pydantic"):
+    print(m, "ok" if importlib.util.find_spec(m.split(".")[0]) else "MISSING")
+EOF
+
+for stage in $STAGES; do
+    start=$(date +%s)
+    case $stage in
+    tests)
+        python3 tests/backends/flashinfer_warm.py > "$OUT/warm.txt" 2>&1
+        python3 -m pytest -q -m gpu -p no:cacheprovider tests/backends tests/kernels \
+            > "$OUT/tests.txt" 2>&1
+        tail -3 "$OUT/tests.txt" ;;
+    matrix)
+        python3 -m swafactory -m backend="$BACKENDS" spec="$SPECS" model="$MODELS" workload=serve \
+            hydra/launcher=joblib hydra.launcher.n_jobs="$JOBS" \
+            hydra.sweep.dir="$OUT/matrix" > "$OUT/matrix.log" 2>&1
+        head -3 "$OUT/matrix/matrix.md" ;;
+    faults)
+        # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS)
+        mkdir -p "$OUT/faults"
+        for pair in skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash \
+                    pool_cached_at_init:frozen_kv_mtp window_off_by_one:none \
+                    no_swa_eviction:none no_draft_headroom:eagle; do
+            python3 -m swafactory backend=flashinfer model=gemma4 workload=smoke \
+                faults="${pair%%:*}" spec="${pair##*:}" \
+                hydra.run.dir="$OUT/faults/${pair%%:*}" > "$OUT/faults/${pair%%:*}.log" 2>&1
+            echo "fault ${pair%%:*} (spec ${pair##*:}): exit $?"
+        done | tee "$OUT/faults.txt" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+    echo "stage $stage: $(( $(date +%s) - start )) s"
+done

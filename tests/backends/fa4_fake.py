@@ -1,0 +1,84 @@
+"""A CPU stand-in for flash-attn-4's `flash_attn_varlen_func`, with FA4 4.0.0b9's semantics.
+
+What the adapter has to get right, reproduced so its plumbing is tested without a GPU:
+
+* ``cu_seqlens_q`` varlen queries ``[total_q, Hq, D]``; keys either paged (``[pages, page_size,
+  Hkv, D]`` read through an int32 ``page_table``) or batched ``[B, S, Hkv, D]``; ``seqused_k``
+  per sequence; ``cu_seqlens_k`` refused beside a page table;
+* causality and the window in *index* space, aligned bottom-right: query i sees key j iff
+  ``i + sk - sq - left <= j <= i + sk - sq + right`` (None = unbounded, causal sets right = 0);
+* the LSE as ``[Hq, total_q]`` in natural log;
+* b9's SM90 paged-loader bug: head_dim > 128 with a page table raises the library's error.
+
+The real kernels are checked against the oracle on the GPU (`test_gpu_vs_oracle.py`).
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+__all__ = ["module", "calls"]
+
+calls: list[dict] = []
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                           max_seqlen_k=None, seqused_k=None, page_table=None, softmax_scale=None,
+                           causal=False, window_size=(None, None), learnable_sink=None,
+                           softcap=0.0, return_lse=False, **kw):
+    assert not kw, f"unexpected arguments {sorted(kw)}"
+    assert cu_seqlens_q is not None and cu_seqlens_q.dtype == torch.int32
+    assert seqused_k is not None and seqused_k.dtype == torch.int32
+    assert isinstance(window_size, tuple) and len(window_size) == 2
+    calls.append(dict(causal=causal, window_size=window_size, paged=page_table is not None))
+    d = q.shape[-1]
+    if page_table is not None:
+        assert cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"
+        assert page_table.dtype == torch.int32 and k.dim() == 4
+        if d > 128:  # PagedKVManager: page_entry_per_thread = tile_n // 128 == 0
+            raise ValueError("Expected size in shape to be strictly positive, but got 0")
+    hq, hkv = q.shape[1], k.shape[-2]
+    group = hq // hkv
+    scale = softmax_scale or d ** -0.5
+    left, right = window_size
+    if causal:
+        right = 0
+    qo, used = cu_seqlens_q.tolist(), seqused_k.tolist()
+    o = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full((hq, q.shape[0]), -math.inf)
+    for b in range(len(qo) - 1):
+        q0, q1, sk = qo[b], qo[b + 1], used[b]
+        sq = q1 - q0
+        if page_table is not None:
+            rows = page_table[b, :sk].long()
+            kb = k[rows, 0].float()  # page size 1
+            vb = v[rows, 0].float()
+            assert k.shape[1] == 1, "the fake reads page size 1 only"
+        else:
+            kb, vb = k[b, :sk].float(), v[b, :sk].float()
+        kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), kb) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(sq)[:, None] + sk - sq
+        j = torch.arange(sk)[None, :]
+        ok = torch.ones(sq, sk, dtype=torch.bool)
+        if right is not None:
+            ok &= j <= i + right
+        if left is not None:
+            ok &= j >= i - left
+        s = s.masked_fill(~ok[None], -math.inf)
+        m = torch.logsumexp(s, dim=2)
+        p = torch.exp(s - m.masked_fill(torch.isinf(m), 0)[..., None])
+        o[q0:q1] = torch.einsum("hqk,khd->qhd", p, vb)
+        lse[:, q0:q1] = m
+    return o.to(q.dtype), (lse if return_lse else None)
+
+
+def module() -> types.ModuleType:
+    """A module object to install as ``sys.modules['flash_attn.cute.interface']``."""
+    mod = types.ModuleType("flash_attn.cute.interface")
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    return mod

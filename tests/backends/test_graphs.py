@@ -1,0 +1,140 @@
+"""CUDA-graph decode and verify (`swafactory.graphs`) through the flashinfer adapter.
+
+On the GPU: a graph captured for a bucket of 8 requests replays, after re-planning, batches of
+8, 6 and 3 requests (and other buckets as they come), and every replay equals the eager adapter's
+output on the same pool and the fp32 torch reference over the same plan. On CPU: the refusal for
+backends without graphs, and the adapter's padding through the FlashInfer fake.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from flashinfer_fake import module as fake_flashinfer
+from swafactory.backend import AttentionBackend, TargetView, model_windows
+from swafactory.errors import ConfigError
+from swafactory.graphs import GraphedAttention
+from swafactory.kernels import flashinfer as fi
+from swafactory.kernels.torch_ref import attend
+from swafactory.metadata import ForwardBatch
+from test_backends_vs_oracle import make_world, tree
+from test_flashinfer_host import adapter_world
+
+
+def test_backends_without_graphs_are_refused_naming_the_field() -> None:
+    world, _ = make_world("tiny", 1)
+    with pytest.raises(ConfigError) as e:
+        GraphedAttention(world.backend, {0: (8, 16)}, tokens=1, dtype=torch.float32)
+    assert "backend.cuda_graph" in str(e.value) and "backend.cuda_graph=false" in str(e.value)
+
+
+def _open(world, lens):
+    for r, n in enumerate(lens):
+        world.open(r)
+    world.forward("extend", [world.req(r, 0, n) for r, n in enumerate(lens)], [0])
+
+
+def test_padding_to_the_bucket_reads_the_dummy_row(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5"])
+    _open(world, [7, 4, 9])
+    ad = world.backend.adapter
+    reqs = [world.req(r, n, 3) for r, n in enumerate([7, 4, 9])]
+    for r in reqs:
+        world.slots.extend(r.rid, 3)
+    batch = ForwardBatch.of("target_verify", reqs, world.slots.req_to_token.table,
+                            world.alloc.full_id)
+    eager = world.backend.init_forward_metadata(batch).groups["swa"].tables
+    k, v, _ = world.pool.get_kv(0)
+    k.nan_to_num_(0.0), v.nan_to_num_(0.0)  # the fake multiplies every row: no poisoned slots
+    q = torch.randn(9, 8, k.shape[-1])
+    o_eager, _ = ad.run(eager, q, k, v, window=5, scale=0.25)
+    ad.graph = (8, 3)
+    padded = world.backend.init_forward_metadata(batch).groups["swa"].tables
+    ad.graph = None
+    p = ad._passes[id(padded)]
+    assert p.qo_host.tolist()[-6:] == [9 + 3 * i for i in range(6)]  # 5 padding requests × 3
+    assert p.kv_host.numel() == 9 and p.indices[-5:].tolist() == [0] * 5
+    qp = torch.cat([q, torch.zeros(15, 8, k.shape[-1])])
+    o_graph, _ = ad.run(padded, qp, k, v, window=5, scale=0.25)
+    torch.testing.assert_close(o_graph[:9], o_eager)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ad.graph = (2, 3)
+        world.backend.init_forward_metadata(batch)
+    ad.graph = None
+
+
+# --- on the GPU -------------------------------------------------------------------------------
+
+LENS = [9, 8, 7, 33, 17, 12, 50, 21]  # straddling W = 8 on the SWA layers
+
+
+def _gpu_world(model, extra):
+    pytest.importorskip("flashinfer")
+    world, cfg = adapter_world(model, 1, extra, device="cuda", kv_dtype="bfloat16",
+                               via_registry=True)
+    return world, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,layers,extra", [
+    ("gemma4", [0, 5], ["model.sliding_window=8"]),            # 16×256 SWA, 4×512 full
+    ("gpt_oss_20b", [0, 1], ["model.sliding_window=8", "model.num_layers=4"]),  # sinks, D=64
+])
+@pytest.mark.parametrize("mode", ["decode", "verify_chain", "verify_tree"])
+def test_graph_replay_equals_eager_as_batches_shrink(model, layers, extra, mode) -> None:
+    world, cfg = _gpu_world(model, extra)
+    _open_all(world, layers)
+    m = cfg.model
+    shapes = {l: (m.num_attention_heads, m.geometry(l).head_dim) for l in layers}
+    tokens = {"decode": 1, "verify_chain": 4, "verify_tree": 6}[mode]
+    sinks = {l: world.sinks[l].cuda() for l in layers} if world.sinks else {}
+    graphed = GraphedAttention(world.backend, shapes, tokens=tokens, dtype=torch.bfloat16,
+                               buckets=(2, 4, 8), sinks=sinks)
+    eager = AttentionBackend(cfg, fi.Adapter(), TargetView(world.pool), model_windows(cfg))
+    gen = torch.Generator().manual_seed(1)
+    for bs in (8, 6, 3, 8, 2, 5):  # shrink and grow; buckets 8, 4, 2 captured on first use
+        reqs = []
+        for r in range(bs):
+            prefix = world.kv_len(r) if mode == "decode" else LENS[r]  # decode: the next token
+            parents = tree(2) if mode == "verify_tree" else None
+            reqs.append(world.req(r, prefix, tokens, parents=parents))
+            need = prefix + tokens - world.kv_len(r)
+            if need > 0:
+                world.slots.extend(r, need)
+        kind = "decode" if mode == "decode" else "target_verify"
+        batch = ForwardBatch.of(kind, reqs, world.slots.req_to_token.table, world.alloc.full_id)
+        n = batch.total_q
+        q = {l: torch.randn(n, *shapes[l], generator=gen).to("cuda", torch.bfloat16)
+             for l in layers}
+        kv = {}
+        for l in layers:
+            hkv = m.geometry(l).num_kv_heads
+            kv[l] = tuple(torch.randn(n, hkv, shapes[l][1], generator=gen)
+                          .to("cuda", torch.bfloat16) for _ in range(2))
+        out = {l: o.clone() for l, o in graphed.forward(batch, q, kv).items()}
+        plan = eager.init_forward_metadata(batch)
+        for l in layers:
+            ref = eager.forward(q[l], None, None, l, save_kv=False, sinks=sinks.get(l))
+            g = plan.group(l)
+            k_buf, v_buf, sub = world.pool.get_kv(l)
+            exact, _ = attend(g.tables, q[l], k_buf, v_buf, window=g.window,
+                              scale=m.softmax_scale or sub.head_dim ** -0.5,
+                              softcap=m.logit_softcap, sinks=sinks.get(l))
+            scale = ref.float().abs().max()
+            assert torch.isfinite(out[l]).all(), f"bs={bs} layer {l}: non-finite replay"
+            diff = (out[l].float() - ref.float()).abs().max() / scale
+            assert diff < 1e-2, f"bs={bs} layer {l}: replay vs eager {diff:.2e}"
+            err = (out[l].float() - exact.float()).abs().max() / exact.float().abs().max()
+            assert err < 2e-2, f"bs={bs} layer {l}: replay vs fp32 reference {err:.2e}"
+    assert graphed.captures == 3 and graphed.replays == 3
+
+
+def _open_all(world, layers) -> None:
+    for r, n in enumerate(LENS):
+        world.open(r)
+    world.forward("extend", [world.req(r, 0, n) for r, n in enumerate(LENS)], layers)
+    for r, n in enumerate(LENS):  # evicted, poisoned SWA slots: a replay must not read them
+        world.slots.evict_out_of_window(r, n, 8)
