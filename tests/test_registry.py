@@ -122,19 +122,30 @@ def test_sizing_rule_refuses_a_too_small_swa_pool_and_gives_the_ratio() -> None:
 
 
 def test_tree_rules_strategy_and_paged_trees() -> None:
+    """No shipped backend limits its tree strategy today: the rule is checked on declared data
+    (an FA3-like backend: cascade only, trees only at page size 1)."""
+    from dataclasses import replace
+
+    from swafactory.registry import check as chk
+    from swafactory.registry.table import get_capabilities
+
+    caps = replace(get_capabilities("flash_attn"), tree_masks=frozenset({"cascade"}),
+                   paged_trees=False)
     cfg = swafactory.compose(["backend=flash_attn", "model=gpt_oss_20b", "backend.tree_mask=custom_mask",
                               "backend.page_size=16"])
-    assert rules(cfg, H200) == {"tree@backend.tree_mask", "tree@backend.page_size"}
+    assert {r.field for r in chk._tree(cfg, caps, H200)} == {"backend.tree_mask", "backend.page_size"}
     chain = swafactory.compose(["backend=flash_attn", "model=gpt_oss_20b", "spec=eagle",
                                 "backend.page_size=16"])
-    assert rules(chain, H200) == set()
+    assert list(chk._tree(chain, caps, H200)) == []
 
 
 def test_cuda_graph_and_dtype_rules() -> None:
     cfg = swafactory.compose(["backend=torch", "backend.cuda_graph=true", "backend.kv_dtype=fp8_e4m3"])
     assert rules(cfg, CPU) == {"cuda_graph@backend.cuda_graph", "dtype@backend.kv_dtype"}
     graphs = swafactory.compose(["backend=flashinfer", "backend.cuda_graph=true"])
-    assert rules(graphs, H200) == {"cuda_graph@backend.cuda_graph"}  # no graph path is built yet
+    assert rules(graphs, H200) == set()  # swafactory.graphs serves flashinfer decode/verify
+    no_graphs = swafactory.compose(["backend=triton", "backend.cuda_graph=true"])
+    assert rules(no_graphs, H200) == {"cuda_graph@backend.cuda_graph"}
 
 
 def test_auto_picks_torch_on_cpu_and_the_fastest_on_h200() -> None:

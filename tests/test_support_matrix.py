@@ -16,4 +16,4 @@ def test_support_matrix_is_current() -> None:
 
 def test_matrix_shows_refusals_and_passes() -> None:
     text = render_support_matrix()
-    assert "❌ adapter, head_dims" in text and "❌ device" in text and "✅ → torch" in text
+    assert "❌ adapter" in text and "❌ head_dims" in text and "❌ device" in text and "✅ → torch" in text

@@ -19,28 +19,59 @@ from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 __all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for"]
 
 
+class _Rows:
+    """A growable ``[n, H, D]`` fp32 tensor (capacity doubles), so reads never re-stack tokens."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.n = 0
+
+    def set_tail(self, keep: int, new: torch.Tensor) -> None:
+        """Rows ``keep:`` become ``new`` ([m, H, D])."""
+        end = keep + new.shape[0]
+        if self.buf is None or end > self.buf.shape[0]:
+            cap = max(64, end, 2 * (0 if self.buf is None else self.buf.shape[0]))
+            grown = torch.empty(cap, *new.shape[1:], dtype=torch.float32, device=new.device)
+            if self.buf is not None:
+                grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        self.buf[keep:end] = new
+        self.n = end
+
+
 @dataclass
 class History:
-    """One request's tokens in slot order: position, and K/V per (history) layer."""
+    """One request's tokens in slot order: position, and K/V rows per (history) layer."""
 
     pos: list[int] = field(default_factory=list)
-    k: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    v: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    k: dict[int, _Rows] = field(default_factory=dict)
+    v: dict[int, _Rows] = field(default_factory=dict)
+
+    def record(self, layer: int, keep: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens ``keep:`` of ``layer`` become ``k``, ``v`` ([m, Hkv, D])."""
+        for store, new in ((self.k, k), (self.v, v)):
+            store.setdefault(layer, _Rows()).set_tail(keep, new.float())
+
+    def kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` tokens' keys and values of ``layer``: ``[n, Hkv, D]`` fp32 each."""
+        k, v = self.k[layer], self.v[layer]
+        if k.n < n:
+            raise IndexError(f"history of layer {layer} holds {k.n} tokens, {n} asked")
+        return k.buf[:n], v.buf[:n]
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens (rejected draft tokens are dropped)."""
         del self.pos[n:]
         for store in (self.k, self.v):
-            for lst in store.values():
-                del lst[n:]
+            for rows in store.values():
+                rows.n = min(rows.n, n)
 
     def reorder_tail(self, start: int, picks: Sequence[int]) -> None:
         """Tokens ``start + picks[j]`` become ``start + j`` (accepted tree path moved in place)."""
         for store in (self.k, self.v):
-            for lst in store.values():
-                moved = [lst[start + i] for i in picks]
-                del lst[start:]
-                lst.extend(moved)
+            for rows in store.values():
+                idx = torch.tensor([start + i for i in picks], device=rows.buf.device)
+                rows.set_tail(start, rows.buf[idx].clone())
         del self.pos[start:]
         self.pos.extend(range(start, start + len(picks)))
 
@@ -86,13 +117,12 @@ def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
                sinks: torch.Tensor | None) -> torch.Tensor:
     """The oracle's answer for one request's queries at one layer, from its logical history."""
     n = r.prefix_len + r.nodes
-    keys = torch.stack(hist.k[spec.history_layer][:n])
-    values = torch.stack(hist.v[spec.history_layer][:n])
-    k_pos = torch.tensor(hist.pos[:n])
+    keys, values = hist.kv(spec.history_layer, n)
+    k_pos = torch.tensor(hist.pos[:n], device=keys.device)
     if r.parents is not None:
-        structure = tree_visibility(r.prefix_len, list(r.parents))
+        structure = tree_visibility(r.prefix_len, list(r.parents)).to(keys.device)
     elif r.block:
-        structure = torch.ones(r.nodes, n, dtype=torch.bool)
+        structure = torch.ones(r.nodes, n, dtype=torch.bool, device=keys.device)
     else:  # committed history and a chain: causal by position
         structure = k_pos[None, :] <= k_pos[r.prefix_len:, None]
     structure = structure[r.query_from:]
@@ -113,6 +143,10 @@ class Worker:
         self.device, self.gen, self.sinks = device, gen, dict(sinks)
         self.shard = shard  # a swafactory.parallel.Shard: this rank's heads (None = all heads)
         self.plan_s = self.attn_s = self.gather_s = 0.0
+        # inputs, histories and the oracle live on the run's device: on a GPU, drawing and
+        # checking on the host would cost more than the attention being checked
+        self.draw_gen = gen if device == "cpu" else torch.Generator(device).manual_seed(
+            int(torch.randint(2 ** 62, (1,), generator=gen)))
         self._graphs: dict[tuple[str, int], GraphedAttention] = {}
         self._full: dict[int, tuple] = {}  # layer → this forward's full-head (q, k, v) on the host
 
@@ -155,22 +189,25 @@ class Worker:
             if check:
                 refs, rows, row = [], {}, 0
                 sinks = self.sinks.get(layer)
+                sinks = None if sinks is None else sinks.to(q.device)
                 for r in reqs:
                     refs.append(oracle_for(spec, r, self.hist[r.rid], q[row:row + r.q_len].float(), sinks))
                     rows[r.rid] = slice(row, row + r.q_len)
                     row += r.q_len
-                checks.append(Check(layer, plan.layer_groups[layer], out.cpu(), torch.cat(refs), rows))
+                checks.append(Check(layer, plan.layer_groups[layer], out.cpu(), torch.cat(refs).cpu(),
+                                    rows))
         return checks
 
     def _draw(self, layer: int, spec: LayerSpec, nq: int):
         """Seeded q (and k, v when writing) of one layer; returns this runner's head shard of
         each on the device. Every rank draws the full-head tensors (same seed) and keeps its
         heads, so the gathered output is checked against the single-process oracle."""
-        q = torch.randn(nq, spec.num_q_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
+        g = self.draw_gen
+        q = torch.randn(nq, spec.num_q_heads, spec.head_dim, generator=g, device=g.device).to(self.q_dtype)
         k = v = None
         if self.writes:
-            k = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
-            v = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=self.gen).to(self.q_dtype)
+            k = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=g, device=g.device).to(self.q_dtype)
+            v = torch.randn(nq, spec.num_kv_heads, spec.head_dim, generator=g, device=g.device).to(self.q_dtype)
         self._full[layer] = (q, k, v)
         qs = slice(None) if self.shard is None else self.shard.q_heads(spec.num_q_heads)
         ks = slice(None) if self.shard is None else self.shard.kv_heads(spec.num_kv_heads)
@@ -207,12 +244,8 @@ class Worker:
     def _record(self, reqs: Sequence[ReqForward], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         row = 0
         for r in reqs:
-            h = self.hist[r.rid]
-            keep = r.prefix_len + r.query_from
-            for store, new in ((h.k, k), (h.v, v)):
-                lst = store.setdefault(layer, [])
-                del lst[keep:]
-                lst.extend(new[row:row + r.q_len].float().unbind(0))
+            self.hist[r.rid].record(layer, r.prefix_len + r.query_from, k[row:row + r.q_len],
+                                    v[row:row + r.q_len])
             row += r.q_len
 
 

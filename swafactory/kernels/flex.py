@@ -172,7 +172,9 @@ class Adapter:
         vp = vp.view(b, kvmax, hkv, d).transpose(1, 2)
         score_mod = None
         if softcap is not None:
-            cap = float(softcap)
+            # a captured tensor, not a float: dynamo turns closure floats into scalar inputs,
+            # which FlexAttention's compiled lowering rejects ("unbacked_bindings")
+            cap = torch.tensor(float(softcap), dtype=torch.float32, device=q.device)
 
             def score_mod(s, bi, h, qi, ki):
                 return cap * torch.tanh(s / cap)
