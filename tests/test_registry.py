@@ -126,7 +126,9 @@ def test_tree_rules_strategy_and_paged_trees() -> None:
     (an FA3-like backend: cascade only, trees only at page size 1)."""
     from dataclasses import replace
 
-    from swafactory.registry import check as chk
+    import importlib
+
+    chk = importlib.import_module("swafactory.registry.check")
     from swafactory.registry.table import get_capabilities
 
     caps = replace(get_capabilities("flash_attn"), tree_masks=frozenset({"cascade"}),
