@@ -7,8 +7,9 @@
 #     WHEELS   folders of wheels to install first with pip --no-index --target /tmp/site (offline
 #              hosts; docs/gpu.md says how to fetch them); unset = use the environment as it is.
 #     JOBS     parallel harness processes sharing the GPU (default 8).
-#     MODELS / BACKENDS / SPECS   narrow the matrix (defaults: the issue-7 matrix).
-# Writes OUT/tests.txt, OUT/matrix/matrix.md (+ one folder per job), OUT/faults/matrix.md.
+#     MODELS / BACKENDS / SPECS / WORKLOAD   narrow the matrix (defaults: the issue-7 matrix, serve).
+#     NAME     the matrix's folder under OUT (default matrix); EXTRA: more overrides for it.
+# Writes OUT/tests.txt, OUT/NAME/matrix.md (+ one folder per job), OUT/faults.txt (+ reports).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_conformance.sh OUT [tests|matrix|faults]...}
 shift
@@ -17,6 +18,8 @@ JOBS=${JOBS:-8}
 BACKENDS=${BACKENDS:-flashinfer,flash_attn,flex,triton,torch}
 SPECS=${SPECS:-none,eagle,eagle3,nextn,frozen_kv_mtp,dflash}
 MODELS=${MODELS:-gemma4,gpt_oss_20b,mistral_7b}
+WORKLOAD=${WORKLOAD:-serve}
+NAME=${NAME:-matrix}
 mkdir -p "$OUT"
 
 if [ -n "${WHEELS:-}" ]; then
@@ -43,10 +46,11 @@ for stage in $STAGES; do
             > "$OUT/tests.txt" 2>&1
         tail -3 "$OUT/tests.txt" ;;
     matrix)
-        python3 -m swafactory -m backend="$BACKENDS" spec="$SPECS" model="$MODELS" workload=serve \
-            hydra/launcher=joblib hydra.launcher.n_jobs="$JOBS" \
-            hydra.sweep.dir="$OUT/matrix" > "$OUT/matrix.log" 2>&1
-        head -3 "$OUT/matrix/matrix.md" ;;
+        # shellcheck disable=SC2086  # EXTRA is a list of overrides
+        python3 -m swafactory -m backend="$BACKENDS" spec="$SPECS" model="$MODELS" \
+            workload="$WORKLOAD" ${EXTRA:-} hydra/launcher=joblib hydra.launcher.n_jobs="$JOBS" \
+            hydra.sweep.dir="$OUT/$NAME" > "$OUT/$NAME.log" 2>&1
+        head -3 "$OUT/$NAME/matrix.md" ;;
     faults)
         # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS)
         mkdir -p "$OUT/faults"
