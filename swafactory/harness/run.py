@@ -129,6 +129,15 @@ def _with_ranks(report: Report, parts, loop) -> Report:
                                      "gather_ms_per_step": gather})
 
 
+def _graph_use(workers) -> str:
+    """What the graphs did: a run that asked for them must show replays, not just say 'on'."""
+    gs = [g for x in workers for g in x.graphs.values()]
+    if not gs:
+        return "on, no forward was graphable"
+    return (f"{sum(g.captures for g in gs)} captures, {sum(g.replays for g in gs)} replays "
+            f"({', '.join(f'{m}×{t}' for x in workers for m, t in x.graphs)})")
+
+
 def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall) -> Report:
     s, b, m = cfg.spec, cfg.backend, cfg.model
     checks = sum(st.checks for st in stats.values())
@@ -158,6 +167,7 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall) -> Repor
         "tree": b.tree_mask if s.is_tree else "-",
         "draft": draft_kind,
         "pools": f"full {parts.sizes.full} slots, swa {parts.sizes.swa} slots" if parts else "-",
+        "cuda_graphs": _graph_use(workers) if b.cuda_graph else "off",
     }
     layers = sorted(parts.target.layers) if parts else []
     return Report(

@@ -20,7 +20,9 @@ __all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for"]
 
 
 class _Rows:
-    """A growable ``[n, H, D]`` fp32 tensor (capacity doubles), so reads never re-stack tokens."""
+    """A growable ``[n, H, D]`` tensor in the drawn K/V's dtype (exact: the oracle upcasts), so
+    reads never re-stack tokens. It grows by a quarter: a serve run of Gemma 4 keeps every layer's
+    history of every running request on the GPU, and doubling ran 18 parallel runs out of memory."""
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
@@ -30,8 +32,8 @@ class _Rows:
         """Rows ``keep:`` become ``new`` ([m, H, D])."""
         end = keep + new.shape[0]
         if self.buf is None or end > self.buf.shape[0]:
-            cap = max(64, end, 2 * (0 if self.buf is None else self.buf.shape[0]))
-            grown = torch.empty(cap, *new.shape[1:], dtype=torch.float32, device=new.device)
+            cap = max(64, end, (5 * (0 if self.buf is None else self.buf.shape[0])) // 4)
+            grown = torch.empty(cap, *new.shape[1:], dtype=new.dtype, device=new.device)
             if self.buf is not None:
                 grown[:self.n] = self.buf[:self.n]
             self.buf = grown
@@ -50,10 +52,10 @@ class History:
     def record(self, layer: int, keep: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens ``keep:`` of ``layer`` become ``k``, ``v`` ([m, Hkv, D])."""
         for store, new in ((self.k, k), (self.v, v)):
-            store.setdefault(layer, _Rows()).set_tail(keep, new.float())
+            store.setdefault(layer, _Rows()).set_tail(keep, new)
 
     def kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` tokens' keys and values of ``layer``: ``[n, Hkv, D]`` fp32 each."""
+        """The first ``n`` tokens' keys and values of ``layer``: ``[n, Hkv, D]`` each."""
         k, v = self.k[layer], self.v[layer]
         if k.n < n:
             raise IndexError(f"history of layer {layer} holds {k.n} tokens, {n} asked")
@@ -147,7 +149,7 @@ class Worker:
         # checking on the host would cost more than the attention being checked
         self.draw_gen = gen if device == "cpu" else torch.Generator(device).manual_seed(
             int(torch.randint(2 ** 62, (1,), generator=gen)))
-        self._graphs: dict[tuple[str, int], GraphedAttention] = {}
+        self.graphs: dict[tuple[str, int], GraphedAttention] = {}
         self._full: dict[int, tuple] = {}  # layer → this forward's full-head (q, k, v) on the host
 
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
@@ -230,15 +232,15 @@ class Worker:
         if len(tokens) != 1:
             return None
         key = (batch.mode, tokens.pop())
-        if key not in self._graphs:
+        if key not in self.graphs:
             shapes = {}
             for layer, spec in self.layers.items():
                 hq = spec.num_q_heads // (1 if self.shard is None else self.shard.tp)
                 shapes[layer] = (hq, spec.head_dim)
-            self._graphs[key] = GraphedAttention(
+            self.graphs[key] = GraphedAttention(
                 self.backend, shapes, tokens=key[1], dtype=self.q_dtype,
                 sinks={layer: self._sinks(layer) for layer in self.layers if layer in self.sinks})
-        g = self._graphs[key]
+        g = self.graphs[key]
         return g if batch.batch_size <= g.buckets[-1] else None
 
     def _record(self, reqs: Sequence[ReqForward], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

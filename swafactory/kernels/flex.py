@@ -9,8 +9,9 @@ from that tensor once per pass, so empty key blocks (padding, out-of-window keys
 full blocks run unmasked. Per layer only the gather of the layer's K/V rows and the kernel run.
 
 Because the keys are gathered, any pool page size works; the price is one K/V copy per layer.
-On CUDA the kernel is ``torch.compile``d (dynamic shapes: batch and lengths change every
-forward); on CPU it runs FlexAttention's unfused eager path, for tests at small shapes.
+On CPU it runs FlexAttention's unfused eager path (tests, small shapes). On CUDA the code path
+compiles the kernel with dynamic shapes, which torch 2.11 could not lower at serving shapes on
+the H200 (see ``CAPABILITIES.devices_note``), so the registry refuses flex there for now.
 Sinks use the exact LSE epilogue (`torch_ref.apply_sinks`); FlexAttention's LSE is natural-log.
 """
 from __future__ import annotations
@@ -30,7 +31,11 @@ CAPABILITIES = Capabilities(
     name="flex",
     summary="torch FlexAttention on a padded per-request gather; one block mask per pass per forward",
     kernel="FlexAttention (block mask)",
-    devices=frozenset({"cpu", "cuda"}),
+    devices=frozenset({"cpu"}),
+    devices_note="on the H200 (torch 2.11) the compiled kernel passed the small-shape oracle "
+                 "tests but failed to lower at serving shapes (NoValidChoicesError with "
+                 "dynamic=True, pytorch#147756); refused on CUDA until a static-shape path is "
+                 "verified there",
     max_head_dim=256,
     head_dim_note="swafactory caps FlexAttention at head_dim 256: larger heads are not verified "
                   "on a GPU",

@@ -21,6 +21,8 @@ class Capabilities:
     """Short kernel label for plan tables."""
     devices: frozenset[str]
     """Device kinds it runs on (`cpu`, `cuda`)."""
+    devices_note: str = ""
+    """Why a device kind is missing, when that is not obvious."""
     cuda_archs: frozenset[int] | None = None
     """SM versions it runs on (90 = Hopper, 100 = Blackwell); None = any CUDA device."""
     arch_note: str = ""

@@ -54,7 +54,8 @@ def _device(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Itera
         note = f" ({caps.arch_note})" if caps.arch_note else ""
         yield _r("backend.name", f"{name} needs a CUDA GPU{archs}{note}; this device is cpu{extra}")
     elif dev.kind not in caps.devices:
-        yield _r("backend.name", f"{name} does not run on {dev.kind}")
+        note = f" ({caps.devices_note})" if caps.devices_note else ""
+        yield _r("backend.name", f"{name} does not run on {dev.kind}{note}")
     elif caps.cuda_archs is not None and dev.sm not in caps.cuda_archs:
         want = "/".join(f"SM{a}" for a in sorted(caps.cuda_archs))
         yield _r("backend.name", f"{name} needs {want}; this device is {dev.describe()} "
