@@ -115,6 +115,17 @@ def _flex():
     return torch.compile(flex_attention, dynamic=True), flex_attention
 
 
+def _softcap_mod(softcap: float, device: torch.device):
+    # a captured tensor, not a float: dynamo turns closure floats into scalar inputs, which
+    # FlexAttention's compiled lowering rejects ("unbacked_bindings")
+    cap = torch.tensor(float(softcap), dtype=torch.float32, device=device)
+
+    def score_mod(s, bi, h, qi, ki):
+        return cap * torch.tanh(s / cap)
+
+    return score_mod
+
+
 def _lse_kwarg() -> dict:
     try:  # torch ≥ 2.9 returns auxiliary outputs through AuxRequest; return_lse is deprecated
         from torch.nn.attention.flex_attention import AuxRequest
@@ -175,15 +186,7 @@ class Adapter:
         vp = torch.where(valid, v_buf[p.kv_index], 0).to(q.dtype)
         kp = kp.view(b, kvmax, hkv, d).transpose(1, 2)
         vp = vp.view(b, kvmax, hkv, d).transpose(1, 2)
-        score_mod = None
-        if softcap is not None:
-            # a captured tensor, not a float: dynamo turns closure floats into scalar inputs,
-            # which FlexAttention's compiled lowering rejects ("unbacked_bindings")
-            cap = torch.tensor(float(softcap), dtype=torch.float32, device=q.device)
-
-            def score_mod(s, bi, h, qi, ki):
-                return cap * torch.tanh(s / cap)
-
+        score_mod = None if softcap is None else _softcap_mod(softcap, q.device)
         compiled, eager = _flex()
         fn = compiled if q.is_cuda else eager
         with warnings.catch_warnings():  # CPU: the unfused path is the point (tests, small shapes)

@@ -13,7 +13,6 @@ import sys
 import pytest
 
 import fa4_fake
-from swafactory.kernels import flash_attn as fa
 from test_backends_vs_oracle import MODES, assert_close, run_mode
 from test_flashinfer_host import adapter_world
 
