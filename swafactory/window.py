@@ -37,6 +37,7 @@ def flashinfer_window_left(window: int | None) -> int:
     return -1 if window is None else window - 1
 
 
-def flash_attn_window_size(window: int | None) -> tuple[int, int]:
-    """flash-attn `window_size=(left, right)`; (-1, -1) = none."""
-    return (-1, -1) if window is None else (window - 1, 0)
+def flash_attn_window_size(window: int | None) -> tuple[int | None, int]:
+    """flash-attn-4 causal `window_size=(left, right)`; left None = unbounded (FA4 reads -1 as a
+    bound, not as "none")."""
+    return (None if window is None else window - 1, 0)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.kernels.flex import padded_pass
-from swafactory.kernels.torch_ref import apply_sinks, merge_states
+from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flash_attn_window_size
 
@@ -68,6 +68,8 @@ class _FaPass:
     """[n, S] int32 pool rows; entries past seqused_k are never read."""
     seqused_k: torch.Tensor
     """[n] int32 key counts."""
+    rows: torch.Tensor
+    """page_table as int64, for the head dims that gather their keys (no page table)."""
     empty: torch.Tensor | None
     """[total_q] bool: rows that see no key (expanded cascade halves), or None."""
     window: int | None
@@ -101,7 +103,7 @@ def plan_pass(tables, window: int | None) -> _FaPass:
     if _is_natural(tables, pp):
         kv_len = pp.kv_valid.view(b, kvmax).sum(1)
         return _FaPass(True, tables.qo_indptr.to(torch.int32), qmax, kv_rows.to(torch.int32),
-                       kv_len.to(torch.int32), None, window)
+                       kv_len.to(torch.int32), kv_rows, None, window)
     vis = pp.vis.view(b * qmax, kvmax)[pp.q_valid]  # [total_q, kvmax]
     counts = vis.sum(1)
     width = max(1, int(counts.max())) if counts.numel() else 1
@@ -111,7 +113,7 @@ def plan_pass(tables, window: int | None) -> _FaPass:
     n = vis.shape[0]
     empty = counts == 0
     return _FaPass(False, torch.arange(n + 1, device=dev, dtype=torch.int32), 1,
-                   table.to(torch.int32), counts.to(torch.int32),
+                   table.to(torch.int32), counts.to(torch.int32), table,
                    empty if bool(empty.any()) else None, window)
 
 
@@ -134,7 +136,7 @@ class Adapter:
         del pool
         self._passes.clear()
         for g in forward_plan.groups.values():
-            for t in [g.tables] + (list(g.cascade) if g.cascade is not None else []):
+            for _, t in g.passes:
                 self._passes[id(t)] = plan_pass(t, g.window)  # the plan keeps t alive
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
@@ -152,16 +154,14 @@ class Adapter:
                   seqused_k=p.seqused_k, softmax_scale=scale, softcap=softcap or 0.0,
                   return_lse=True)
         if p.natural:
-            left, _ = flash_attn_window_size(window)
-            kw.update(causal=True, window_size=(left if window is not None else None, 0))
+            kw.update(causal=True, window_size=flash_attn_window_size(window))
         else:
             kw.update(causal=False, window_size=(None, None))
         if q.shape[-1] <= PAGED_MAX_HEAD_DIM:
             k, v = k_buf.unsqueeze(1), v_buf.unsqueeze(1)  # [rows, page_size 1, Hkv, D]
             kw["page_table"] = p.page_table
         else:  # b9's paged loader is broken for tile_n < 128 (see the module docstring)
-            rows = p.page_table.long()
-            k, v = k_buf[rows], v_buf[rows]  # [n, S, Hkv, D]
+            k, v = k_buf[p.rows], v_buf[p.rows]  # [n, S, Hkv, D]
         o, lse = _varlen()(q, k, v, **kw)
         lse = lse.float().transpose(0, 1)  # FA4 varlen LSE is [Hq, total_q]
         if p.empty is not None:  # a cascade half that sees nothing: the contract's (0, -inf)
@@ -173,4 +173,4 @@ class Adapter:
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""
-        return merge_states(o1, lse1, o2, lse2, sinks)
+        return merge_state(o1, lse1, o2, lse2, sinks)[0]

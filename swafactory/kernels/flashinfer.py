@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swafactory.kernels.torch_ref import apply_sinks, merge_states
+from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
@@ -134,10 +134,7 @@ class Adapter:
         self._passes.clear()
         self._max_rows = max(sp.rows for sp in pool.sub_pools)
         for key, g in forward_plan.groups.items():
-            passes = [("main", g.tables)]
-            if g.cascade is not None:
-                passes += [("pre", g.cascade[0]), ("exp", g.cascade[1])]
-            for role, t in passes:
+            for role, t in g.passes:
                 # keyed by id: the plan holds the tables alive for the whole forward
                 p = self._passes[id(t)] = self._prepare(key, role, t, g.window)
                 sig = self._graph_sigs.get(self._key(p))
@@ -246,4 +243,4 @@ class Adapter:
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""
-        return merge_states(o1, lse1, o2, lse2, sinks)
+        return merge_state(o1, lse1, o2, lse2, sinks)[0]

@@ -22,7 +22,7 @@ from functools import cache
 
 import torch
 
-from swafactory.kernels.torch_ref import apply_sinks, merge_states
+from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.registry.capabilities import Capabilities
 
 __all__ = ["CAPABILITIES", "Adapter", "padded_pass"]
@@ -115,6 +115,7 @@ def _flex():
     return torch.compile(flex_attention, dynamic=True), flex_attention
 
 
+@cache  # one score_mod per (cap, device): no per-layer host→device copy, no recompiles
 def _softcap_mod(softcap: float, device: torch.device):
     # a captured tensor, not a float: dynamo turns closure floats into scalar inputs, which
     # FlexAttention's compiled lowering rejects ("unbacked_bindings")
@@ -160,8 +161,7 @@ class Adapter:
         del pool
         self._passes.clear()
         for g in forward_plan.groups.values():
-            passes = [g.tables] + (list(g.cascade) if g.cascade is not None else [])
-            for t in passes:  # keyed by id: the plan holds the tables alive for the forward
+            for _, t in g.passes:  # keyed by id: the plan holds the tables alive for the forward
                 p = padded_pass(t, g.window)
                 p.block_mask = _block_mask(p)
                 self._passes[id(t)] = p
@@ -203,4 +203,4 @@ class Adapter:
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""
-        return merge_states(o1, lse1, o2, lse2, sinks)
+        return merge_state(o1, lse1, o2, lse2, sinks)[0]

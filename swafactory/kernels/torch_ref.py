@@ -1,8 +1,28 @@
-"""The torch reference backend: exact fp32 gather + masked softmax over the planner's tables.
+"""The torch reference backend, and the kernel contract executed in torch.
 
-It is the CPU default and the readable statement of the kernel contract (`metadata.AttnTables`):
-per request, gather the key rows, score them in fp32, mask by structure and window position,
-add the sink to the denominator, and return the output with its log-sum-exp.
+It is the CPU default, the Triton backend's CPU fallback, and the tests' second opinion: the
+readable statement of what every adapter computes for one pass.
+
+One call attends the queries of a batch over paged K/V of one layer, in flattened CSR form
+(built once per forward by the planner):
+
+* ``q``: [total_q, Hq, D] fp32/fp16/bf16. ``k_buf``, ``v_buf``: [rows, Hkv, D], the layer's pool
+  buffers (Hq % Hkv == 0; query head h reads KV head h // (Hq // Hkv)).
+* ``qo_indptr``: [B+1] int32 — request b owns queries ``qo_indptr[b]:qo_indptr[b+1]``.
+* ``kv_indptr``: [B+1] int32; ``kv_indices``: [total_kv] int32/int64 — pool rows of request b's
+  keys, in logical order. Row 0 (the dummy slot) may appear only where the key is masked out.
+* ``q_pos``: [total_q] int32, ``kv_pos``: [total_kv] int32 — token positions (tree nodes sit at
+  prefix_len + depth, so positions need not be contiguous or monotonic).
+* ``mask``: bool/uint8, request b's [q_len_b, kv_len_b] block row-major from ``mask_indptr[b]``
+  ([B+1] int32, in elements); it is the *structure* (causal, tree ancestry, DFlash block).
+  ``None`` means causal: ``kv_pos <= q_pos``. Causality lives only in the structure.
+* ``window``: HF W or None; allowed = structure & (q_pos - kv_pos < W).
+* ``scale``: softmax scale; ``softcap``: s = cap·tanh(s/cap) before masking; ``sinks``: [Hq]
+  fp32, one extra logit per head in the denominator with a zero value.
+
+Returns ``o`` [total_q, Hq, D] in q's dtype and ``lse`` [total_q, Hq] fp32 (natural log of the
+masked scores' sum, sink included). A query that sees nothing and has no sink gets o = 0 and
+lse = -inf. A non-finite K/V row that a query cannot see never reaches it; one it sees does.
 """
 from __future__ import annotations
 
@@ -12,7 +32,8 @@ import torch
 
 from swafactory.registry.capabilities import Capabilities
 
-__all__ = ["CAPABILITIES", "Adapter", "attend", "merge_states", "apply_sinks"]
+__all__ = ["CAPABILITIES", "Adapter", "attend", "attention_reference", "check_contract",
+           "merge_state", "apply_sinks"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -29,75 +50,105 @@ CAPABILITIES = Capabilities(
 )
 
 
-def attend(tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, *,
-           window: int | None, scale: float, softcap: float | None = None,
-           sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass of the kernel contract.
-
-    tables: `metadata.AttnTables`. q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D];
-    sinks: [Hq] or None. Returns o [total_q, Hq, D] (q's dtype) and lse [total_q, Hq] fp32.
-    A masked key never contributes, even if its row holds NaN (a poisoned, freed slot); a NaN in
-    a visible key reaches the output, which is how check mode exposes stale reads.
-    """
-    total_q, hq, d = q.shape
+def check_contract(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                   qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                   q_pos: torch.Tensor, kv_pos: torch.Tensor, mask: torch.Tensor | None,
+                   mask_indptr: torch.Tensor | None, sinks: torch.Tensor | None) -> tuple[int, int]:
+    """Shape checks shared by every implementation; returns (B, group). Never syncs the device."""
+    if q.dim() != 3 or k_buf.dim() != 3 or v_buf.shape != k_buf.shape:
+        raise ValueError(f"q must be [total_q, Hq, D] and k_buf/v_buf [rows, Hkv, D] alike; got "
+                         f"{tuple(q.shape)}, {tuple(k_buf.shape)}, {tuple(v_buf.shape)}")
+    hq, d = q.shape[1], q.shape[2]
     hkv = k_buf.shape[1]
-    group = hq // hkv
+    if k_buf.shape[2] != d or hq % hkv:
+        raise ValueError(f"head_dim {k_buf.shape[2]} vs {d}, or Hq={hq} not a multiple of Hkv={hkv}")
+    b = qo_indptr.numel() - 1
+    if kv_indptr.numel() != b + 1 or q_pos.numel() != q.shape[0] or kv_pos.numel() != kv_indices.numel():
+        raise ValueError("indptr/positions disagree with q or kv_indices in length")
+    if (mask is None) != (mask_indptr is None):
+        raise ValueError("mask and mask_indptr come together")
+    if sinks is not None and sinks.numel() != hq:
+        raise ValueError(f"sinks must be [Hq={hq}], got {tuple(sinks.shape)}")
+    return b, hq // hkv
+
+
+def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                        qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                        kv_indices: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
+                        mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None,
+                        window: int | None = None, scale: float, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract above in fp32, vectorized per request. Returns (o, lse)."""
+    nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
+                               mask, mask_indptr, sinks)
+    total_q, hq, d = q.shape
+    hkv = hq // group
     o = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((total_q, hq), -math.inf, dtype=torch.float32, device=q.device)
-    qo, kvp = tables.qo_indptr.tolist(), tables.kv_indptr.tolist()
-    mi = tables.mask_indptr.tolist() if tables.mask is not None else None
-    idx_all = tables.kv_indices.tensor.long()
-    for b in range(len(qo) - 1):
-        q0, q1, k0, k1 = qo[b], qo[b + 1], kvp[b], kvp[b + 1]
-        if q1 == q0:
+    qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
+    mo = mask_indptr.tolist() if mask_indptr is not None else None
+    sk = sinks.float().view(hkv, group) if sinks is not None else None
+    for b in range(nb):
+        q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
+        nq, nk = q1 - q0, k1 - k0
+        if nq == 0:
             continue
-        qp, kp = tables.q_pos[q0:q1].long(), tables.kv_pos[k0:k1].long()
-        if mi is not None:
-            allowed = tables.mask[mi[b]:mi[b + 1]].view(q1 - q0, k1 - k0).bool()
-        else:
+        rows = kv_indices[k0:k1].long()
+        kb, vb = k_buf[rows].float(), v_buf[rows].float()                    # [nk, Hkv, D]
+        qp, kp = q_pos[q0:q1].long(), kv_pos[k0:k1].long()
+        if mask is None:
             allowed = kp[None, :] <= qp[:, None]
+        else:
+            allowed = mask[mo[b]:mo[b] + nq * nk].view(nq, nk).bool()
         if window is not None:
             allowed = allowed & (qp[:, None] - kp[None, :] < window)
-        idx = idx_all[k0:k1]
-        nq, nk = q1 - q0, k1 - k0
-        k, v = k_buf[idx].float(), v_buf[idx].float()  # [nk, Hkv, D]
-        # query head h reads KV head h // group: batch over KV heads, rows (group, query)
-        qg = q[q0:q1].float().reshape(nq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
-        s = torch.bmm(qg, k.permute(1, 2, 0)).reshape(hq, nq, nk) * scale
+        qg = q[q0:q1].float().view(nq, hkv, group, d)
+        s = torch.einsum("qhgd,khd->hgqk", qg, kb) * scale                   # [Hkv, G, nq, nk]
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~allowed[None], -math.inf)
-        if sinks is not None:
-            s = torch.cat([s, sinks.float().view(hq, 1, 1).expand(hq, nq, 1)], dim=2)
-        m = torch.logsumexp(s, dim=2)  # [Hq, nq]
-        p = torch.exp(s - m.masked_fill(torch.isinf(m), 0)[..., None])[..., :nk]
+        s = s.masked_fill(~allowed, -math.inf)  # a masked NaN key becomes -inf here
+        full = s if sk is None else torch.cat([s, sk[:, :, None, None].expand(-1, -1, nq, 1)], -1)
+        lse_b = torch.logsumexp(full, dim=-1)                                # [Hkv, G, nq]
+        base = torch.where(lse_b == -math.inf, torch.zeros_like(lse_b), lse_b)
+        p = torch.exp(s - base[..., None])                                   # masked → exactly 0
         p = p.masked_fill(p < _TINY, 0.0)  # denormals (< 1e-38 of the sum) slow CPU matmuls ~20×
-        # 0 · NaN is NaN: multiply by NaN-free values, then mark queries that *see* a NaN row
-        bad = torch.isnan(v).any(dim=2)  # [nk, Hkv]
-        if bad.any():
-            v = torch.nan_to_num(v, nan=0.0)
-        out = torch.bmm(p.reshape(hkv, group * nq, nk), v.permute(1, 0, 2).contiguous())
-        out = out.reshape(hkv, group, nq, d).permute(2, 0, 1, 3).reshape(nq, hq, d)
-        if bad.any():
-            sees = (allowed.float() @ bad.float()) > 0  # [nq, Hkv]
-            out[sees.repeat_interleave(group, dim=1)] = math.nan
-        o[q0:q1], lse[q0:q1] = out, m.T
+        # 0·NaN would leak a masked non-finite value: multiply clean values, then poison only
+        # the queries that really see a non-finite value.
+        finite = torch.isfinite(vb)
+        ob = torch.einsum("hgqk,khd->qhgd", p, torch.where(finite, vb, torch.zeros_like(vb)))
+        bad = (~finite).any(-1).float()                                      # [nk, Hkv]
+        seen_bad = (allowed.float() @ bad) > 0                               # [nq, Hkv]
+        ob = ob.masked_fill(seen_bad[:, :, None, None], math.nan)
+        o[q0:q1] = ob.reshape(nq, hq, d)
+        lse[q0:q1] = lse_b.permute(2, 0, 1).reshape(nq, hq)
     return o.to(q.dtype), lse
 
 
-def merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Merge two partial passes (cascade) and add the sink once.
+def attend(tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, *,
+           window: int | None, scale: float, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_reference` over one pass's planner tables (`metadata.AttnTables`)."""
+    return attention_reference(q, k_buf, v_buf, tables.qo_indptr, tables.kv_indptr,
+                               tables.kv_indices.tensor, tables.q_pos, tables.kv_pos,
+                               mask=tables.mask, mask_indptr=tables.mask_indptr, window=window,
+                               scale=scale, softcap=softcap, sinks=sinks)
 
-    o1, o2: [n, H, D]; lse1, lse2: [n, H] fp32 (-inf = the pass saw no key); sinks: [H] or None.
-    Returns [n, H, D] in o1's dtype.
+
+def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention states over disjoint key sets (cascade: prefix + expand).
+
+    o1, o2: [N, H, D] any float dtype; lse1, lse2: [N, H] fp32 (natural log, -inf = empty);
+    sinks: [H] fp32 or None, applied here once. Returns (o [N, H, D] in o1's dtype, lse [N, H]).
     """
-    parts = [lse1, lse2] + ([sinks.float().expand_as(lse1)] if sinks is not None else [])
+    parts = [lse1.float(), lse2.float()]
+    if sinks is not None:
+        parts.append(sinks.float()[None, :].expand_as(parts[0]))
     lse = torch.logsumexp(torch.stack(parts), dim=0)
-    safe = lse.masked_fill(torch.isinf(lse), 0)
-    w1 = torch.exp(lse1 - safe)[..., None]
-    w2 = torch.exp(lse2 - safe)[..., None]
-    return (w1 * o1.float() + w2 * o2.float()).to(o1.dtype)
+    base = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+    w1, w2 = torch.exp(parts[0] - base), torch.exp(parts[1] - base)
+    o = w1[..., None] * o1.float() + w2[..., None] * o2.float()
+    return o.to(o1.dtype), lse
 
 
 def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
@@ -125,4 +176,4 @@ class Adapter:
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""
-        return merge_states(o1, lse1, o2, lse2, sinks)
+        return merge_state(o1, lse1, o2, lse2, sinks)[0]

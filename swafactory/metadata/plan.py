@@ -63,6 +63,13 @@ class GroupPlan:
     write_locs: Locs | None
     """[total_q] slots of this forward's new tokens in the group's space; None = writes nothing."""
 
+    @property
+    def passes(self) -> tuple[tuple[str, AttnTables], ...]:
+        """(role, tables) of every pass an adapter may be asked to run: ``main``, then the
+        cascade's ``pre`` and ``exp`` when there is one."""
+        extra = () if self.cascade is None else (("pre", self.cascade[0]), ("exp", self.cascade[1]))
+        return (("main", self.tables), *extra)
+
 
 @dataclass(frozen=True, eq=False)
 class ForwardPlan:

@@ -92,4 +92,4 @@ def test_window_helpers_share_one_convention() -> None:
     assert first_visible_pos(5, 3) == 3 and first_visible_pos(1, 3) == 0 and first_visible_pos(9, None) == 0
     assert kept_keys(10, 4) == 4 and kept_keys(3, 4) == 3 and kept_keys(10, None) == 10
     assert flashinfer_window_left(1024) == 1023 and flashinfer_window_left(None) == -1
-    assert flash_attn_window_size(128) == (127, 0) and flash_attn_window_size(None) == (-1, -1)
+    assert flash_attn_window_size(128) == (127, 0) and flash_attn_window_size(None) == (None, 0)

@@ -8,7 +8,7 @@ import torch
 
 from kernel_batches import Req, depths, make_batch, oracle_outputs, tol, tree_parents
 from swafactory.harness.oracle import tree_visibility
-from swafactory.kernels.triton.reference import attention_reference, merge_state
+from swafactory.kernels.torch_ref import attention_reference, merge_state
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

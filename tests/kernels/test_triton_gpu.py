@@ -14,7 +14,7 @@ import torch
 
 from kernel_batches import Req, depths, make_batch, tol, tree_parents
 from swafactory.harness.oracle import tree_visibility
-from swafactory.kernels.triton.reference import attention_reference, merge_state
+from swafactory.kernels.torch_ref import attention_reference, merge_state
 
 pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")

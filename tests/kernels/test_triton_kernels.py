@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from swafactory.harness.oracle import tree_visibility
-from swafactory.kernels.triton.reference import attention_reference, merge_state
+from swafactory.kernels.torch_ref import attention_reference, merge_state
 from kernel_batches import Req, depths, make_batch, oracle_outputs, tree_parents, tol
 
 pytest.importorskip("triton")

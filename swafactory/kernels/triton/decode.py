@@ -10,7 +10,7 @@ skipped (only
 with a window: the branch costs load pipelining where every tile is visible). Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one
 split, stage 1 writes the final output itself.
 
-Contract: see ``reference.py``; here ``mask`` must be None and ``qo_indptr`` = arange(B+1).
+Contract: see ``kernels/torch_ref.py``; here ``mask`` must be None and ``qo_indptr`` = arange(B+1).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from swafactory.kernels.triton.merge import combine_splits, interpreting, plan_splits
-from swafactory.kernels.triton.reference import check_contract
+from swafactory.kernels.torch_ref import check_contract
 
 __all__ = ["decode_attention", "decode_config"]
 
@@ -132,7 +132,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      mask_indptr: torch.Tensor | None = None, window: int | None = None,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged decode under the kernel contract (``reference.py``); returns (o, lse).
+    """Paged decode under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
     q: [B, Hq, D] (one query per request: qo_indptr = arange(B+1), int32); k_buf, v_buf:
     [rows, Hkv, D] in q's dtype, last dim contiguous; kv_indptr: [B+1] int32; kv_indices:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from swafactory.kernels.triton.merge import combine_splits, interpreting, plan_splits
-from swafactory.kernels.triton.reference import check_contract
+from swafactory.kernels.torch_ref import check_contract
 
 __all__ = ["extend_attention", "extend_config"]
 
@@ -154,7 +154,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      max_q_len: int | None = None, num_splits: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged extend/verify under the kernel contract (``reference.py``); returns (o, lse).
+    """Paged extend/verify under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
     q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] in q's dtype, last dim contiguous;
     qo_indptr, kv_indptr: [B+1] int32; kv_indices: [total_kv] int32/int64; q_pos: [total_q]

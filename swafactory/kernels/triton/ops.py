@@ -1,6 +1,6 @@
 """One entry point over the Triton kernels: decode when every request has one query and the
 structure is causal, extend otherwise; the torch reference where Triton cannot run (CPU without
-``TRITON_INTERPRET=1``). Every path takes and returns the same contract (``reference.py``).
+``TRITON_INTERPRET=1``). Every path takes and returns the same contract (``kernels/torch_ref.py``).
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from swafactory.kernels.triton.decode import decode_attention
 from swafactory.kernels.triton.extend import extend_attention
 from swafactory.kernels.triton.merge import interpreting
-from swafactory.kernels.triton.reference import attention_reference
+from swafactory.kernels.torch_ref import attention_reference
 
 __all__ = ["paged_attention", "uses_decode"]
 
@@ -36,7 +36,7 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                     scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                     max_q_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention under the kernel contract; returns (o [total_q, Hq, D] in q's dtype, lse
-    [total_q, Hq] fp32). Shapes and dtypes as in ``reference.py``; ``max_q_len`` is an optional
+    [total_q, Hq] fp32). Shapes and dtypes as in ``kernels/torch_ref.py``; ``max_q_len`` is an optional
     host-side hint (the longest request's query count) that keeps the call free of device syncs.
     """
     kw = dict(mask=mask, mask_indptr=mask_indptr, window=window, scale=scale, softcap=softcap,
