@@ -52,16 +52,19 @@ for stage in $STAGES; do
             hydra.sweep.dir="$OUT/$NAME" > "$OUT/$NAME.log" 2>&1
         head -3 "$OUT/$NAME/matrix.md" ;;
     faults)
-        # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS)
+        # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS), in
+        # parallel: each is a short smoke run, and every one must exit 1 with its report
         mkdir -p "$OUT/faults"
         for pair in skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash \
                     pool_cached_at_init:frozen_kv_mtp window_off_by_one:none \
                     no_swa_eviction:none no_draft_headroom:eagle; do
-            python3 -m swafactory backend=flashinfer model=gemma4 workload=smoke \
+            ( python3 -m swafactory backend=flashinfer model=gemma4 workload=smoke \
                 faults="${pair%%:*}" spec="${pair##*:}" \
                 hydra.run.dir="$OUT/faults/${pair%%:*}" > "$OUT/faults/${pair%%:*}.log" 2>&1
-            echo "fault ${pair%%:*} (spec ${pair##*:}): exit $?"
-        done | tee "$OUT/faults.txt" ;;
+              echo "fault ${pair%%:*} (spec ${pair##*:}): exit $?" ) &
+        done > "$OUT/faults.txt"
+        wait
+        cat "$OUT/faults.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
     echo "stage $stage: $(( $(date +%s) - start )) s"

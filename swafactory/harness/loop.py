@@ -83,7 +83,7 @@ class Loop:
             self.p.draft_view.active_pool = self.p.frozen_view
         try:
             checks = worker.forward(mode, reqs, self.p.slots.req_to_token.table,
-                                    self.p.alloc.full_id, check=check)
+                                    self.p.alloc.full_id, check=check, keep_above=self.tol)
         finally:
             if swap:
                 self.p.draft_view.active_pool = self.p.dummy_pool

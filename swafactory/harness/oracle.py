@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["oracle_attention", "tree_visibility", "causal_visibility"]
+__all__ = ["oracle_attention", "masked_attention", "visibility", "tree_visibility",
+           "causal_visibility"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -43,6 +44,15 @@ def tree_visibility(prefix_len: int, parents: Sequence[int]) -> torch.Tensor:
     return vis
 
 
+def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, structure: torch.Tensor,
+               window: int | None) -> torch.Tensor:
+    """[nq, nk] bool: ``structure`` and, with a window, the distance from the query's own
+    position is < W. Causality is part of ``structure`` (a DFlash block sees keys ahead of it)."""
+    if window is None:
+        return structure
+    return structure & ((q_pos[:, None].long() - k_pos[None, :].long()) < window)
+
+
 def oracle_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      q_pos: torch.Tensor, k_pos: torch.Tensor, structure: torch.Tensor, *,
                      window: int | None, scale: float | None = None,
@@ -54,16 +64,19 @@ def oracle_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     or block visibility before the window); sinks: [Hq] float or None. Returns [nq, Hq, D] fp32.
     A query that sees no key and has no sink gets zeros.
     """
+    return masked_attention(q, keys, values, visibility(q_pos, k_pos, structure, window),
+                            scale=scale, softcap=softcap, sinks=sinks)
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     allowed: torch.Tensor, *, scale: float | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`oracle_attention` with the visibility already decided: ``allowed`` [nq, nk] bool.
+    The harness builds it once per request per forward and reuses it for every layer."""
     nq, hq, d = q.shape
     nk, hkv = keys.shape[0], keys.shape[1]
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
-    # the window, plainly: the distance from the query's own position is < W. Causality is part
-    # of `structure` (a DFlash block sees keys ahead of it inside the block).
-    dist = q_pos[:, None].long() - k_pos[None, :].long()
-    allowed = structure.clone()
-    if window is not None:
-        allowed &= dist < window
     # GQA: query head h reads KV head h // group, so view q as [nq, Hkv, group, D]
     qg = q.float().reshape(nq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * nq, d)
     s = torch.bmm(qg, keys.float().permute(1, 2, 0)).reshape(hq, nq, nk) * scale

@@ -13,7 +13,7 @@ import torch
 
 from swafactory.backend import AttentionBackend
 from swafactory.graphs import GraphedAttention
-from swafactory.harness.oracle import oracle_attention, tree_visibility
+from swafactory.harness.oracle import masked_attention, tree_visibility, visibility
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
 __all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for"]
@@ -80,22 +80,30 @@ class History:
 
 @dataclass(frozen=True)
 class Check:
-    """One compared attention output."""
+    """One compared attention output. ``out`` ([n, Hq, D]) and ``ref`` ([n, Hq, D] fp32) stay on
+    the run's device, and only on a check that failed (`Worker.forward`'s ``keep_above``)."""
 
     layer: int
     group: str
-    out: torch.Tensor
-    ref: torch.Tensor
+    err: float
+    """Max relative error (inf when the output has NaN)."""
     rows: dict[Hashable, slice]
+    out: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+    @staticmethod
+    def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """0-dim fp32 on the device: max |out - ref| / max |ref|, inf when out has NaN."""
+        err = (out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)
+        return torch.where(torch.isnan(out).any(), torch.full_like(err, float("inf")), err)
 
     def error(self) -> float:
-        """Max relative error (inf when the output has NaN)."""
-        if torch.isnan(self.out).any():
-            return float("inf")
-        return float((self.out.float() - self.ref).abs().max() / self.ref.abs().max().clamp_min(1e-6))
+        return self.err
 
     def worst_request(self) -> Hashable:
-        """The request with the largest error."""
+        """The request with the largest error (a kept check only)."""
+        if self.out is None:
+            return "-"
         errs = {rid: float(torch.nan_to_num((self.out[s].float() - self.ref[s]).abs(), nan=1e30).max())
                 for rid, s in self.rows.items() if s.stop > s.start}
         return max(errs, key=errs.get)
@@ -115,22 +123,30 @@ class LayerSpec:
     """Key of the logical history it reads (a FROZEN_KV draft layer reads its bound target layer)."""
 
 
-def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
-               sinks: torch.Tensor | None) -> torch.Tensor:
-    """The oracle's answer for one request's queries at one layer, from its logical history."""
+def request_visibility(window: int | None, r: ReqForward, hist: History) -> torch.Tensor:
+    """[q_len, prefix_len + nodes] bool: which of the request's logical keys each of its queries
+    sees (structure, then the window). The same for every layer of one window in one forward."""
     n = r.prefix_len + r.nodes
-    keys, values = hist.kv(spec.history_layer, n)
-    k_pos = torch.tensor(hist.pos[:n], device=keys.device)
+    dev = hist.k[next(iter(hist.k))].buf.device if hist.k else "cpu"
+    k_pos = torch.tensor(hist.pos[:n], device=dev)
     if r.parents is not None:
-        structure = tree_visibility(r.prefix_len, list(r.parents)).to(keys.device)
+        structure = tree_visibility(r.prefix_len, list(r.parents)).to(dev)
     elif r.block:
-        structure = torch.ones(r.nodes, n, dtype=torch.bool, device=keys.device)
+        structure = torch.ones(r.nodes, n, dtype=torch.bool, device=dev)
     else:  # committed history and a chain: causal by position
         structure = k_pos[None, :] <= k_pos[r.prefix_len:, None]
-    structure = structure[r.query_from:]
-    q_pos = k_pos[r.prefix_len + r.query_from:]
-    return oracle_attention(q, keys, values, q_pos, k_pos, structure, window=spec.window,
-                            scale=spec.scale, softcap=spec.softcap, sinks=sinks)
+    return visibility(k_pos[r.prefix_len + r.query_from:], k_pos, structure[r.query_from:], window)
+
+
+def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
+               sinks: torch.Tensor | None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle's answer for one request's queries at one layer, from its logical history.
+    ``allowed``: `request_visibility` when the caller already has it."""
+    keys, values = hist.kv(spec.history_layer, r.prefix_len + r.nodes)
+    if allowed is None:
+        allowed = request_visibility(spec.window, r, hist)
+    return masked_attention(q, keys, values, allowed.to(keys.device), scale=spec.scale,
+                            softcap=spec.softcap, sinks=sinks)
 
 
 class Worker:
@@ -153,8 +169,9 @@ class Worker:
         self._full: dict[int, tuple] = {}  # layer → this forward's full-head (q, k, v) on the host
 
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
-                full_id: str, *, check: bool) -> list[Check]:
-        """Plan once, run every layer; compare with the oracle when ``check``."""
+                full_id: str, *, check: bool, keep_above: float = -1.0) -> list[Check]:
+        """Plan once, run every layer; compare with the oracle when ``check``. A check whose
+        error is ≤ ``keep_above`` drops its tensors (-1: keep every check's)."""
         if self.writes:
             for r in reqs:
                 h = self.hist[r.rid]
@@ -179,6 +196,11 @@ class Worker:
             torch.cuda.synchronize()
         self.attn_s += time.perf_counter() - t0
         checks = []
+        visible: dict[tuple[Hashable, int | None], torch.Tensor] = {}  # once per request, window
+        rows, row = {}, 0
+        for r in reqs:
+            rows[r.rid] = slice(row, row + r.q_len)
+            row += r.q_len
         for layer, spec in self.layers.items():
             q, k, v = self._full[layer]
             out = outs[layer]
@@ -188,16 +210,23 @@ class Worker:
                 self.gather_s += time.perf_counter() - t0
             if self.writes:
                 self._record(reqs, spec.history_layer, k, v)
-            if check:
-                refs, rows, row = [], {}, 0
-                sinks = self.sinks.get(layer)
-                sinks = None if sinks is None else sinks.to(q.device)
-                for r in reqs:
-                    refs.append(oracle_for(spec, r, self.hist[r.rid], q[row:row + r.q_len].float(), sinks))
-                    rows[r.rid] = slice(row, row + r.q_len)
-                    row += r.q_len
-                checks.append(Check(layer, plan.layer_groups[layer], out.cpu(), torch.cat(refs).cpu(),
-                                    rows))
+            if not check:
+                continue
+            sinks = self.sinks.get(layer)
+            sinks = None if sinks is None else sinks.to(q.device)
+            refs = []
+            for r in reqs:
+                hist = self.hist[r.rid]
+                key = (r.rid, spec.window)
+                if key not in visible:
+                    visible[key] = request_visibility(spec.window, r, hist)
+                refs.append(oracle_for(spec, r, hist, q[rows[r.rid]].float(), sinks, visible[key]))
+            ref = torch.cat(refs)
+            out = out.to(ref.device)
+            err = float(Check.relative_error(out, ref))  # one sync per layer, one scalar back
+            kept = not err <= keep_above
+            checks.append(Check(layer, plan.layer_groups[layer], err, rows,
+                                out if kept else None, ref if kept else None))
         return checks
 
     def _draw(self, layer: int, spec: LayerSpec, nq: int):
