@@ -8,7 +8,8 @@ each, and prints per mode: ok or the error, compiles, and seconds per shape (fir
 
     python3 bench/flex_probe.py OUT.json [MODE ...]
 MODE: dynamic (dynamic=True), auto (dynamic=None), static_bucketed (dynamic=False, shapes
-rounded up to powers of two, keys to a multiple of 128), dynamic_bucketed.
+rounded up to powers of two, keys to a multiple of 128), dynamic_bucketed, dynamic_transposed
+(dynamic=True on [B, S, H, D] tensors viewed as [B, H, S, D], as the adapter first did).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 # (B, qmax, kvmax): prefill chunks, decode, verify, a tree, a growing context
 SHAPES = [(1, 256, 300), (1, 200, 456), (2, 256, 300), (2, 200, 420), (8, 1, 260), (8, 4, 300), (8, 8, 311), (4, 1, 1200),
           (8, 6, 900), (3, 512, 700), (8, 1, 1500), (5, 3, 170)]
-MODES = ["dynamic", "auto", "static_bucketed", "dynamic_bucketed"]
+MODES = ["dynamic", "dynamic_transposed", "auto", "static_bucketed", "dynamic_bucketed"]
 
 
 def _pow2(n: int) -> int:
@@ -33,7 +34,8 @@ def child(mode: str) -> dict:
 
     import torch._dynamo
     torch._dynamo.config.recompile_limit = 256
-    dyn = {"dynamic": True, "auto": None, "static_bucketed": False, "dynamic_bucketed": True}[mode]
+    dyn = {"dynamic": True, "auto": None, "static_bucketed": False, "dynamic_bucketed": True,
+           "dynamic_transposed": True}[mode]
     fn = torch.compile(flex_attention, dynamic=dyn)
     hq, hkv, d, W = 64, 8, 64, 128
     rows = []
@@ -44,6 +46,8 @@ def child(mode: str) -> dict:
         q = torch.randn(b, hq, qm, d, device=dev, dtype=torch.bfloat16)
         k = torch.randn(b, hkv, km, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn(b, hkv, km, d, device=dev, dtype=torch.bfloat16)
+        if mode == "dynamic_transposed":
+            q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
         qpos = torch.arange(qm, device=dev) + (km - qm)
         kpos = torch.arange(km, device=dev)
         dist = qpos[:, None] - kpos[None, :]
