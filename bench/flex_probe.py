@@ -20,7 +20,9 @@ import time
 
 # (B, qmax, kvmax): prefill chunks, decode, verify, a tree, a growing context
 SHAPES = [(1, 256, 300), (1, 200, 456), (2, 256, 300), (2, 200, 420), (8, 1, 260), (8, 4, 300), (8, 8, 311), (4, 1, 1200),
-          (8, 6, 900), (3, 512, 700), (8, 1, 1500), (5, 3, 170)]
+          (8, 6, 900), (3, 512, 700), (8, 1, 1500), (5, 3, 170),
+          # extend passes with one 128-query block: where serve runs failed to lower (1da1d66)
+          (8, 64, 900), (1, 100, 600), (4, 128, 700)]
 MODES = ["dynamic", "dynamic_transposed", "auto", "static_bucketed", "dynamic_bucketed"]
 
 

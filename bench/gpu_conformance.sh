@@ -6,7 +6,8 @@
 # Environment:
 #     WHEELS   folders of wheels to install first with pip --no-index --target /tmp/site (offline
 #              hosts; docs/gpu.md says how to fetch them); unset = use the environment as it is.
-#     JOBS     parallel harness processes sharing the GPU (default 8).
+#     JOBS     parallel harness processes sharing the GPU (default 6; Gemma 4 serve runs hold
+#              its K/V histories of all 60 layers: run at most 3 of those at once).
 #     MODELS / BACKENDS / SPECS / WORKLOAD   narrow the matrix (defaults: the issue-7 matrix, serve).
 #     NAME     the matrix's folder under OUT (default matrix); EXTRA: more overrides for it.
 # Writes OUT/tests.txt, OUT/NAME/matrix.md (+ one folder per job), OUT/faults.txt (+ reports).
@@ -14,7 +15,7 @@ set -uo pipefail
 OUT=${1:?usage: bench/gpu_conformance.sh OUT [tests|matrix|faults]...}
 shift
 STAGES=${*:-tests matrix faults}
-JOBS=${JOBS:-8}
+JOBS=${JOBS:-6}
 BACKENDS=${BACKENDS:-flashinfer,flash_attn,flex,triton,torch}
 SPECS=${SPECS:-none,eagle,eagle3,nextn,frozen_kv_mtp,dflash}
 MODELS=${MODELS:-gemma4,gpt_oss_20b,mistral_7b}
@@ -29,7 +30,10 @@ if [ -n "${WHEELS:-}" ]; then
     # pip --target skips .pth files: add cutlass-dsl's package path by hand (flash-attn-4)
     export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-export TRITON_INTERPRET=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+# expandable segments: a dozen harness processes share one GPU, and each one's caching allocator
+# otherwise keeps its fragmented peak (serve runs at 1da1d66 ran out of memory together)
+export TRITON_INTERPRET=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 python3 - <<'EOF'
 import importlib.util, torch
 print("torch", torch.__version__, torch.cuda.get_device_name(0))

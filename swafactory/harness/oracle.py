@@ -71,27 +71,34 @@ def oracle_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      allowed: torch.Tensor, *, scale: float | None = None,
                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """`oracle_attention` with the visibility already decided: ``allowed`` [nq, nk] bool.
-    The harness builds it once per request per forward and reuses it for every layer."""
-    nq, hq, d = q.shape
-    nk, hkv = keys.shape[0], keys.shape[1]
+    """`oracle_attention` with the visibility already decided, for one request or a padded batch.
+
+    One request: q [nq, Hq, D], keys/values [nk, Hkv, D], allowed [nq, nk] bool → [nq, Hq, D].
+    A padded batch: the same with a leading B (allowed [B, nq, nk]) → [B, nq, Hq, D] fp32.
+    Padding keys and queries are simply not allowed; a query that sees nothing gets zeros.
+    """
+    if q.dim() == 3:
+        return masked_attention(q[None], keys[None], values[None], allowed[None], scale=scale,
+                                softcap=softcap, sinks=sinks)[0]
+    b, nq, hq, d = q.shape
+    nk, hkv = keys.shape[1], keys.shape[2]
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
-    # GQA: query head h reads KV head h // group, so view q as [nq, Hkv, group, D]
-    qg = q.float().reshape(nq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * nq, d)
-    s = torch.bmm(qg, keys.float().permute(1, 2, 0)).reshape(hq, nq, nk) * scale
+    # GQA: query head h reads KV head h // group, so view q as [B·Hkv, group·nq, D]
+    qg = q.float().reshape(b, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, group * nq, d)
+    kt = keys.float().permute(0, 2, 3, 1).reshape(b * hkv, d, nk)
+    s = torch.bmm(qg, kt).reshape(b, hq, nq, nk) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~allowed[None], -math.inf)
+    s = s.masked_fill(~allowed[:, None], -math.inf)
     if sinks is not None:  # the sink is one more logit in each head's denominator, with no value
-        s = torch.cat([s, sinks.float().view(hq, 1, 1).expand(hq, nq, 1)], dim=2)
-    m = s.max(dim=2, keepdim=True).values
+        s = torch.cat([s, sinks.float().view(1, hq, 1, 1).expand(b, hq, nq, 1)], dim=3)
+    m = s.amax(dim=3, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
     p = p.masked_fill(p < _TINY, 0.0)  # denormals (< 1e-38 of the max) slow CPU matmuls ~20×
-    denom = p.sum(dim=2)  # [Hq, nq]
-    pv = p[..., :nk].reshape(hkv, group * nq, nk)
-    out = torch.bmm(pv, values.float().permute(1, 0, 2).contiguous())
-    out = out.reshape(hkv, group, nq, d).permute(2, 0, 1, 3).reshape(nq, hq, d)
-    out = torch.where(denom.T[..., None] > 0, out / denom.T[..., None].clamp_min(1e-30), 0.0)
-    return out
+    denom = p.sum(dim=3).permute(0, 2, 1)[..., None]  # [B, nq, Hq, 1]
+    pv = p[..., :nk].reshape(b * hkv, group * nq, nk)
+    vv = values.float().permute(0, 2, 1, 3).reshape(b * hkv, nk, d)
+    out = torch.bmm(pv, vv).reshape(b, hkv, group, nq, d).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d)
+    return torch.where(denom > 0, out / denom.clamp_min(1e-30), 0.0)

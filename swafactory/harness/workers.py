@@ -13,7 +13,8 @@ import torch
 
 from swafactory.backend import AttentionBackend
 from swafactory.graphs import GraphedAttention
-from swafactory.harness.oracle import masked_attention, tree_visibility, visibility
+from swafactory.harness.forward_oracle import ForwardOracle, request_visibility
+from swafactory.harness.oracle import masked_attention
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
 __all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for"]
@@ -123,28 +124,13 @@ class LayerSpec:
     """Key of the logical history it reads (a FROZEN_KV draft layer reads its bound target layer)."""
 
 
-def request_visibility(window: int | None, r: ReqForward, hist: History) -> torch.Tensor:
-    """[q_len, prefix_len + nodes] bool: which of the request's logical keys each of its queries
-    sees (structure, then the window). The same for every layer of one window in one forward."""
-    n = r.prefix_len + r.nodes
-    dev = hist.k[next(iter(hist.k))].buf.device if hist.k else "cpu"
-    k_pos = torch.tensor(hist.pos[:n], device=dev)
-    if r.parents is not None:
-        structure = tree_visibility(r.prefix_len, list(r.parents)).to(dev)
-    elif r.block:
-        structure = torch.ones(r.nodes, n, dtype=torch.bool, device=dev)
-    else:  # committed history and a chain: causal by position
-        structure = k_pos[None, :] <= k_pos[r.prefix_len:, None]
-    return visibility(k_pos[r.prefix_len + r.query_from:], k_pos, structure[r.query_from:], window)
-
-
 def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
                sinks: torch.Tensor | None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle's answer for one request's queries at one layer, from its logical history.
     ``allowed``: `request_visibility` when the caller already has it."""
     keys, values = hist.kv(spec.history_layer, r.prefix_len + r.nodes)
     if allowed is None:
-        allowed = request_visibility(spec.window, r, hist)
+        allowed = request_visibility(spec.window, r, hist.pos, keys.device)
     return masked_attention(q, keys, values, allowed.to(keys.device), scale=spec.scale,
                             softcap=spec.softcap, sinks=sinks)
 
@@ -196,7 +182,7 @@ class Worker:
             torch.cuda.synchronize()
         self.attn_s += time.perf_counter() - t0
         checks = []
-        visible: dict[tuple[Hashable, int | None], torch.Tensor] = {}  # once per request, window
+        oracle = ForwardOracle(reqs, self.hist, self.device) if check else None
         rows, row = {}, 0
         for r in reqs:
             rows[r.rid] = slice(row, row + r.q_len)
@@ -213,15 +199,7 @@ class Worker:
             if not check:
                 continue
             sinks = self.sinks.get(layer)
-            sinks = None if sinks is None else sinks.to(q.device)
-            refs = []
-            for r in reqs:
-                hist = self.hist[r.rid]
-                key = (r.rid, spec.window)
-                if key not in visible:
-                    visible[key] = request_visibility(spec.window, r, hist)
-                refs.append(oracle_for(spec, r, hist, q[rows[r.rid]].float(), sinks, visible[key]))
-            ref = torch.cat(refs)
+            ref = oracle.reference(spec, q, None if sinks is None else sinks.to(q.device))
             out = out.to(ref.device)
             err = float(Check.relative_error(out, ref))  # one sync per layer, one scalar back
             kept = not err <= keep_above

@@ -9,10 +9,9 @@ from that tensor once per pass, so empty key blocks (padding, out-of-window keys
 full blocks run unmasked. Per layer only the gather of the layer's K/V rows and the kernel run.
 
 Because the keys are gathered, any pool page size works; the price is one K/V copy per layer.
-On CPU it runs FlexAttention's unfused eager path (tests, small shapes). On CUDA it runs the
-kernel compiled once with dynamic shapes, on contiguous ``[B, H, S, D]`` copies: torch 2.11 on
-the H200 could not lower the transposed views of the gathered rows at serving shapes
-(NoValidChoicesError), while contiguous inputs of the same shapes lowered (`bench/flex_probe.py`).
+On CPU it runs FlexAttention's unfused eager path (tests, small shapes). On CUDA the code path
+compiles the kernel with dynamic shapes, which torch 2.11 could not lower for some serving passes
+on the H200 (see ``CAPABILITIES.devices_note``), so the registry refuses flex there for now.
 Sinks use the exact LSE epilogue (`torch_ref.apply_sinks`); FlexAttention's LSE is natural-log.
 """
 from __future__ import annotations
@@ -32,7 +31,12 @@ CAPABILITIES = Capabilities(
     name="flex",
     summary="torch FlexAttention on a padded per-request gather; one block mask per pass per forward",
     kernel="FlexAttention (block mask)",
-    devices=frozenset({"cpu", "cuda"}),
+    devices=frozenset({"cpu"}),
+    devices_note="on the H200 (torch 2.11) the compiled kernel (dynamic=True) passed the "
+                 "16 small-shape GPU oracle tests and bench/flex_probe.py's 12 serve-like "
+                 "shapes, but serve runs failed to lower it (NoValidChoicesError) on extend "
+                 "passes with one 128-query block, e.g. q [8, 64, s, 64]; refused on CUDA "
+                 "until such passes lower",
     max_head_dim=256,
     head_dim_note="swafactory caps FlexAttention at head_dim 256: larger heads are not verified "
                   "on a GPU",
@@ -176,14 +180,13 @@ class Adapter:
         b, qmax, kvmax = p.shape
         hq, d = q.shape[1], q.shape[2]
         hkv = k_buf.shape[1]
-        # contiguous [B, H, S, D]: the compiled kernel did not lower on transposed views
-        qp = q[p.q_index].view(b, qmax, hq, d).transpose(1, 2).contiguous()
+        qp = q[p.q_index].view(b, qmax, hq, d).transpose(1, 2)
         valid = p.kv_valid[:, None, None]
         # padding rows point at row 0, which may be a poisoned (NaN) slot: 0 · NaN is NaN
         kp = torch.where(valid, k_buf[p.kv_index], 0).to(q.dtype)
         vp = torch.where(valid, v_buf[p.kv_index], 0).to(q.dtype)
-        kp = kp.view(b, kvmax, hkv, d).transpose(1, 2).contiguous()
-        vp = vp.view(b, kvmax, hkv, d).transpose(1, 2).contiguous()
+        kp = kp.view(b, kvmax, hkv, d).transpose(1, 2)
+        vp = vp.view(b, kvmax, hkv, d).transpose(1, 2)
         score_mod = None if softcap is None else _softcap_mod(softcap, q.device)
         compiled, eager = _flex()
         fn = compiled if q.is_cuda else eager

@@ -36,6 +36,7 @@ __all__ = ["CAPABILITIES", "Adapter", "attend", "attention_reference", "check_co
            "merge_state", "apply_sinks"]
 
 _TINY = torch.finfo(torch.float32).tiny
+_SCORE_BUDGET = 1 << 25  # elements of one fp32 score chunk (128 MiB): parallel runs share a GPU
 
 CAPABILITIES = Capabilities(
     name="torch",
@@ -95,32 +96,40 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
             continue
         rows = kv_indices[k0:k1].long()
         kb, vb = k_buf[rows].float(), v_buf[rows].float()                    # [nk, Hkv, D]
-        qp, kp = q_pos[q0:q1].long(), kv_pos[k0:k1].long()
-        if mask is None:
-            allowed = kp[None, :] <= qp[:, None]
-        else:
-            allowed = mask[mo[b]:mo[b] + nq * nk].view(nq, nk).bool()
-        if window is not None:
-            allowed = allowed & (qp[:, None] - kp[None, :] < window)
-        qg = q[q0:q1].float().view(nq, hkv, group, d)
-        s = torch.einsum("qhgd,khd->hgqk", qg, kb) * scale                   # [Hkv, G, nq, nk]
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~allowed, -math.inf)  # a masked NaN key becomes -inf here
-        full = s if sk is None else torch.cat([s, sk[:, :, None, None].expand(-1, -1, nq, 1)], -1)
-        lse_b = torch.logsumexp(full, dim=-1)                                # [Hkv, G, nq]
-        base = torch.where(lse_b == -math.inf, torch.zeros_like(lse_b), lse_b)
-        p = torch.exp(s - base[..., None])                                   # masked → exactly 0
-        p = p.masked_fill(p < _TINY, 0.0)  # denormals (< 1e-38 of the sum) slow CPU matmuls ~20×
+        kp = kv_pos[k0:k1].long()
         # 0·NaN would leak a masked non-finite value: multiply clean values, then poison only
         # the queries that really see a non-finite value.
         finite = torch.isfinite(vb)
-        ob = torch.einsum("hgqk,khd->qhgd", p, torch.where(finite, vb, torch.zeros_like(vb)))
+        vclean = torch.where(finite, vb, torch.zeros_like(vb))
         bad = (~finite).any(-1).float()                                      # [nk, Hkv]
-        seen_bad = (allowed.float() @ bad) > 0                               # [nq, Hkv]
-        ob = ob.masked_fill(seen_bad[:, :, None, None], math.nan)
-        o[q0:q1] = ob.reshape(nq, hq, d)
-        lse[q0:q1] = lse_b.permute(2, 0, 1).reshape(nq, hq)
+        # queries in chunks: a long prefill's [Hq, nq, nk] scores stay within _SCORE_BUDGET
+        step = max(1, _SCORE_BUDGET // max(1, hq * nk))
+        for c0 in range(q0, q1, step):
+            c1 = min(q1, c0 + step)
+            n = c1 - c0
+            qp = q_pos[c0:c1].long()
+            if mask is None:
+                allowed = kp[None, :] <= qp[:, None]
+            else:
+                m0 = mo[b] + (c0 - q0) * nk
+                allowed = mask[m0:m0 + n * nk].view(n, nk).bool()
+            if window is not None:
+                allowed = allowed & (qp[:, None] - kp[None, :] < window)
+            qg = q[c0:c1].float().view(n, hkv, group, d)
+            s = torch.einsum("qhgd,khd->hgqk", qg, kb) * scale                # [Hkv, G, n, nk]
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            s = s.masked_fill(~allowed, -math.inf)  # a masked NaN key becomes -inf here
+            full = s if sk is None else torch.cat([s, sk[:, :, None, None].expand(-1, -1, n, 1)], -1)
+            lse_b = torch.logsumexp(full, dim=-1)                             # [Hkv, G, n]
+            base = torch.where(lse_b == -math.inf, torch.zeros_like(lse_b), lse_b)
+            p = torch.exp(s - base[..., None])                                # masked → exactly 0
+            p = p.masked_fill(p < _TINY, 0.0)  # denormals (< 1e-38 of the sum) slow CPU matmuls ~20×
+            ob = torch.einsum("hgqk,khd->qhgd", p, vclean)
+            seen_bad = (allowed.float() @ bad) > 0                            # [n, Hkv]
+            ob = ob.masked_fill(seen_bad[:, :, None, None], math.nan)
+            o[c0:c1] = ob.reshape(n, hq, d)
+            lse[c0:c1] = lse_b.permute(2, 0, 1).reshape(n, hq)
     return o.to(q.dtype), lse
 
 

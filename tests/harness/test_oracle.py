@@ -93,3 +93,42 @@ def test_window_helpers_share_one_convention() -> None:
     assert kept_keys(10, 4) == 4 and kept_keys(3, 4) == 3 and kept_keys(10, None) == 10
     assert flashinfer_window_left(1024) == 1023 and flashinfer_window_left(None) == -1
     assert flash_attn_window_size(128) == (127, 0) and flash_attn_window_size(None) == (None, 0)
+
+
+@pytest.mark.parametrize("budget", [1 << 25, 64], ids=["padded_batch", "per_request_chunks"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_forward_oracle_equals_the_per_request_oracle(budget, window, monkeypatch) -> None:
+    """The per-forward oracle (padded batch, or per-request query chunks past the budget) gives
+    exactly what `oracle_for` gives request by request: chains, a tree, a DFlash block, a
+    draft level (query_from), odd lengths, GQA and sinks."""
+    from swafactory.harness import forward_oracle
+    from swafactory.harness.workers import History, LayerSpec, oracle_for
+    from swafactory.metadata.batch import ReqForward
+
+    monkeypatch.setattr(forward_oracle, "SCORE_BUDGET", budget)
+    monkeypatch.setattr(forward_oracle, "CPU_PAD_WASTE", 1e9)  # pad on CPU too (GPU's choice)
+    g = torch.Generator().manual_seed(3)
+    spec = LayerSpec(window=window, num_q_heads=4, num_kv_heads=2, head_dim=8, scale=0.3,
+                     softcap=None, history_layer=0)
+    reqs = [ReqForward("a", 0, 9, 1), ReqForward("b", 1, 4, 3, query_from=1),
+            ReqForward("c", 2, 6, 5, parents=(-1, 0, 0, 1, 2)),
+            ReqForward("d", 3, 3, 4, block=True), ReqForward("e", 4, 0, 7)]
+    hist = {}
+    for r in reqs:
+        h = History()
+        n = r.prefix_len + r.nodes
+        h.pos = list(range(r.prefix_len)) + r.node_positions().tolist()
+        h.record(0, 0, torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g))
+        hist[r.rid] = h
+    total = sum(r.q_len for r in reqs)
+    q = torch.randn(total, 4, 8, generator=g)
+    sinks = torch.randn(4, generator=g)
+    got = forward_oracle.ForwardOracle(reqs, hist, "cpu").reference(spec, q, sinks)
+    row, want = 0, []
+    for r in reqs:
+        want.append(oracle_for(spec, r, hist[r.rid], q[row:row + r.q_len], sinks))
+        row += r.q_len
+    want = torch.cat(want)
+    assert got.shape == want.shape == (total, 4, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert want.abs().sum() > 0

@@ -11,9 +11,14 @@ from swafactory.harness.oracle import tree_visibility
 from swafactory.kernels.torch_ref import attention_reference, merge_state
 
 
+@pytest.mark.parametrize("budget", [1 << 25, 40], ids=["whole", "query_chunks"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_reference_matches_oracle_on_decode_prefill_and_trees(page_size, window):
+def test_reference_matches_oracle_on_decode_prefill_and_trees(page_size, window, budget,
+                                                              monkeypatch):
+    """Also with the score budget forced tiny, so every request runs in query chunks (the
+    masks' offsets and the poisoning per chunk must still line up)."""
+    monkeypatch.setattr("swafactory.kernels.torch_ref._SCORE_BUDGET", budget)
     parents = tree_parents(2, 3, seed=0)
     pos = [12 + x for x in depths(parents)]
     reqs = [Req(kv_pos=list(range(9)), q_pos=[8]),

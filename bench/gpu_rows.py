@@ -1,0 +1,157 @@
+"""The GPU conformance record: every harness job that ran on the GPU host, one JSON line each.
+
+`bench/results/gpu-conformance-rows.jsonl` keeps every row ever brought back (sweeps from several
+device calls and commits). `add` appends the jobs of returned sweep folders; `render` rewrites the
+generated parts of `bench/results/gpu-conformance.md` (between its `<!-- grid -->` and
+`<!-- rows -->` markers) from the record, so the document never disagrees with the reports.
+
+    python bench/gpu_rows.py add --commit 1da1d66 --call 2 DIR [DIR ...]   # sweep folders
+    python bench/gpu_rows.py render
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "bench/results/gpu-conformance-rows.jsonl"
+DOC = ROOT / "bench/results/gpu-conformance.md"
+BACKENDS = ["flashinfer", "flash_attn", "triton", "torch", "flex"]
+MODELS = ["gemma4", "gpt_oss_20b", "mistral_7b"]
+SPECS = ["none", "eagle", "eagle3", "nextn", "frozen_kv_mtp", "dflash"]
+
+
+def _short_error(text: str) -> str:
+    if "out of memory" in text:
+        return "CUDA out of memory in the harness (too many parallel runs on one GPU)"
+    if "NoValidChoicesError" in text:
+        return "InductorError: NoValidChoicesError lowering flex_attention (compiled, dynamic shapes)"
+    return text.splitlines()[0][:200] if text else "-"
+
+
+def row_of(result: dict, sweep: str, commit: str, call: str) -> dict:
+    """One record row from a job's result.json."""
+    extra = [o for o in result["overrides"]
+             if not o.split("=")[0] in ("backend", "spec", "model", "workload")]
+    rep = result.get("report") or {}
+    if result["status"] == "ok":
+        acc = rep.get("accept_len")
+        details = (f"{rep['passed']:,}/{rep['checks']:,} checks, max rel err "
+                   f"{rep['max_rel_err']:.1e}, peak SWA {100 * rep['peak_swa_use']:.1f}%, accept "
+                   f"{'-' if acc is None else f'{acc:.2f}'}, {rep['steps']} steps, "
+                   f"{rep['wall_s']:.0f} s")
+        if rep.get("parts", {}).get("cuda_graphs"):
+            details += f", graphs: {rep['parts']['cuda_graphs']}"
+    elif result["status"] == "refused":
+        details = " ".join(r.lstrip("- ") for r in result["reasons"])
+    else:
+        m = rep.get("mismatch") or {}
+        details = (f"{m.get('check', '-')} check, {m.get('worker', '-')}/{m.get('mode', '-')}: "
+                   + _short_error(m.get("error") or result.get("error") or ""))
+    return {"backend": result["backend"], "spec": result["spec"], "model": result["model"],
+            "workload": result["workload"], "extra": " ".join(extra), "status": result["status"],
+            "details": details, "sweep": sweep, "commit": commit, "call": call}
+
+
+def add(dirs: list[str], commit: str, call: str) -> int:
+    rows = []
+    for d in map(Path, dirs):
+        for f in sorted(d.glob("*/result.json"), key=lambda p: int(p.parent.name)
+                        if p.parent.name.isdigit() else 0):
+            rows.append(row_of(json.loads(f.read_text()), d.name, commit, call))
+        for ov in sorted(d.glob("*/.hydra/overrides.yaml")):
+            if not (ov.parent.parent / "result.json").exists():  # killed at the call's limit
+                kv = dict(line[2:].split("=", 1) for line in ov.read_text().splitlines()
+                          if line.startswith("- "))
+                rows.append({"backend": kv.get("backend"), "spec": kv.get("spec"),
+                             "model": kv.get("model"), "workload": kv.get("workload", "serve"),
+                             "extra": "", "status": "unfinished",
+                             "details": "stopped at the device call's time limit",
+                             "sweep": d.name, "commit": commit, "call": call})
+    with RECORD.open("a") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return len(rows)
+
+
+def load() -> list[dict]:
+    return [json.loads(line) for line in RECORD.read_text().splitlines() if line.strip()]
+
+
+def _cell_state(rows: list[dict]) -> str:
+    if any(r["status"] == "ok" for r in rows):
+        return "ok" + ("+g" if any(r["status"] == "ok" and "cuda_graph" in r["extra"]
+                                   for r in rows) else "")
+    if not rows:
+        return "-"
+    if any("out of memory" in r["details"] for r in rows):
+        return "OOM"
+    return rows[-1]["status"]
+
+
+def grid(rows: list[dict]) -> str:
+    out = ["| backend | model | " + " | ".join(SPECS) + " |",
+           "|---|---|" + "---|" * len(SPECS)]
+    for b in BACKENDS:
+        for m in MODELS:
+            cells = []
+            for s in SPECS:
+                mine = [r for r in rows if (r["backend"], r["model"], r["spec"]) == (b, m, s)]
+                refused = [r for r in mine if r["status"] == "refused"]
+                if refused and not any(r["status"] == "ok" for r in mine):
+                    cells.append("refused")
+                    continue
+                by = {w: [r for r in mine if r["workload"] == w] for w in ("smoke", "serve")}
+                cells.append(f"{_cell_state(by['smoke'])} / {_cell_state(by['serve'])}")
+            out.append(f"| {b} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def table(rows: list[dict]) -> str:
+    key = {b: i for i, b in enumerate(BACKENDS)}
+    rows = sorted(rows, key=lambda r: (key.get(r["backend"], 9), MODELS.index(r["model"])
+                                       if r["model"] in MODELS else 9,
+                                       SPECS.index(r["spec"]) if r["spec"] in SPECS else 9,
+                                       r["workload"], r["extra"], r["call"]))
+    out = ["| backend | model | spec | workload | result | details | sweep | commit (call) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        wl = r["workload"] + (f", {r['extra']}" if r["extra"] else "")
+        details = r["details"].replace("|", "\\|")
+        out.append(f"| {r['backend']} | {r['model']} | {r['spec']} | {wl} | **{r['status']}** | "
+                   f"{details} | {r['sweep']} | {r['commit']} ({r['call']}) |")
+    return "\n".join(out)
+
+
+def render() -> None:
+    rows = load()
+    text = DOC.read_text()
+    for name, body in (("grid", grid(rows)), ("rows", table(rows))):
+        pat = re.compile(rf"<!-- {name} -->\n.*?<!-- /{name} -->", re.S)
+        if not pat.search(text):
+            sys.exit(f"{DOC}: no <!-- {name} --> … <!-- /{name} --> markers")
+        text = pat.sub(lambda m, n=name, b=body: f"<!-- {n} -->\n{b}\n<!-- /{n} -->", text)
+    DOC.write_text(text)
+    print(f"rendered {len(rows)} rows into {DOC.relative_to(ROOT)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("add")
+    a.add_argument("--commit", required=True)
+    a.add_argument("--call", required=True)
+    a.add_argument("dirs", nargs="+")
+    sub.add_parser("render")
+    args = ap.parse_args()
+    if args.cmd == "add":
+        print(f"added {add(args.dirs, args.commit, args.call)} rows to {RECORD.relative_to(ROOT)}")
+    else:
+        render()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The oracle's side of one forward: what each request's queries see, decided once, then every
+layer's reference output in as few tensor operations as its size allows.
+
+A forward checks every layer against the same requests, so visibility (structure and window) is
+built once per (request, window) and the padded batch layout once per forward. Per layer:
+
+* small passes (decode, verify, draft steps: the most frequent) run as one padded batch:
+  ``[B, qmax, Hq, D]`` queries over ``[B, kmax, Hkv, D]`` keys, a few dozen operations whatever
+  the batch size;
+* large passes (prefill chunks) run request by request, in query chunks, so no score tensor
+  grows past `SCORE_BUDGET` elements: many harness processes share one GPU's memory.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from swafactory.harness.oracle import masked_attention, tree_visibility, visibility
+from swafactory.metadata.batch import ReqForward
+
+__all__ = ["ForwardOracle", "request_visibility", "SCORE_BUDGET"]
+
+SCORE_BUDGET = 1 << 25
+"""Elements of one fp32 [heads, queries, keys] score tensor (128 MiB) the oracle may build."""
+CPU_PAD_WASTE = 1.0
+"""On CPU, where compute rather than launches costs, pad only when it adds no work (the
+factor of padded to real scores allowed); on a GPU the batch always pads within the budget."""
+
+
+def request_visibility(window: int | None, r: ReqForward, pos: Sequence[int],
+                       device: torch.device | str) -> torch.Tensor:
+    """[q_len, prefix_len + nodes] bool: which of the request's logical keys (token positions
+    ``pos`` in slot order) each of its queries sees: structure, then the window."""
+    n = r.prefix_len + r.nodes
+    k_pos = torch.tensor(pos[:n], device=device)
+    if r.parents is not None:
+        structure = tree_visibility(r.prefix_len, list(r.parents)).to(device)
+    elif r.block:
+        structure = torch.ones(r.nodes, n, dtype=torch.bool, device=device)
+    else:  # committed history and a chain: causal by position
+        structure = k_pos[None, :] <= k_pos[r.prefix_len:, None]
+    return visibility(k_pos[r.prefix_len + r.query_from:], k_pos, structure[r.query_from:], window)
+
+
+class ForwardOracle:
+    """Reference outputs of one forward's layers. ``histories`` maps request id → `History`."""
+
+    def __init__(self, reqs: Sequence[ReqForward], histories: Mapping[Hashable, object],
+                 device: torch.device | str) -> None:
+        self.reqs, self.hist, self.device = list(reqs), histories, device
+        self.n = [r.prefix_len + r.nodes for r in self.reqs]
+        self.q_len = [r.q_len for r in self.reqs]
+        self.qmax, self.kmax = max(self.q_len), max(self.n)
+        starts = torch.tensor([0] + self.q_len[:-1], device=device).cumsum(0)
+        qi = torch.arange(self.qmax, device=device)
+        lens = torch.tensor(self.q_len, device=device)
+        valid = qi[None, :] < lens[:, None]                             # [B, qmax]
+        self.q_index = torch.where(valid, starts[:, None] + qi[None, :], 0).reshape(-1)
+        self.q_valid = valid.reshape(-1).nonzero().squeeze(1)           # padded rows kept
+        self._vis: dict[int | None, list[torch.Tensor]] = {}
+        self._padded: dict[int | None, torch.Tensor] = {}
+
+    def visible(self, window: int | None) -> list[torch.Tensor]:
+        """Per request, [q_len, n] bool (built on first use per window)."""
+        if window not in self._vis:
+            self._vis[window] = [request_visibility(window, r, self.hist[r.rid].pos, self.device)
+                                 for r in self.reqs]
+        return self._vis[window]
+
+    def _padded_visible(self, window: int | None) -> torch.Tensor:
+        if window not in self._padded:
+            pad = torch.zeros(len(self.reqs), self.qmax, self.kmax, dtype=torch.bool,
+                              device=self.device)
+            for i, v in enumerate(self.visible(window)):
+                pad[i, :v.shape[0], :v.shape[1]] = v
+            self._padded[window] = pad
+        return self._padded[window]
+
+    def reference(self, spec, q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """One layer's reference: q [total_q, Hq, D] → [total_q, Hq, D] fp32.
+        ``spec``: the layer's `LayerSpec` (window, scale, soft-cap, history layer)."""
+        hq, d = q.shape[1], q.shape[2]
+        kv = [self.hist[r.rid].kv(spec.history_layer, n) for r, n in zip(self.reqs, self.n)]
+        kw = dict(scale=spec.scale, softcap=spec.softcap, sinks=sinks)
+        if self._batched(hq):
+            keys = pad_sequence([k for k, _ in kv], batch_first=True)
+            values = pad_sequence([v for _, v in kv], batch_first=True)
+            qb = q[self.q_index].view(len(self.reqs), self.qmax, hq, d)
+            out = masked_attention(qb, keys, values, self._padded_visible(spec.window), **kw)
+            return out.reshape(-1, hq, d)[self.q_valid]
+        refs = []
+        for (keys, values), vis, row0, r in zip(kv, self.visible(spec.window), self._starts(),
+                                                  self.reqs):
+            step = max(1, SCORE_BUDGET // (hq * keys.shape[0]))
+            for c in range(0, r.q_len, step):
+                c1 = min(r.q_len, c + step)
+                refs.append(masked_attention(q[row0 + c:row0 + c1], keys, values, vis[c:c1], **kw))
+        return torch.cat(refs)
+
+    def _batched(self, hq: int) -> bool:
+        padded = len(self.reqs) * self.qmax * self.kmax
+        if hq * padded > SCORE_BUDGET:
+            return False
+        on_cpu = torch.device(self.device).type == "cpu"
+        return not on_cpu or padded <= CPU_PAD_WASTE * sum(a * b for a, b in zip(self.q_len, self.n))
+
+    def _starts(self) -> list[int]:
+        out, row = [], 0
+        for n in self.q_len:
+            out.append(row)
+            row += n
+        return out

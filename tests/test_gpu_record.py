@@ -1,0 +1,34 @@
+"""The GPU conformance document is generated from its record: it must not drift from it."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_rows():
+    spec = importlib.util.spec_from_file_location("gpu_rows", ROOT / "bench/gpu_rows.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_conformance_doc_shows_the_record_as_rendered() -> None:
+    g = _gpu_rows()
+    rows = g.load()
+    assert rows, "the record is empty"
+    keys = {"backend", "spec", "model", "workload", "extra", "status", "details", "sweep",
+            "commit", "call"}
+    assert all(set(r) == keys for r in rows)
+    assert {r["status"] for r in rows} <= {"ok", "failed", "refused", "unfinished"}
+    doc = g.DOC.read_text()
+    assert g.grid(rows) in doc and g.table(rows) in doc, (
+        "bench/results/gpu-conformance.md is stale: run `python bench/gpu_rows.py render`")
+
+
+def test_no_recorded_gpu_run_failed_an_oracle_check() -> None:
+    """The record's claim, kept true: failures are memory, lowering or time, never the oracle."""
+    rows = _gpu_rows().load()
+    assert not [r for r in rows if r["status"] == "failed"
+                and r["details"].startswith(("oracle check", "nan check"))]
