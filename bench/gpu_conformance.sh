@@ -10,6 +10,8 @@
 #              its K/V histories of all 60 layers: run at most 3 of those at once).
 #     MODELS / BACKENDS / SPECS / WORKLOAD   narrow the matrix (defaults: the issue-7 matrix, serve).
 #     NAME     the matrix's folder under OUT (default matrix); EXTRA: more overrides for it.
+#     DEADLINE seconds the matrix stage may run (default: no limit). Jobs still running then are
+#              stopped; `bench/gpu_rows.py add` records them as unfinished. Leave time to pack OUT.
 # Writes OUT/tests.txt, OUT/NAME/matrix.md (+ one folder per job), OUT/faults.txt (+ reports).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_conformance.sh OUT [tests|matrix|faults]...}
@@ -51,7 +53,7 @@ for stage in $STAGES; do
         tail -3 "$OUT/tests.txt" ;;
     matrix)
         # shellcheck disable=SC2086  # EXTRA is a list of overrides
-        python3 -m swafactory -m backend="$BACKENDS" spec="$SPECS" model="$MODELS" \
+        ${DEADLINE:+timeout -k 10 "$DEADLINE"} python3 -m swafactory -m backend="$BACKENDS" spec="$SPECS" model="$MODELS" \
             workload="$WORKLOAD" ${EXTRA:-} hydra/launcher=joblib hydra.launcher.n_jobs="$JOBS" \
             hydra.sweep.dir="$OUT/$NAME" > "$OUT/$NAME.log" 2>&1
         head -3 "$OUT/$NAME/matrix.md" ;;

@@ -126,10 +126,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def refusals() -> str:
+    """The registry's verdict for an H200, with its full reasons, for every refused combination
+    of the matrix (what `python -m swafactory … ` prints there before allocating anything)."""
+    from swafactory.registry.check import check
+    from swafactory.registry.device import H200
+    from swafactory.registry.matrix import shipped_config
+
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for b in BACKENDS:
+        for m in MODELS:
+            for s in SPECS:
+                reasons = check(shipped_config(b, s, m, workload="serve"), H200)
+                if reasons:
+                    text = "<br>".join(str(r).replace("|", "\\|") for r in reasons)
+                    groups.setdefault((b, m, text), []).append(s)
+    out = ["| backend | model | specs | reasons (registry, H200) |", "|---|---|---|---|"]
+    for (b, m, text), specs in groups.items():
+        specs_cell = "all six" if len(specs) == len(SPECS) else ", ".join(specs)
+        out.append(f"| {b} | {m} | {specs_cell} | {text} |")
+    return "\n".join(out)
+
+
 def render() -> None:
     rows = load()
     text = DOC.read_text()
-    for name, body in (("grid", grid(rows)), ("rows", table(rows))):
+    for name, body in (("grid", grid(rows)), ("refused", refusals()), ("rows", table(rows))):
         pat = re.compile(rf"<!-- {name} -->\n.*?<!-- /{name} -->", re.S)
         if not pat.search(text):
             sys.exit(f"{DOC}: no <!-- {name} --> … <!-- /{name} --> markers")

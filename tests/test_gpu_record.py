@@ -23,7 +23,7 @@ def test_gpu_conformance_doc_shows_the_record_as_rendered() -> None:
     assert all(set(r) == keys for r in rows)
     assert {r["status"] for r in rows} <= {"ok", "failed", "refused", "unfinished"}
     doc = g.DOC.read_text()
-    assert g.grid(rows) in doc and g.table(rows) in doc, (
+    assert g.grid(rows) in doc and g.table(rows) in doc and g.refusals() in doc, (
         "bench/results/gpu-conformance.md is stale: run `python bench/gpu_rows.py render`")
 
 
