@@ -7,6 +7,7 @@ generated parts of `bench/results/gpu-conformance.md` (between its `<!-- grid --
 
     python bench/gpu_rows.py add --commit 1da1d66 --call 2 DIR [DIR ...]   # sweep folders
     python bench/gpu_rows.py render
+    python bench/gpu_rows.py missing [--workload serve]   # sweeps still to run, as script knobs
 """
 from __future__ import annotations
 
@@ -148,6 +149,25 @@ def refusals() -> str:
     return "\n".join(out)
 
 
+def missing(workload: str) -> list[str]:
+    """Per backend and model, the accepted specs (H200 registry verdict) with no ok row yet, as
+    `bench/gpu_conformance.sh` knobs."""
+    from swafactory.registry.check import check
+    from swafactory.registry.device import H200
+    from swafactory.registry.matrix import shipped_config
+
+    done = {(r["backend"], r["model"], r["spec"]) for r in load()
+            if r["status"] == "ok" and r["workload"] == workload}
+    out = []
+    for b in BACKENDS:
+        for m in MODELS:
+            specs = [s for s in SPECS if (b, m, s) not in done
+                     and not check(shipped_config(b, s, m, workload=workload), H200)]
+            if specs:
+                out.append(f"BACKENDS={b} MODELS={m} SPECS={','.join(specs)} WORKLOAD={workload}")
+    return out
+
+
 def render() -> None:
     rows = load()
     text = DOC.read_text()
@@ -168,8 +188,13 @@ def main() -> None:
     a.add_argument("--call", required=True)
     a.add_argument("dirs", nargs="+")
     sub.add_parser("render")
+    mi = sub.add_parser("missing")
+    mi.add_argument("--workload", default="serve")
     args = ap.parse_args()
-    if args.cmd == "add":
+    if args.cmd == "missing":
+        lines = missing(args.workload)
+        print("\n".join(lines) if lines else f"every accepted combination has an ok {args.workload} row")
+    elif args.cmd == "add":
         print(f"added {add(args.dirs, args.commit, args.call)} rows to {RECORD.relative_to(ROOT)}")
     else:
         render()

@@ -32,3 +32,8 @@ def test_no_recorded_gpu_run_failed_an_oracle_check() -> None:
     rows = _gpu_rows().load()
     assert not [r for r in rows if r["status"] == "failed"
                 and r["details"].startswith(("oracle check", "nan check"))]
+
+
+def test_every_combination_the_registry_accepts_on_an_h200_has_an_ok_smoke_row() -> None:
+    """Accepting a combination on the H200 (a new backend, a lifted refusal) needs GPU evidence."""
+    assert _gpu_rows().missing("smoke") == []
