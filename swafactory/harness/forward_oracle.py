@@ -52,7 +52,7 @@ class ForwardOracle:
         self.reqs, self.hist, self.device = list(reqs), histories, device
         self.n = [r.prefix_len + r.nodes for r in self.reqs]
         self.q_len = [r.q_len for r in self.reqs]
-        self.qmax, self.kmax = max(self.q_len), max(self.n)
+        self.qmax = max(self.q_len)
         starts = torch.tensor([0] + self.q_len[:-1], device=device).cumsum(0)
         qi = torch.arange(self.qmax, device=device)
         lens = torch.tensor(self.q_len, device=device)
@@ -60,7 +60,7 @@ class ForwardOracle:
         self.q_index = torch.where(valid, starts[:, None] + qi[None, :], 0).reshape(-1)
         self.q_valid = valid.reshape(-1).nonzero().squeeze(1)           # padded rows kept
         self._vis: dict[int | None, list[torch.Tensor]] = {}
-        self._padded: dict[int | None, torch.Tensor] = {}
+        self._padded: dict[tuple, torch.Tensor] = {}
 
     def visible(self, window: int | None) -> list[torch.Tensor]:
         """Per request, [q_len, n] bool (built on first use per window)."""
@@ -69,42 +69,48 @@ class ForwardOracle:
                                  for r in self.reqs]
         return self._vis[window]
 
-    def _padded_visible(self, window: int | None) -> torch.Tensor:
-        if window not in self._padded:
-            pad = torch.zeros(len(self.reqs), self.qmax, self.kmax, dtype=torch.bool,
+    def _padded_visible(self, window: int | None, starts: tuple[int, ...],
+                        kmax: int) -> torch.Tensor:
+        """[B, qmax, kmax] bool: each request's visibility from its first kept history row."""
+        key = (window, starts)
+        if key not in self._padded:
+            pad = torch.zeros(len(self.reqs), self.qmax, kmax, dtype=torch.bool,
                               device=self.device)
-            for i, v in enumerate(self.visible(window)):
-                pad[i, :v.shape[0], :v.shape[1]] = v
-            self._padded[window] = pad
-        return self._padded[window]
+            for i, (v, s) in enumerate(zip(self.visible(window), starts)):
+                pad[i, :v.shape[0], :v.shape[1] - s] = v[:, s:]
+            self._padded[key] = pad
+        return self._padded[key]
 
     def reference(self, spec, q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """One layer's reference: q [total_q, Hq, D] → [total_q, Hq, D] fp32.
         ``spec``: the layer's `LayerSpec` (window, scale, soft-cap, history layer)."""
         hq, d = q.shape[1], q.shape[2]
-        kv = [self.hist[r.rid].kv(spec.history_layer, n) for r, n in zip(self.reqs, self.n)]
+        kv = [self.hist[r.rid].kv_from(spec.history_layer, n) for r, n in zip(self.reqs, self.n)]
+        starts = tuple(s for s, _, _ in kv)
+        lens = [n - s for n, s in zip(self.n, starts)]
         kw = dict(scale=spec.scale, softcap=spec.softcap, sinks=sinks)
-        if self._batched(hq):
-            keys = pad_sequence([k for k, _ in kv], batch_first=True)
-            values = pad_sequence([v for _, v in kv], batch_first=True)
+        if self._batched(hq, lens):
+            keys = pad_sequence([k for _, k, _ in kv], batch_first=True)
+            values = pad_sequence([v for _, _, v in kv], batch_first=True)
             qb = q[self.q_index].view(len(self.reqs), self.qmax, hq, d)
-            out = masked_attention(qb, keys, values, self._padded_visible(spec.window), **kw)
-            return out.reshape(-1, hq, d)[self.q_valid]
+            allowed = self._padded_visible(spec.window, starts, max(lens))
+            return masked_attention(qb, keys, values, allowed, **kw).reshape(-1, hq, d)[self.q_valid]
         refs = []
-        for (keys, values), vis, row0, r in zip(kv, self.visible(spec.window), self._starts(),
-                                                  self.reqs):
-            step = max(1, SCORE_BUDGET // (hq * keys.shape[0]))
+        for (s, keys, values), vis, row0, r in zip(kv, self.visible(spec.window), self._starts(),
+                                                     self.reqs):
+            step = max(1, SCORE_BUDGET // max(1, hq * keys.shape[0]))
             for c in range(0, r.q_len, step):
                 c1 = min(r.q_len, c + step)
-                refs.append(masked_attention(q[row0 + c:row0 + c1], keys, values, vis[c:c1], **kw))
+                refs.append(masked_attention(q[row0 + c:row0 + c1], keys, values, vis[c:c1, s:],
+                                             **kw))
         return torch.cat(refs)
 
-    def _batched(self, hq: int) -> bool:
-        padded = len(self.reqs) * self.qmax * self.kmax
+    def _batched(self, hq: int, lens: list[int]) -> bool:
+        padded = len(self.reqs) * self.qmax * max(lens)
         if hq * padded > SCORE_BUDGET:
             return False
         on_cpu = torch.device(self.device).type == "cpu"
-        return not on_cpu or padded <= CPU_PAD_WASTE * sum(a * b for a, b in zip(self.q_len, self.n))
+        return not on_cpu or padded <= CPU_PAD_WASTE * sum(a * b for a, b in zip(self.q_len, lens))
 
     def _starts(self) -> list[int]:
         out, row = [], 0

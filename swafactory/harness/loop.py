@@ -127,6 +127,7 @@ class Loop:
                 self.running.remove(r)
                 self.done.append(r)
         self._evict()
+        self._trim_histories()
         self.step += 1
         return kind
 
@@ -145,6 +146,19 @@ class Loop:
                 r.fresh_eviction = True
                 self.evicted += n
                 self.step_evicted += n
+
+    def _trim_histories(self) -> None:
+        """Drop the logical-history rows of sliding-window layers that no query to come can see:
+        every later query sits at position ≥ committed - 1 (a FROZEN_KV draft re-reads L-1)."""
+        for worker, hists in ((self.p.target, self.p.hist_t), (self.p.draft, self.p.hist_d)):
+            if worker is None:
+                continue
+            for spec in worker.layers.values():
+                if spec.window is None:
+                    continue
+                for r in self.running:
+                    if r.rid in hists:
+                        hists[r.rid].drop_before(spec.history_layer, r.committed - spec.window - 1)
 
     # ------------------------------------------------------------------ modes
     def _prefill(self, reqs: list[Req]) -> None:

@@ -7,76 +7,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from swafactory.backend import AttentionBackend
 from swafactory.graphs import GraphedAttention
 from swafactory.harness.forward_oracle import ForwardOracle, request_visibility
+from swafactory.harness.history import History
 from swafactory.harness.oracle import masked_attention
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
 __all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for"]
-
-
-class _Rows:
-    """A growable ``[n, H, D]`` tensor in the drawn K/V's dtype (exact: the oracle upcasts), so
-    reads never re-stack tokens. It grows by a quarter: a serve run of Gemma 4 keeps every layer's
-    history of every running request on the GPU, and doubling ran 18 parallel runs out of memory."""
-
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-        self.n = 0
-
-    def set_tail(self, keep: int, new: torch.Tensor) -> None:
-        """Rows ``keep:`` become ``new`` ([m, H, D])."""
-        end = keep + new.shape[0]
-        if self.buf is None or end > self.buf.shape[0]:
-            cap = max(64, end, (5 * (0 if self.buf is None else self.buf.shape[0])) // 4)
-            grown = torch.empty(cap, *new.shape[1:], dtype=new.dtype, device=new.device)
-            if self.buf is not None:
-                grown[:self.n] = self.buf[:self.n]
-            self.buf = grown
-        self.buf[keep:end] = new
-        self.n = end
-
-
-@dataclass
-class History:
-    """One request's tokens in slot order: position, and K/V rows per (history) layer."""
-
-    pos: list[int] = field(default_factory=list)
-    k: dict[int, _Rows] = field(default_factory=dict)
-    v: dict[int, _Rows] = field(default_factory=dict)
-
-    def record(self, layer: int, keep: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Tokens ``keep:`` of ``layer`` become ``k``, ``v`` ([m, Hkv, D])."""
-        for store, new in ((self.k, k), (self.v, v)):
-            store.setdefault(layer, _Rows()).set_tail(keep, new)
-
-    def kv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` tokens' keys and values of ``layer``: ``[n, Hkv, D]`` each."""
-        k, v = self.k[layer], self.v[layer]
-        if k.n < n:
-            raise IndexError(f"history of layer {layer} holds {k.n} tokens, {n} asked")
-        return k.buf[:n], v.buf[:n]
-
-    def truncate(self, n: int) -> None:
-        """Keep the first ``n`` tokens (rejected draft tokens are dropped)."""
-        del self.pos[n:]
-        for store in (self.k, self.v):
-            for rows in store.values():
-                rows.n = min(rows.n, n)
-
-    def reorder_tail(self, start: int, picks: Sequence[int]) -> None:
-        """Tokens ``start + picks[j]`` become ``start + j`` (accepted tree path moved in place)."""
-        for store in (self.k, self.v):
-            for rows in store.values():
-                idx = torch.tensor([start + i for i in picks], device=rows.buf.device)
-                rows.set_tail(start, rows.buf[idx].clone())
-        del self.pos[start:]
-        self.pos.extend(range(start, start + len(picks)))
 
 
 @dataclass(frozen=True)
@@ -128,10 +70,10 @@ def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
                sinks: torch.Tensor | None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle's answer for one request's queries at one layer, from its logical history.
     ``allowed``: `request_visibility` when the caller already has it."""
-    keys, values = hist.kv(spec.history_layer, r.prefix_len + r.nodes)
+    start, keys, values = hist.kv_from(spec.history_layer, r.prefix_len + r.nodes)
     if allowed is None:
         allowed = request_visibility(spec.window, r, hist.pos, keys.device)
-    return masked_attention(q, keys, values, allowed.to(keys.device), scale=spec.scale,
+    return masked_attention(q, keys, values, allowed[:, start:].to(keys.device), scale=spec.scale,
                             softcap=spec.softcap, sinks=sinks)
 
 
