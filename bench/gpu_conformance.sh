@@ -6,8 +6,9 @@
 # Environment:
 #     WHEELS   folders of wheels to install first with pip --no-index --target /tmp/site (offline
 #              hosts; docs/gpu.md says how to fetch them); unset = use the environment as it is.
-#     JOBS     parallel harness processes sharing the GPU (default 6; Gemma 4 serve runs hold
-#              its K/V histories of all 60 layers: run at most 3 of those at once).
+#     JOBS     parallel harness processes sharing the GPU (default 6). A Gemma 4 serve run
+#              holds about 11 GiB of oracle histories plus about 11 GiB of pools (computed):
+#              run at most 4 of those at once.
 #     MODELS / BACKENDS / SPECS / WORKLOAD   narrow the matrix (defaults: the issue-7 matrix, serve).
 #     NAME     the matrix's folder under OUT (default matrix); EXTRA: more overrides for it.
 #     DEADLINE seconds the matrix stage may run (default: no limit). Jobs still running then are
