@@ -44,6 +44,8 @@ def row_of(result: dict, sweep: str, commit: str, call: str) -> dict:
                    f"{rep['max_rel_err']:.1e}, peak SWA {100 * rep['peak_swa_use']:.1f}%, accept "
                    f"{'-' if acc is None else f'{acc:.2f}'}, {rep['steps']} steps, "
                    f"{rep['wall_s']:.0f} s")
+        if rep.get("peak_device_bytes"):
+            details += f", peak GPU memory {rep['peak_device_bytes'] / 2**30:.1f} GiB"
         if rep.get("parts", {}).get("cuda_graphs"):
             details += f", graphs: {rep['parts']['cuda_graphs']}"
     elif result["status"] == "refused":

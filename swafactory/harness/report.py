@@ -81,6 +81,8 @@ def _facts(report: Report) -> Table:
         ("fault", report.fault or "none"),
         ("status", "[green]ok[/]" if report.status == "ok" else "[red b]failed[/]"),
     ]
+    if report.peak_device_bytes is not None:  # a GPU run: what planning several on one GPU needs
+        pairs.append(("peak GPU memory", _bytes(report.peak_device_bytes)))
     g = Table.grid(padding=(0, 2))
     # The long values (bytes, layers) sit on the left: 16+52+13+32 + padding ≈ 119 columns.
     for width in (52, 32):

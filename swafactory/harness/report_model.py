@@ -106,6 +106,9 @@ class Report(_Model):
     tokens_per_s: float
     """Tokens committed per second of wall time (oracle checks included)."""
     wall_s: float
+    peak_device_bytes: int | None = None
+    """The run's peak CUDA memory held by torch (allocator peak; None on CPU): pools,
+    histories, the oracle's scores and the kernels' workspaces together."""
     tp: int = 1
     """Tensor-parallel ranks (heads sharded; outputs all-gathered before the oracle check)."""
     rank_attention_ms: list[float] = Field(default_factory=list)

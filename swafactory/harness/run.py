@@ -186,5 +186,6 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall) -> Repor
         if parts and parts.draft_pool is not None else 0,
         accept_len=(sum(loop.accepts) / len(loop.accepts)) if loop and loop.accepts else None,
         attention_ms_per_step=1000 * attn / steps, planning_ms_per_step=1000 * plan / steps,
-        tokens_per_s=tokens / wall if wall else 0.0, wall_s=wall, history=history,
-        mismatch=mismatch)
+        tokens_per_s=tokens / wall if wall else 0.0, wall_s=wall,
+        peak_device_bytes=torch.cuda.max_memory_allocated() if dev.kind == "cuda" else None,
+        history=history, mismatch=mismatch)

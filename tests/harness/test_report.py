@@ -92,3 +92,10 @@ def test_progress_renders_on_a_terminal_and_is_silent_elsewhere() -> None:
                 bar.update(finished=min(i, 5), step=3 * i, swa_use=0.93)
     assert "5/5" in tty.getvalue() and "step 15" in tty.getvalue() and "SWA 93.0%" in tty.getvalue()
     assert log.getvalue() == ""
+
+
+def test_a_gpu_run_shows_its_peak_device_memory_within_120_columns(make_report) -> None:
+    text = _render(make_report().model_copy(update={"peak_device_bytes": 23 * 2**30}))
+    assert "peak GPU memory" in text and "23.00 GiB" in text
+    assert max(len(x) for x in text.splitlines()) <= 120
+    assert "peak GPU memory" not in _render(make_report())  # CPU reports leave it out

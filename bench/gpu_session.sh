@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One device call of the serve matrix: every serve combination of the named backends that the
+# record (bench/results/gpu-conformance-rows.jsonl) does not yet have ok, in parallel sweeps that
+# respect the host's memory, stopped in time to pack the results into $OUT/session.tgz.
+#
+# On the GPU host, from the repository root:
+#     bench/gpu_session.sh BACKEND...
+# Environment:
+#     WHEELS     folders of wheels to install into /tmp/site first (the base wheels: .whl)
+#     FA4        a folder with flash-attn-4's libs.tar.xz and wheels (.fa4y; docs/gpu.md)
+#     WARM=1     compile FlashInfer's kernel variants first (about 140 s on a fresh machine)
+#     DEADLINE   seconds from the start until the sweeps are stopped (default 500)
+#     JOBS       parallel jobs per (backend, model) sweep (default 2; Gemma 4: GEMMA_JOBS, 2).
+#                Two backends × three models at 2 make 12 processes: about what 16 host cores and
+#                141 GiB hold (report.json's peak_device_bytes says what each run took)
+#     DRY=1      print the sweeps and exit
+# Back here: tar xzf session.tgz; python bench/gpu_rows.py add --commit C --call N session/*/
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: bench/gpu_session.sh BACKEND..." >&2; exit 2; }
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}
+R=$OUT/session
+mkdir -p "$R"
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+if [ -n "${WHEELS:-}" ]; then
+    for d in $WHEELS; do
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl || exit 2
+    done
+fi
+if [ -n "${FA4:-}" ]; then
+    tar xJf "$FA4/libs.tar.xz" -C /tmp/site && python3 -m pip install -q --no-index --no-deps \
+        --no-compile --target /tmp/site --upgrade "$FA4"/*.whl || exit 2
+fi
+# pip --target skips .pth files: cutlass-dsl's package path is added by hand (flash-attn-4)
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+pattern=$(printf '%s|' "$@")
+python3 bench/gpu_rows.py missing --workload serve | grep -E "^BACKENDS=(${pattern%|}) " > "$R/plan.txt"
+echo "$(wc -l < "$R/plan.txt") sweeps:"; cat "$R/plan.txt"
+[ "${DRY:-0}" = 1 ] && exit 0
+
+if [ "${WARM:-0}" = 1 ]; then
+    python3 tests/backends/flashinfer_warm.py > "$R/warm.txt" 2>&1
+    echo "warm: $(elapsed) s"
+fi
+left=$(( ${DEADLINE:-500} - $(elapsed) ))
+pids=()
+while read -r line; do
+    [ -n "$line" ] || continue
+    name=$(echo "$line" | sed -E 's/BACKENDS=([^ ]+) MODELS=([^ ]+).*/serve_\1_\2/')
+    jobs=${JOBS:-2}
+    case $line in *MODELS=gemma4*) jobs=${GEMMA_JOBS:-2} ;; esac
+    # shellcheck disable=SC2086  # the plan line is a list of KEY=VALUE knobs
+    env $line NAME="$name" JOBS="$jobs" DEADLINE="$left" \
+        bench/gpu_conformance.sh "$R" matrix > "$R/$name.txt" 2>&1 &
+    pids+=($!)
+done < "$R/plan.txt"
+wait "${pids[@]}"
+echo "sweeps done: $(elapsed) s"
+tar czf "$OUT/session.tgz" --exclude='*.png' -C "$OUT" session && rm -rf "$R"
+ls -la "$OUT"
