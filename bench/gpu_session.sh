@@ -56,7 +56,7 @@ while read -r line; do
         bench/gpu_conformance.sh "$R" matrix > "$R/$name.txt" 2>&1 &
     pids+=($!)
 done < "$R/plan.txt"
-wait "${pids[@]}"
+[ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
 echo "sweeps done: $(elapsed) s"
 tar czf "$OUT/session.tgz" --exclude='*.png' -C "$OUT" session && rm -rf "$R"
 ls -la "$OUT"
