@@ -4,8 +4,8 @@
 # On a GPU host, from the repository root:
 #     bench/gpu_conformance.sh OUT [STAGE...]      STAGE: tests matrix faults (default: all three)
 # Environment:
-#     WHEELS   folders of wheels to install first with pip --no-index --target /tmp/site (offline
-#              hosts; docs/gpu.md says how to fetch them); unset = use the environment as it is.
+#     WHEELS, FA4  wheels to install first into /tmp/site (offline hosts; bench/gpu_env.sh,
+#              docs/gpu.md); unset = use the environment as it is.
 #     JOBS     parallel harness processes sharing the GPU (default 6). A Gemma 4 serve run
 #              holds about 11 GiB of oracle histories plus about 11 GiB of pools (computed):
 #              run at most 4 of those at once.
@@ -26,17 +26,8 @@ WORKLOAD=${WORKLOAD:-serve}
 NAME=${NAME:-matrix}
 mkdir -p "$OUT"
 
-if [ -n "${WHEELS:-}" ]; then
-    for d in $WHEELS; do
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl || exit 2
-    done
-    # pip --target skips .pth files: add cutlass-dsl's package path by hand (flash-attn-4)
-    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-# expandable segments: a dozen harness processes share one GPU, and each one's caching allocator
-# otherwise keeps its fragmented peak (serve runs at 1da1d66 ran out of memory together)
-export TRITON_INTERPRET=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
-    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# shellcheck source=bench/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"
 python3 - <<'EOF'
 import importlib.util, torch
 print("torch", torch.__version__, torch.cuda.get_device_name(0))

@@ -129,18 +129,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def refusals() -> str:
-    """The registry's verdict for an H200, with its full reasons, for every refused combination
-    of the matrix (what `python -m swafactory … ` prints there before allocating anything)."""
+def _h200_reasons(backend: str, spec: str, model: str, workload: str) -> list:
+    """The registry's reasons to refuse a shipped combination on an H200 ([] = accepted)."""
     from swafactory.registry.check import check
     from swafactory.registry.device import H200
     from swafactory.registry.matrix import shipped_config
 
+    return check(shipped_config(backend, spec, model, workload=workload), H200)
+
+
+def refusals() -> str:
+    """The registry's verdict for an H200, with its full reasons, for every refused combination
+    of the matrix (what `python -m swafactory … ` prints there before allocating anything)."""
     groups: dict[tuple[str, str, str], list[str]] = {}
     for b in BACKENDS:
         for m in MODELS:
             for s in SPECS:
-                reasons = check(shipped_config(b, s, m, workload="serve"), H200)
+                reasons = _h200_reasons(b, s, m, "serve")
                 if reasons:
                     text = "<br>".join(str(r).replace("|", "\\|") for r in reasons)
                     groups.setdefault((b, m, text), []).append(s)
@@ -154,17 +159,13 @@ def refusals() -> str:
 def missing(workload: str) -> list[str]:
     """Per backend and model, the accepted specs (H200 registry verdict) with no ok row yet, as
     `bench/gpu_conformance.sh` knobs."""
-    from swafactory.registry.check import check
-    from swafactory.registry.device import H200
-    from swafactory.registry.matrix import shipped_config
-
     done = {(r["backend"], r["model"], r["spec"]) for r in load()
             if r["status"] == "ok" and r["workload"] == workload}
     out = []
     for b in BACKENDS:
         for m in MODELS:
             specs = [s for s in SPECS if (b, m, s) not in done
-                     and not check(shipped_config(b, s, m, workload=workload), H200)]
+                     and not _h200_reasons(b, s, m, workload)]
             if specs:
                 out.append(f"BACKENDS={b} MODELS={m} SPECS={','.join(specs)} WORKLOAD={workload}")
     return out

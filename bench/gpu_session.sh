@@ -6,8 +6,7 @@
 # On the GPU host, from the repository root:
 #     bench/gpu_session.sh BACKEND...
 # Environment:
-#     WHEELS     folders of wheels to install into /tmp/site first (the base wheels: .whl)
-#     FA4        a folder with flash-attn-4's libs.tar.xz and wheels (.fa4y; docs/gpu.md)
+#     WHEELS, FA4  wheels to install first (bench/gpu_env.sh): .whl, and .fa4y for flash-attn-4
 #     WARM=1     compile FlashInfer's kernel variants first (about 140 s on a fresh machine)
 #     DEADLINE   seconds from the start until the sweeps are stopped (default 500)
 #     JOBS       parallel jobs per (backend, model) sweep (default 2; Gemma 4: GEMMA_JOBS, 2).
@@ -23,17 +22,8 @@ R=$OUT/session
 mkdir -p "$R"
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
-if [ -n "${WHEELS:-}" ]; then
-    for d in $WHEELS; do
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl || exit 2
-    done
-fi
-if [ -n "${FA4:-}" ]; then
-    tar xJf "$FA4/libs.tar.xz" -C /tmp/site && python3 -m pip install -q --no-index --no-deps \
-        --no-compile --target /tmp/site --upgrade "$FA4"/*.whl || exit 2
-fi
-# pip --target skips .pth files: cutlass-dsl's package path is added by hand (flash-attn-4)
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=bench/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"  # once: the sweeps below inherit it
 
 pattern=$(printf '%s|' "$@")
 python3 bench/gpu_rows.py missing --workload serve | grep -E "^BACKENDS=(${pattern%|}) " > "$R/plan.txt"

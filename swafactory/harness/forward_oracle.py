@@ -13,11 +13,13 @@ built once per (request, window) and the padded batch layout once per forward. P
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from itertools import accumulate
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from swafactory.harness.oracle import masked_attention, tree_visibility, visibility
+from swafactory.harness.oracle import (causal_visibility, masked_attention, tree_visibility,
+                                       visibility)
 from swafactory.metadata.batch import ReqForward
 
 __all__ = ["ForwardOracle", "request_visibility", "SCORE_BUDGET"]
@@ -40,7 +42,7 @@ def request_visibility(window: int | None, r: ReqForward, pos: Sequence[int],
     elif r.block:
         structure = torch.ones(r.nodes, n, dtype=torch.bool, device=device)
     else:  # committed history and a chain: causal by position
-        structure = k_pos[None, :] <= k_pos[r.prefix_len:, None]
+        structure = causal_visibility(k_pos[r.prefix_len:], k_pos)
     return visibility(k_pos[r.prefix_len + r.query_from:], k_pos, structure[r.query_from:], window)
 
 
@@ -53,7 +55,8 @@ class ForwardOracle:
         self.n = [r.prefix_len + r.nodes for r in self.reqs]
         self.q_len = [r.q_len for r in self.reqs]
         self.qmax = max(self.q_len)
-        starts = torch.tensor([0] + self.q_len[:-1], device=device).cumsum(0)
+        self.row0 = list(accumulate(self.q_len, initial=0))[:-1]  # each one's first q row
+        starts = torch.tensor(self.row0, device=device)
         qi = torch.arange(self.qmax, device=device)
         lens = torch.tensor(self.q_len, device=device)
         valid = qi[None, :] < lens[:, None]                             # [B, qmax]
@@ -96,7 +99,7 @@ class ForwardOracle:
             allowed = self._padded_visible(spec.window, starts, max(lens))
             return masked_attention(qb, keys, values, allowed, **kw).reshape(-1, hq, d)[self.q_valid]
         refs = []
-        for (s, keys, values), vis, row0, r in zip(kv, self.visible(spec.window), self._starts(),
+        for (s, keys, values), vis, row0, r in zip(kv, self.visible(spec.window), self.row0,
                                                      self.reqs):
             step = max(1, SCORE_BUDGET // max(1, hq * keys.shape[0]))
             for c in range(0, r.q_len, step):
@@ -111,10 +114,3 @@ class ForwardOracle:
             return False
         on_cpu = torch.device(self.device).type == "cpu"
         return not on_cpu or padded <= CPU_PAD_WASTE * sum(a * b for a, b in zip(self.q_len, lens))
-
-    def _starts(self) -> list[int]:
-        out, row = [], 0
-        for n in self.q_len:
-            out.append(row)
-            row += n
-        return out

@@ -67,13 +67,12 @@ class LayerSpec:
 
 
 def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
-               sinks: torch.Tensor | None, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """The oracle's answer for one request's queries at one layer, from its logical history.
-    ``allowed``: `request_visibility` when the caller already has it."""
+               sinks: torch.Tensor | None) -> torch.Tensor:
+    """The oracle's answer for one request's queries at one layer, from its logical history
+    (request by request; `ForwardOracle` answers a whole forward's layers)."""
     start, keys, values = hist.kv_from(spec.history_layer, r.prefix_len + r.nodes)
-    if allowed is None:
-        allowed = request_visibility(spec.window, r, hist.pos, keys.device)
-    return masked_attention(q, keys, values, allowed[:, start:].to(keys.device), scale=spec.scale,
+    allowed = request_visibility(spec.window, r, hist.pos, keys.device)
+    return masked_attention(q, keys, values, allowed[:, start:], scale=spec.scale,
                             softcap=spec.softcap, sinks=sinks)
 
 
@@ -125,10 +124,7 @@ class Worker:
         self.attn_s += time.perf_counter() - t0
         checks = []
         oracle = ForwardOracle(reqs, self.hist, self.device) if check else None
-        rows, row = {}, 0
-        for r in reqs:
-            rows[r.rid] = slice(row, row + r.q_len)
-            row += r.q_len
+        rows = {r.rid: slice(o, o + r.q_len) for r, o in zip(reqs, oracle.row0)} if check else {}
         for layer, spec in self.layers.items():
             q, k, v = self._full[layer]
             out = outs[layer]
