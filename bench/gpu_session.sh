@@ -7,7 +7,10 @@
 #     bench/gpu_session.sh BACKEND...
 # Environment:
 #     WHEELS, FA4  wheels to install first (bench/gpu_env.sh): .whl, and .fa4y for flash-attn-4
-#     WARM=1     compile FlashInfer's kernel variants first (about 140 s on a fresh machine)
+#     WARM=1     compile FlashInfer's kernel variants first (about 140 s on a fresh machine); the
+#                other backends' sweeps start meanwhile, flashinfer's once it is done
+#     SYNC=1     also count each backend's synchronizing calls on a gemma4 smoke run
+#                (bench/sync_sites.py → session/sync_BACKEND.txt)
 #     DEADLINE   seconds from the start until the sweeps are stopped (default 500)
 #     JOBS       parallel jobs per (backend, model) sweep (default 2; Gemma 4: GEMMA_JOBS, 2).
 #                Two backends × three models at 2 make 12 processes: about what 16 host cores and
@@ -30,20 +33,33 @@ python3 bench/gpu_rows.py missing --workload serve | grep -E "^BACKENDS=(${patte
 echo "$(wc -l < "$R/plan.txt") sweeps:"; cat "$R/plan.txt"
 [ "${DRY:-0}" = 1 ] && exit 0
 
+# FlashInfer's kernels compile in the background; only flashinfer's jobs wait for them
 if [ "${WARM:-0}" = 1 ]; then
-    python3 tests/backends/flashinfer_warm.py > "$R/warm.txt" 2>&1
-    echo "warm: $(elapsed) s"
+    ( python3 tests/backends/flashinfer_warm.py > "$R/warm.txt" 2>&1
+      echo "warm: $(elapsed) s"; touch "$R/warm.done" ) &
+else
+    touch "$R/warm.done"
 fi
-left=$(( ${DEADLINE:-500} - $(elapsed) ))
+wait_warm() {  # a flashinfer job waits for the warm
+    case $1 in *flashinfer*) until [ -e "$R/warm.done" ]; do sleep 2; done ;; esac
+}
 pids=()
+if [ "${SYNC:-0}" = 1 ]; then  # where each backend's run waits for the GPU (bench/sync_sites.py)
+    for b in "$@"; do
+        ( wait_warm "$b"; python3 bench/sync_sites.py "$R/sync_$b.json" backend="$b" \
+            model=gemma4 spec=eagle3 workload=smoke > "$R/sync_$b.txt" 2>&1 ) &
+        pids+=($!)
+    done
+fi
 while read -r line; do
     [ -n "$line" ] || continue
     name=$(echo "$line" | sed -E 's/BACKENDS=([^ ]+) MODELS=([^ ]+).*/serve_\1_\2/')
     jobs=${JOBS:-2}
     case $line in *MODELS=gemma4*) jobs=${GEMMA_JOBS:-2} ;; esac
     # shellcheck disable=SC2086  # the plan line is a list of KEY=VALUE knobs
-    env $line NAME="$name" JOBS="$jobs" DEADLINE="$left" \
-        bench/gpu_conformance.sh "$R" matrix > "$R/$name.txt" 2>&1 &
+    ( wait_warm "$line"
+      env $line NAME="$name" JOBS="$jobs" DEADLINE="$(( ${DEADLINE:-500} - $(elapsed) ))" \
+          bench/gpu_conformance.sh "$R" matrix > "$R/$name.txt" 2>&1 ) &
     pids+=($!)
 done < "$R/plan.txt"
 [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"

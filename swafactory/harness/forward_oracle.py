@@ -31,14 +31,20 @@ CPU_PAD_WASTE = 1.0
 factor of padded to real scores allowed); on a GPU the batch always pads within the budget."""
 
 
+def _on(device: torch.device | str, t: torch.Tensor) -> torch.Tensor:
+    """A small host tensor on the device without a sync: a blocking copy would wait for every
+    kernel queued before it, and on a GPU shared by many processes each wait takes its turn."""
+    return t.to(device, non_blocking=True)
+
+
 def request_visibility(window: int | None, r: ReqForward, pos: Sequence[int],
                        device: torch.device | str) -> torch.Tensor:
     """[q_len, prefix_len + nodes] bool: which of the request's logical keys (token positions
     ``pos`` in slot order) each of its queries sees: structure, then the window."""
     n = r.prefix_len + r.nodes
-    k_pos = torch.tensor(pos[:n], device=device)
+    k_pos = _on(device, torch.tensor(pos[:n]))
     if r.parents is not None:
-        structure = tree_visibility(r.prefix_len, list(r.parents)).to(device)
+        structure = _on(device, tree_visibility(r.prefix_len, list(r.parents)))
     elif r.block:
         structure = torch.ones(r.nodes, n, dtype=torch.bool, device=device)
     else:  # committed history and a chain: causal by position
@@ -56,12 +62,13 @@ class ForwardOracle:
         self.q_len = [r.q_len for r in self.reqs]
         self.qmax = max(self.q_len)
         self.row0 = list(accumulate(self.q_len, initial=0))[:-1]  # each one's first q row
-        starts = torch.tensor(self.row0, device=device)
-        qi = torch.arange(self.qmax, device=device)
-        lens = torch.tensor(self.q_len, device=device)
+        # the padded [B, qmax] layout, decided on the host: row b·qmax + i is q row row0[b] + i
+        qi = torch.arange(self.qmax)
+        lens = torch.tensor(self.q_len)
         valid = qi[None, :] < lens[:, None]                             # [B, qmax]
-        self.q_index = torch.where(valid, starts[:, None] + qi[None, :], 0).reshape(-1)
-        self.q_valid = valid.reshape(-1).nonzero().squeeze(1)           # padded rows kept
+        index = torch.where(valid, torch.tensor(self.row0)[:, None] + qi[None, :], 0)
+        self.q_index = _on(device, index.reshape(-1))
+        self.q_valid = _on(device, valid.reshape(-1).nonzero().squeeze(1))  # padded rows kept
         self._vis: dict[int | None, list[torch.Tensor]] = {}
         self._padded: dict[tuple, torch.Tensor] = {}
 

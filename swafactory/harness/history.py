@@ -95,9 +95,13 @@ class History:
 
     def reorder_tail(self, start: int, picks: Sequence[int]) -> None:
         """Tokens ``start + picks[j]`` become ``start + j`` (accepted tree path moved in place)."""
+        moved: dict[tuple, torch.Tensor] = {}  # one index per (device, first kept row), not per layer
         for store in (self.k, self.v):
             for rows in store.values():
-                idx = torch.tensor([start + i - rows.start for i in picks], device=rows.buf.device)
-                rows.set_tail(start, rows.buf[idx].clone())
+                key = (rows.buf.device, rows.start)
+                if key not in moved:
+                    host = torch.tensor([start + i - rows.start for i in picks])
+                    moved[key] = host.to(rows.buf.device, non_blocking=True)
+                rows.set_tail(start, rows.buf[moved[key]].clone())
         del self.pos[start:]
         self.pos.extend(range(start, start + len(picks)))

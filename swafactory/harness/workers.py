@@ -85,7 +85,8 @@ class Worker:
                  shard=None) -> None:
         self.name, self.backend, self.layers = name, backend, dict(layers)
         self.hist, self.writes, self.q_dtype = histories, writes, q_dtype
-        self.device, self.gen, self.sinks = device, gen, dict(sinks)
+        self.device, self.gen = device, gen
+        self.sinks = {layer: s.to(device) for layer, s in sinks.items()}  # moved once, not per layer
         self.shard = shard  # a swafactory.parallel.Shard: this rank's heads (None = all heads)
         self.plan_s = self.attn_s = self.gather_s = 0.0
         # inputs, histories and the oracle live on the run's device: on a GPU, drawing and
@@ -93,7 +94,7 @@ class Worker:
         self.draw_gen = gen if device == "cpu" else torch.Generator(device).manual_seed(
             int(torch.randint(2 ** 62, (1,), generator=gen)))
         self.graphs: dict[tuple[str, int], GraphedAttention] = {}
-        self._full: dict[int, tuple] = {}  # layer → this forward's full-head (q, k, v) on the host
+        self._full: dict[int, tuple] = {}  # layer → this forward's full-head (q, k, v), on device
 
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
                 full_id: str, *, check: bool, keep_above: float = -1.0) -> list[Check]:
@@ -110,7 +111,7 @@ class Worker:
         plan = None if graphed is not None else self.backend.init_forward_metadata(batch)
         self.plan_s += time.perf_counter() - t0
         inputs = {layer: self._draw(layer, spec, batch.total_q) for layer, spec in self.layers.items()}
-        t0 = time.perf_counter()
+        clock = _Clock(self.device)
         if graphed is not None:  # plans inside (padded to the graph's bucket)
             outs = graphed.forward(batch, {l: x[0] for l, x in inputs.items()},
                                    {l: x[1:] for l, x in inputs.items()} if self.writes else None)
@@ -119,31 +120,34 @@ class Worker:
             outs = {layer: self.backend.forward(q, k, v, layer, save_kv=self.writes,
                                                 sinks=self._sinks(layer))
                     for layer, (q, k, v) in inputs.items()}
-        if self.device != "cpu":
-            torch.cuda.synchronize()
-        self.attn_s += time.perf_counter() - t0
-        checks = []
+        clock.stop()
         oracle = ForwardOracle(reqs, self.hist, self.device) if check else None
-        rows = {r.rid: slice(o, o + r.q_len) for r, o in zip(reqs, oracle.row0)} if check else {}
+        errs = {}
         for layer, spec in self.layers.items():
-            q, k, v = self._full[layer]
-            out = outs[layer]
             if self.shard is not None:
                 t0 = time.perf_counter()
-                out = _all_gather_heads(out)
+                outs[layer] = _all_gather_heads(outs[layer])
                 self.gather_s += time.perf_counter() - t0
             if self.writes:
-                self._record(reqs, spec.history_layer, k, v)
-            if not check:
-                continue
-            sinks = self.sinks.get(layer)
-            ref = oracle.reference(spec, q, None if sinks is None else sinks.to(q.device))
-            out = out.to(ref.device)
-            err = float(Check.relative_error(out, ref))  # one sync per layer, one scalar back
-            kept = not err <= keep_above
+                self._record(reqs, spec.history_layer, *self._full[layer][1:])
+            if check:
+                errs[layer] = Check.relative_error(outs[layer], self._reference(oracle, layer))
+        # one sync per forward: on a GPU shared by many processes, each sync waits its turn
+        values = torch.stack(list(errs.values())).tolist() if errs else []
+        self.attn_s += clock.seconds()
+        if not check:
+            return []
+        rows = {r.rid: slice(o, o + r.q_len) for r, o in zip(reqs, oracle.row0)}
+        checks = []
+        for (layer, _), err in zip(errs.items(), values):
+            kept = not err <= keep_above  # a failing check keeps its tensors (recomputed: exact)
+            ref = self._reference(oracle, layer) if kept else None
             checks.append(Check(layer, plan.layer_groups[layer], err, rows,
-                                out if kept else None, ref if kept else None))
+                                outs[layer].to(ref.device) if kept else None, ref))
         return checks
+
+    def _reference(self, oracle: ForwardOracle, layer: int) -> torch.Tensor:
+        return oracle.reference(self.layers[layer], self._full[layer][0], self.sinks.get(layer))
 
     def _draw(self, layer: int, spec: LayerSpec, nq: int):
         """Seeded q (and k, v when writing) of one layer; returns this runner's head shard of
@@ -194,6 +198,31 @@ class Worker:
             self.hist[r.rid].record(layer, r.prefix_len + r.query_from, k[row:row + r.q_len],
                                     v[row:row + r.q_len])
             row += r.q_len
+
+
+class _Clock:
+    """Attention time of one forward: CUDA events on a GPU (read after the forward's one sync,
+    so timing adds none), the host clock on CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device != "cpu"
+        if self.cuda:
+            self.t0, self.t1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.t0.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.t1.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.t1.synchronize()
+            return self.t0.elapsed_time(self.t1) / 1e3
+        return self.t1 - self.t0
 
 
 def _all_gather_heads(out: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,9 @@ class HybridSWAPool:
         self.layers_mapping: Mapping[int, tuple[SubPool, int]] = MappingProxyType(
             dict(layers_mapping))
         self._mapping: SlotMapping | None = None
+        # sub-pool id → the last location tensor found in bounds, and its version: every layer
+        # of a group writes the same planned locations, and on a GPU each check is a sync
+        self._in_bounds: dict[str, tuple[torch.Tensor, int]] = {}
 
     @property
     def pool_id(self) -> str:
@@ -203,11 +206,18 @@ class HybridSWAPool:
                 f"locations of {locs.pool_id!r}{unit}"
                 + (" (translate full slots with swafactory.kvcache.translate first)"
                    if pool.space == "swa" and locs.space == "full" else ""))
-        if pool.check_mode and len(locs) and not (
-                (locs.tensor >= 0) & (locs.tensor < pool.rows)).all():
-            raise CapacityError(f"layer {layer_id}: locations outside {pool.pool_id!r}'s "
-                                f"{pool.rows} rows (max {int(locs.tensor.max())})")
+        if pool.check_mode and len(locs):
+            self._check_bounds(layer_id, locs.tensor, pool)
         return k_buf, v_buf, pool
+
+    def _check_bounds(self, layer_id: int, t: torch.Tensor, pool: KVPool) -> None:
+        seen = self._in_bounds.get(pool.pool_id)
+        if seen is not None and seen[0] is t and seen[1] == t._version:
+            return  # checked for an earlier layer, unchanged since (a graph's buffers change in place)
+        if not ((t >= 0) & (t < pool.rows)).all():
+            raise CapacityError(f"layer {layer_id}: locations outside {pool.pool_id!r}'s "
+                                f"{pool.rows} rows (max {int(t.max())})")
+        self._in_bounds[pool.pool_id] = (t, t._version)
 
     def write(self, layer_id: int, locs: Locs, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of ``len(locs)`` tokens. ``locs``: ``[n]`` slots in the layer's sub-pool

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import swafactory
-from swafactory.errors import SpaceError
+from swafactory.errors import CapacityError, SpaceError
 from swafactory.kvcache.locs import Locs, translate
 from swafactory.kvcache.pool import ReqToToken, layers_mapping_for
 from swafactory.kvcache.requests import RequestSlots
@@ -135,3 +135,18 @@ def test_double_free_is_refused(tiny):
     alloc.free(s)
     with pytest.raises(ValueError, match="not allocated"):
         alloc.free(s)
+
+
+def test_check_mode_bounds_are_checked_once_per_location_tensor_and_again_after_a_change(tiny):
+    """Every layer of a group writes the same planned locations, so the bounds check runs once
+    for them (a sync on a GPU); a graph's buffer updated in place is checked again."""
+    pool, alloc = build_pools(tiny, 32, 16, check_mode=True)
+    t = torch.tensor([0, *alloc.alloc(2).tolist()])
+    slots = Locs("full", "target.full", t)
+    pool.write(2, slots, *_kv(3, pool, 2, 1.0))
+    pool.write(2, slots, *_kv(3, pool, 2, 2.0))  # the same tensor, unchanged: accepted
+    t[1] = 10_000  # in place, as a CUDA graph's planned buffer is refilled
+    with pytest.raises(CapacityError, match="locations outside 'target.full'.*max 10000"):
+        pool.write(2, slots, *_kv(3, pool, 2, 3.0))
+    with pytest.raises(CapacityError, match="locations outside"):
+        pool.write(2, Locs("full", "target.full", torch.tensor([-1, 1])), *_kv(2, pool, 2, 3.0))
