@@ -7,14 +7,18 @@
 #     bench/gpu_session.sh BACKEND...
 # Environment:
 #     WHEELS, FA4  wheels to install first (bench/gpu_env.sh): .whl, and .fa4y for flash-attn-4
-#     WARM=1     compile FlashInfer's kernel variants first (about 140 s on a fresh machine); the
-#                other backends' sweeps start meanwhile, flashinfer's once it is done
+#     WARM=1     compile FlashInfer's kernel variants first (about 170 s on a fresh machine); the
+#                other backends' sweeps start meanwhile, flashinfer's once it is done.
+#                WARM="256 512": only those head dims' variants (Gemma 4's)
 #     SYNC=1     also count each backend's synchronizing calls on a gemma4 smoke run
 #                (bench/sync_sites.py → session/sync_BACKEND.txt)
 #     DEADLINE   seconds from the start until the sweeps are stopped (default 500)
 #     JOBS       parallel jobs per (backend, model) sweep (default 2; Gemma 4: GEMMA_JOBS, 2).
-#                Two backends × three models at 2 make 12 processes: about what 16 host cores and
-#                141 GiB hold (report.json's peak_device_bytes says what each run took)
+#                Memory decides: at 4ab4ad3+ (call 12.1) a flashinfer Gemma 4 serve run peaked at
+#                28-29 GiB, Mistral 13.5, GPT-OSS 2; the torch backend (fp32 KV) on Gemma 4 held
+#                45 GiB at its first step (report.json's peak_device_bytes says what each took)
+#     JOBS_<backend>_<model>  one sweep's own count (JOBS_torch_gemma4=1)
+#     SKIP       sweeps to leave out, as <backend>_<model> words (SKIP="flash_attn_mistral_7b")
 #     DRY=1      print the sweeps and exit
 # Back here: tar xzf session.tgz; python bench/gpu_rows.py add --commit C --call N session/*/
 set -uo pipefail
@@ -34,8 +38,9 @@ echo "$(wc -l < "$R/plan.txt") sweeps:"; cat "$R/plan.txt"
 [ "${DRY:-0}" = 1 ] && exit 0
 
 # FlashInfer's kernels compile in the background; only flashinfer's jobs wait for them
-if [ "${WARM:-0}" = 1 ]; then
-    ( python3 tests/backends/flashinfer_warm.py > "$R/warm.txt" 2>&1
+if [ "${WARM:-0}" != 0 ]; then
+    # shellcheck disable=SC2046  # WARM=1: every variant; else the head dims to warm
+    ( python3 tests/backends/flashinfer_warm.py $([ "$WARM" = 1 ] || echo "$WARM") > "$R/warm.txt" 2>&1
       echo "warm: $(elapsed) s"; touch "$R/warm.done" ) &
 else
     touch "$R/warm.done"
@@ -54,8 +59,11 @@ fi
 while read -r line; do
     [ -n "$line" ] || continue
     name=$(echo "$line" | sed -E 's/BACKENDS=([^ ]+) MODELS=([^ ]+).*/serve_\1_\2/')
+    case " ${SKIP:-} " in *" ${name#serve_} "*) continue ;; esac
     jobs=${JOBS:-2}
     case $line in *MODELS=gemma4*) jobs=${GEMMA_JOBS:-2} ;; esac
+    var=JOBS_${name#serve_}  # e.g. JOBS_triton_gemma4=3: one sweep's own count
+    jobs=${!var:-$jobs}
     # shellcheck disable=SC2086  # the plan line is a list of KEY=VALUE knobs
     ( wait_warm "$line"
       env $line NAME="$name" JOBS="$jobs" DEADLINE="$(( ${DEADLINE:-500} - $(elapsed) ))" \

@@ -20,6 +20,10 @@ from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
 __all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for"]
 
+_KEEP_BYTES = 1 << 28
+"""A forward whose outputs (all layers, fp32) exceed this is checked layer by layer, one sync
+each, keeping none: a Gemma 4 prefill chunk's would be gigabytes per harness process."""
+
 
 @dataclass(frozen=True)
 class Check:
@@ -110,40 +114,59 @@ class Worker:
         t0 = time.perf_counter()
         plan = None if graphed is not None else self.backend.init_forward_metadata(batch)
         self.plan_s += time.perf_counter() - t0
-        inputs = {layer: self._draw(layer, spec, batch.total_q) for layer, spec in self.layers.items()}
-        clock = _Clock(self.device)
-        if graphed is not None:  # plans inside (padded to the graph's bucket)
-            outs = graphed.forward(batch, {l: x[0] for l, x in inputs.items()},
-                                   {l: x[1:] for l, x in inputs.items()} if self.writes else None)
-            plan = self.backend.plan
-        else:
-            outs = {layer: self.backend.forward(q, k, v, layer, save_kv=self.writes,
-                                                sinks=self._sinks(layer))
-                    for layer, (q, k, v) in inputs.items()}
-        clock.stop()
         oracle = ForwardOracle(reqs, self.hist, self.device) if check else None
-        errs = {}
+        # a long forward (a prefill chunk) is checked layer by layer and keeps nothing; a short
+        # one (decode, verify, draft steps: most forwards) keeps its outputs and syncs once
+        width = sum(s.num_q_heads * s.head_dim for s in self.layers.values())
+        per_layer = batch.total_q * width * 4 > _KEEP_BYTES
+        timer = _Timer(self.device)
+        outs: dict[int, torch.Tensor] = {}
+        if graphed is not None:  # plans inside (padded to the graph's bucket)
+            inputs = {layer: self._draw(layer, spec, batch.total_q)
+                      for layer, spec in self.layers.items()}
+            with timer:
+                outs = graphed.forward(batch, {l: x[0] for l, x in inputs.items()},
+                                       {l: x[1:] for l, x in inputs.items()} if self.writes else None)
+            plan = self.backend.plan
+        errs: dict[int, torch.Tensor | float] = {}
+        kept: dict[int, torch.Tensor] = {}  # layer → output, for the checks that may fail
         for layer, spec in self.layers.items():
+            if graphed is None:
+                q, k, v = self._draw(layer, spec, batch.total_q)
+                with timer:
+                    out = self.backend.forward(q, k, v, layer, save_kv=self.writes,
+                                               sinks=self._sinks(layer))
+            else:
+                out = outs[layer]
             if self.shard is not None:
                 t0 = time.perf_counter()
-                outs[layer] = _all_gather_heads(outs[layer])
+                out = _all_gather_heads(out)
                 self.gather_s += time.perf_counter() - t0
             if self.writes:
                 self._record(reqs, spec.history_layer, *self._full[layer][1:])
             if check:
-                errs[layer] = Check.relative_error(outs[layer], self._reference(oracle, layer))
-        # one sync per forward: on a GPU shared by many processes, each sync waits its turn
-        values = torch.stack(list(errs.values())).tolist() if errs else []
-        self.attn_s += clock.seconds()
+                err = Check.relative_error(out, self._reference(oracle, layer))
+                errs[layer] = float(err) if per_layer else err
+                if not per_layer or not errs[layer] <= keep_above:
+                    kept[layer] = out
+            if layer not in kept:
+                self._full.pop(layer, None)
+        # one sync for a short forward's layers: on a GPU shared by many processes each sync
+        # waits its turn
+        pending = [e for e in errs.values() if torch.is_tensor(e)]
+        values = iter(torch.stack(pending).tolist() if pending else [])
+        errs = {layer: next(values) if torch.is_tensor(e) else e for layer, e in errs.items()}
+        self.attn_s += timer.seconds()
         if not check:
             return []
         rows = {r.rid: slice(o, o + r.q_len) for r, o in zip(reqs, oracle.row0)}
         checks = []
-        for (layer, _), err in zip(errs.items(), values):
-            kept = not err <= keep_above  # a failing check keeps its tensors (recomputed: exact)
-            ref = self._reference(oracle, layer) if kept else None
+        for layer, err in errs.items():
+            fails = not err <= keep_above  # a failing check keeps its tensors (recomputed: exact)
+            ref = self._reference(oracle, layer) if fails else None
             checks.append(Check(layer, plan.layer_groups[layer], err, rows,
-                                outs[layer].to(ref.device) if kept else None, ref))
+                                kept[layer].to(ref.device) if fails else None, ref))
+        self._full.clear()
         return checks
 
     def _reference(self, oracle: ForwardOracle, layer: int) -> torch.Tensor:
@@ -200,29 +223,34 @@ class Worker:
             row += r.q_len
 
 
-class _Clock:
-    """Attention time of one forward: CUDA events on a GPU (read after the forward's one sync,
-    so timing adds none), the host clock on CPU."""
+class _Timer:
+    """Attention time of one forward, over the intervals it is entered for: CUDA events on a GPU
+    (read after the forward's sync, so timing adds none), the host clock on CPU."""
 
     def __init__(self, device: str) -> None:
         self.cuda = device != "cpu"
-        if self.cuda:
-            self.t0, self.t1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            self.t0.record()
-        else:
-            self.t0 = time.perf_counter()
+        self.marks: list = []
 
-    def stop(self) -> None:
-        if self.cuda:
-            self.t1.record()
-        else:
-            self.t1 = time.perf_counter()
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def __enter__(self) -> None:
+        self.marks.append(self._mark())
+
+    def __exit__(self, *exc) -> None:
+        self.marks.append(self._mark())
 
     def seconds(self) -> float:
-        if self.cuda:
-            self.t1.synchronize()
-            return self.t0.elapsed_time(self.t1) / 1e3
-        return self.t1 - self.t0
+        pairs = zip(self.marks[::2], self.marks[1::2])
+        if not self.cuda:
+            return sum(b - a for a, b in pairs)
+        if self.marks:
+            self.marks[-1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
 def _all_gather_heads(out: torch.Tensor) -> torch.Tensor:

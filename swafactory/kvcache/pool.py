@@ -77,9 +77,9 @@ class KVPool:
         if not self.check_mode or rows.numel() == 0:
             return
         rows = rows.to(self.device, torch.int64)
-        for k, v in zip(self.k_bufs, self.v_bufs):
-            k[rows] = float("nan")
-            v[rows] = float("nan")
+        for k, v in zip(self.k_bufs, self.v_bufs):  # index_fill_: `k[rows] = nan` would send
+            k.index_fill_(0, rows, float("nan"))   # the scalar to the GPU, a sync per layer
+            v.index_fill_(0, rows, float("nan"))
 
     def accepts(self, locs: Locs) -> bool:
         """True when ``locs`` are slot ids in this pool's index space."""

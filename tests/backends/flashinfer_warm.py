@@ -4,7 +4,8 @@ FlashInfer JIT-compiles one module per (kind, head_dim, dtype, sliding window, s
 use, 15–25 s each, one after another inside a process. Building them here in parallel processes
 (the JIT cache is shared on disk) turns minutes of serial compiles into one batch. The plan
 arguments mirror `swafactory.kernels.flashinfer.Adapter` exactly, so the cached modules are the
-ones the adapter loads. Run on the GPU host: ``python3 tests/backends/flashinfer_warm.py``.
+ones the adapter loads. Run on the GPU host: ``python3 tests/backends/flashinfer_warm.py
+[HEAD_DIM ...]`` (only those head dims' variants, e.g. ``256 512`` for Gemma 4).
 """
 from __future__ import annotations
 
@@ -63,14 +64,16 @@ def _warm(v: tuple) -> str:
     return f"{v}: {time.time() - t0:.1f}s"
 
 
-def main() -> int:
+def main(head_dims: list[int]) -> int:
+    """Warm every variant, or those of the given head dims (Gemma 4's: 256 512)."""
     t0 = time.time()
-    with ProcessPoolExecutor(max_workers=len(VARIANTS)) as ex:
-        for line in ex.map(warm, VARIANTS):
+    chosen = [v for v in VARIANTS if not head_dims or v[3] in head_dims]
+    with ProcessPoolExecutor(max_workers=max(1, len(chosen))) as ex:
+        for line in ex.map(warm, chosen):
             print(line, flush=True)
-    print(f"warmed {len(VARIANTS)} variants in {time.time() - t0:.1f}s")
+    print(f"warmed {len(chosen)} variants in {time.time() - t0:.1f}s")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main([int(a) for a in sys.argv[1:]]))

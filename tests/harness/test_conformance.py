@@ -94,3 +94,19 @@ def test_triton_backend_under_the_interpreter_on_tiny(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     r = Report.model_validate_json((tmp_path / "report.json").read_text())
     assert r.backend == "triton" and r.status == "ok" and r.checks == r.passed > 0
+
+
+@pytest.mark.parametrize("fault", ["none", "window_off_by_one", "pool_cached_at_init"])
+def test_long_forwards_checked_layer_by_layer_catch_the_same(fault: str, monkeypatch) -> None:
+    """Every forward takes the path a Gemma 4 prefill chunk takes on a GPU (one sync per layer,
+    no outputs kept): clean runs still pass, and faults are caught by the same check."""
+    from swafactory.harness import workers
+
+    monkeypatch.setattr(workers, "_KEEP_BYTES", 0)
+    spec, caught = FAULTS.get(fault, ("eagle3", None))
+    faults = [] if fault == "none" else [f"faults={fault}"]
+    r = _run(f"spec={spec}", "model=gpt_oss_20b", *faults)
+    if caught is None:
+        assert r.status == "ok" and r.checks > 0 and r.passed == r.checks, r.mismatch
+    else:
+        assert r.status == "failed" and r.mismatch.check == caught, r.mismatch
