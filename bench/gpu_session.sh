@@ -33,7 +33,9 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 . "$(dirname "$0")/gpu_env.sh"  # once: the sweeps below inherit it
 
 pattern=$(printf '%s|' "$@")
-python3 bench/gpu_rows.py missing --workload serve | grep -E "^BACKENDS=(${pattern%|}) " > "$R/plan.txt"
+skip=$(for s in ${SKIP:-}; do printf '|^BACKENDS=%s MODELS=%s ' "${s%%_[gm]*}" "${s#"${s%%_[gm]*}"_}"; done)
+python3 bench/gpu_rows.py missing --workload serve | grep -E "^BACKENDS=(${pattern%|}) " \
+    | grep -vE "${skip#|}${skip:-^$}" > "$R/plan.txt"
 echo "$(wc -l < "$R/plan.txt") sweeps:"; cat "$R/plan.txt"
 [ "${DRY:-0}" = 1 ] && exit 0
 
@@ -59,7 +61,6 @@ fi
 while read -r line; do
     [ -n "$line" ] || continue
     name=$(echo "$line" | sed -E 's/BACKENDS=([^ ]+) MODELS=([^ ]+).*/serve_\1_\2/')
-    case " ${SKIP:-} " in *" ${name#serve_} "*) continue ;; esac
     jobs=${JOBS:-2}
     case $line in *MODELS=gemma4*) jobs=${GEMMA_JOBS:-2} ;; esac
     var=JOBS_${name#serve_}  # e.g. JOBS_triton_gemma4=3: one sweep's own count
