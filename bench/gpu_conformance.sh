@@ -6,9 +6,9 @@
 # Environment:
 #     WHEELS, FA4  wheels to install first into /tmp/site (offline hosts; bench/gpu_env.sh,
 #              docs/gpu.md); unset = use the environment as it is.
-#     JOBS     parallel harness processes sharing the GPU (default 6). A Gemma 4 serve run
-#              holds about 11 GiB of oracle histories plus about 11 GiB of pools (computed):
-#              run at most 4 of those at once.
+#     JOBS     parallel harness processes sharing the GPU (default 6). Measured serve peaks
+#              (06bb54c): Gemma 4 about 20 GiB (torch backend, fp32 KV: 38), Mistral 10-12
+#              (torch: 23), GPT-OSS under 2; docs/gpu.md says what fit together.
 #     MODELS / BACKENDS / SPECS / WORKLOAD   narrow the matrix (defaults: the issue-7 matrix, serve).
 #     NAME     the matrix's folder under OUT (default matrix); EXTRA: more overrides for it.
 #     DEADLINE seconds the matrix stage may run (default: no limit). Jobs still running then are

@@ -32,11 +32,11 @@ CAPABILITIES = Capabilities(
     summary="torch FlexAttention on a padded per-request gather; one block mask per pass per forward",
     kernel="FlexAttention (block mask)",
     devices=frozenset({"cpu"}),
-    devices_note="on the H200 (torch 2.11) the compiled kernel (dynamic=True) passed the "
-                 "16 small-shape GPU oracle tests and bench/flex_probe.py's 12 serve-like "
-                 "shapes, but serve runs failed to lower it (NoValidChoicesError) on extend "
-                 "passes with one 128-query block, e.g. q [8, 64, s, 64]; refused on CUDA "
-                 "until such passes lower",
+    devices_note="on the H200 (torch 2.11) the compiled kernel passed the 16 small-shape "
+                 "GPU oracle tests, but serve runs failed to lower it (NoValidChoicesError) on "
+                 "extend passes of 64-100 queries per request; bench/flex_probe.py reproduces "
+                 "it (q [1, 100, s] with dynamic=True, [8, 64, s] with static shapes) while "
+                 "passes of ≤ 8 and ≥ 200 queries lower; refused on CUDA until such passes lower",
     max_head_dim=256,
     head_dim_note="swafactory caps FlexAttention at head_dim 256: larger heads are not verified "
                   "on a GPU",
