@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,6 +36,8 @@ def test_no_recorded_gpu_run_failed_an_oracle_check() -> None:
                 and r["details"].startswith(("oracle check", "nan check"))]
 
 
-def test_every_combination_the_registry_accepts_on_an_h200_has_an_ok_smoke_row() -> None:
-    """Accepting a combination on the H200 (a new backend, a lifted refusal) needs GPU evidence."""
-    assert _gpu_rows().missing("smoke") == []
+@pytest.mark.parametrize("workload", ["smoke", "serve"])
+def test_every_combination_the_registry_accepts_on_an_h200_has_an_ok_row(workload: str) -> None:
+    """Accepting a combination on the H200 (a new backend, a lifted refusal) needs GPU evidence
+    on both workloads: `python bench/gpu_rows.py missing --workload W` lists what lacks it."""
+    assert _gpu_rows().missing(workload) == []
