@@ -33,9 +33,11 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 . "$(dirname "$0")/gpu_env.sh"  # once: the sweeps below inherit it
 
 pattern=$(printf '%s|' "$@")
-skip=$(for s in ${SKIP:-}; do printf '|^BACKENDS=%s MODELS=%s ' "${s%%_[gm]*}" "${s#"${s%%_[gm]*}"_}"; done)
+sweep_name() { echo "$1" | sed -E 's/BACKENDS=([^ ]+) MODELS=([^ ]+).*/\1_\2/'; }
 python3 bench/gpu_rows.py missing --workload serve | grep -E "^BACKENDS=(${pattern%|}) " \
-    | grep -vE "${skip#|}${skip:-^$}" > "$R/plan.txt"
+    | while read -r line; do
+        case " ${SKIP:-} " in *" $(sweep_name "$line") "*) ;; *) echo "$line" ;; esac
+    done > "$R/plan.txt"
 echo "$(wc -l < "$R/plan.txt") sweeps:"; cat "$R/plan.txt"
 [ "${DRY:-0}" = 1 ] && exit 0
 
@@ -60,7 +62,7 @@ if [ "${SYNC:-0}" = 1 ]; then  # where each backend's run waits for the GPU (ben
 fi
 while read -r line; do
     [ -n "$line" ] || continue
-    name=$(echo "$line" | sed -E 's/BACKENDS=([^ ]+) MODELS=([^ ]+).*/serve_\1_\2/')
+    name=serve_$(sweep_name "$line")
     jobs=${JOBS:-2}
     case $line in *MODELS=gemma4*) jobs=${GEMMA_JOBS:-2} ;; esac
     var=JOBS_${name#serve_}  # e.g. JOBS_triton_gemma4=3: one sweep's own count
