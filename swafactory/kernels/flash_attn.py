@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.kernels.flex import padded_pass
+from swafactory.metadata.plan import PassCache
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flash_attn_window_size
@@ -129,7 +130,7 @@ class Adapter:
     capabilities = CAPABILITIES
 
     def __init__(self) -> None:
-        self._passes: dict[int, _FaPass] = {}
+        self._passes: PassCache = PassCache("flash_attn")
 
     def plan(self, forward_plan, pool) -> None:
         """FA4 arguments for every pass of ``forward_plan`` (once per forward)."""
@@ -137,17 +138,14 @@ class Adapter:
         self._passes.clear()
         for g in forward_plan.groups.values():
             for _, t in g.passes:
-                self._passes[id(t)] = plan_pass(t, g.window)  # the plan keeps t alive
+                self._passes.put(t, plan_pass(t, g.window))
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
         """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log).
 
         q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16); sinks: [Hq] or None.
         """
-        p = self._passes.get(id(tables))
-        if p is None:
-            raise RuntimeError("flash_attn adapter: these tables were not planned in this "
-                               "forward (call AttentionBackend.init_forward_metadata first)")
+        p = self._passes.of(tables)
         if window != p.window:
             raise ValueError(f"pass planned for window {p.window}, run with {window}")
         kw = dict(cu_seqlens_q=p.cu_seqlens_q, max_seqlen_q=p.max_seqlen_q,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
+from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
@@ -124,7 +125,7 @@ class Adapter:
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple, object] = {}
-        self._passes: dict[int, _Pass] = {}
+        self._passes: PassCache = PassCache("flashinfer")
         self.graph: tuple[int, int] | None = None
         self._graph_sigs: dict[tuple, tuple] = {}
         self._max_rows = 0
@@ -135,8 +136,7 @@ class Adapter:
         self._max_rows = max(sp.rows for sp in pool.sub_pools)
         for key, g in forward_plan.groups.items():
             for role, t in g.passes:
-                # keyed by id: the plan holds the tables alive for the whole forward
-                p = self._passes[id(t)] = self._prepare(key, role, t, g.window)
+                p = self._passes.put(t, self._prepare(key, role, t, g.window))
                 sig = self._graph_sigs.get(self._key(p))
                 if sig is not None:  # a captured wrapper: replays run no `run` to plan it
                     self._plan_wrapper(p, sig, t.qo_indptr.device)
@@ -225,10 +225,7 @@ class Adapter:
 
         q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16); sinks: [Hq] or None.
         """
-        p = self._passes.get(id(tables))
-        if p is None:
-            raise RuntimeError("flashinfer adapter: these tables were not planned in this "
-                               "forward (call AttentionBackend.init_forward_metadata first)")
+        p = self._passes.of(tables)
         if window != p.window:
             raise ValueError(f"group {p.group!r} was planned for window {p.window}, run with "
                              f"{window}")

@@ -23,6 +23,7 @@ from functools import cache
 import torch
 
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
+from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 
 __all__ = ["CAPABILITIES", "Adapter", "padded_pass"]
@@ -155,17 +156,16 @@ class Adapter:
     capabilities = CAPABILITIES
 
     def __init__(self) -> None:
-        self._passes: dict[int, _Padded] = {}
+        self._passes: PassCache = PassCache("flex")
 
     def plan(self, forward_plan, pool) -> None:
         """Padded layouts and block masks for every pass of ``forward_plan`` (once per forward)."""
         del pool
         self._passes.clear()
         for g in forward_plan.groups.values():
-            for _, t in g.passes:  # keyed by id: the plan holds the tables alive for the forward
-                p = padded_pass(t, g.window)
+            for _, t in g.passes:
+                p = self._passes.put(t, padded_pass(t, g.window))
                 p.block_mask = _block_mask(p)
-                self._passes[id(t)] = p
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
         """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log).
@@ -173,10 +173,7 @@ class Adapter:
         q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D]; sinks: [Hq] or None.
         """
         del window  # inside the planned visibility
-        p = self._passes.get(id(tables))
-        if p is None:
-            raise RuntimeError("flex adapter: these tables were not planned in this forward "
-                               "(call AttentionBackend.init_forward_metadata first)")
+        p = self._passes.of(tables)
         b, qmax, kvmax = p.shape
         hq, d = q.shape[1], q.shape[2]
         hkv = k_buf.shape[1]

@@ -18,7 +18,7 @@ from swafactory.errors import SpaceError
 from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
-__all__ = ["AttnTables", "GroupPlan", "ForwardPlan", "plan", "group_key"]
+__all__ = ["AttnTables", "GroupPlan", "ForwardPlan", "PassCache", "plan", "group_key"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +69,27 @@ class GroupPlan:
         cascade's ``pre`` and ``exp`` when there is one."""
         extra = () if self.cascade is None else (("pre", self.cascade[0]), ("exp", self.cascade[1]))
         return (("main", self.tables), *extra)
+
+
+class PassCache(dict):
+    """An adapter's host work for each pass of one forward (`GroupPlan.passes`), keyed by the
+    tables' identity: the forward plan keeps them alive until the next plan clears this."""
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__()
+        self.adapter = adapter
+
+    def put(self, tables: AttnTables, work):
+        self[id(tables)] = work
+        return work
+
+    def of(self, tables: AttnTables):
+        """The work planned for ``tables``; RuntimeError when they were not planned."""
+        work = self.get(id(tables))
+        if work is None:
+            raise RuntimeError(f"{self.adapter} adapter: these tables were not planned in this "
+                               "forward (call AttentionBackend.init_forward_metadata first)")
+        return work
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,70 @@
+"""Every GPU adapter with a CPU fake of its kernel library (`flashinfer_fake`, `fa4_fake`), run
+against the oracle through the same modes, tree strategies, sinks and soft-cap; a new adapter
+with a fake joins by one entry in `FAKES`."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import fa4_fake
+from flashinfer_fake import module as fake_flashinfer
+from test_backends_vs_oracle import MODES, assert_close, run_mode
+from test_flashinfer_host import adapter_world
+
+# backend → (module name its adapter imports, the fake module, Gemma 4 overrides it serves:
+# flash-attn-4 takes head_dim ≤ 256, so its full layers shrink to 128, still two geometries)
+FAKES = {
+    "flashinfer": ("flashinfer", fake_flashinfer, ["model.sliding_window=8"]),
+    "flash_attn": ("flash_attn.cute.interface", fa4_fake.module,
+                   ["model.sliding_window=8", "model.full.head_dim=128", "model.swa.head_dim=64"]),
+}
+
+
+@pytest.fixture(params=sorted(FAKES))
+def backend(request, monkeypatch) -> str:
+    module, fake, _ = FAKES[request.param]
+    monkeypatch.setitem(sys.modules, module, fake())
+    fa4_fake.calls.clear()
+    return request.param
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("page", [1, 16])
+def test_gemma4_every_mode(backend: str, mode: str, page: int) -> None:
+    world, cfg = adapter_world("gemma4", page, FAKES[backend][2], backend=backend)
+    assert cfg.model.swa != cfg.model.full
+    assert_close(run_mode(world, mode, [0, 5], 8))
+
+
+@pytest.mark.parametrize("tree_mask", ["custom_mask", "cascade"])
+@pytest.mark.parametrize("mode", ["verify_tree_2", "verify_tree_4", "draft_decode", "dflash_block"])
+def test_trees_both_strategies(backend: str, mode: str, tree_mask: str) -> None:
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=6"], tree_mask=tree_mask,
+                             backend=backend)
+    checks = run_mode(world, mode, [0, 2], 6)
+    if mode != "dflash_block":  # a DFlash block is no tree: one pass under either strategy
+        assert (world.backend.plan.groups["swa"].cascade is not None) == (tree_mask == "cascade")
+    assert_close(checks)
+
+
+@pytest.mark.parametrize("tree_mask", ["custom_mask", "cascade"])
+@pytest.mark.parametrize("mode", ["decode", "verify_chain", "verify_tree_2"])
+def test_sinks_and_softcap(backend: str, mode: str, tree_mask: str) -> None:
+    world, _ = adapter_world("tiny", 16, ["model.attention_sinks=true", "model.logit_softcap=2.0",
+                                          "model.sliding_window=5", "model.num_attention_heads=16"],
+                             tree_mask=tree_mask, seed=3, backend=backend)
+    assert_close(run_mode(world, mode, [0, 2], 5))
+
+
+def test_run_without_plan_is_refused(backend: str) -> None:
+    world, _ = adapter_world("tiny", 1, backend=backend)
+    world.open(0)
+    world.forward("extend", [world.req(0, 0, 4)], [0])
+    t = world.backend.plan.groups["swa"].tables
+    world.backend.adapter._passes.clear()
+    k, v, _ = world.pool.get_kv(0)
+    q = torch.zeros(4, 2 * k.shape[1], k.shape[2])
+    with pytest.raises(RuntimeError, match=f"{backend} adapter: these tables were not planned"):
+        world.backend.adapter.run(t, q, k, v, window=16, scale=1.0)
