@@ -55,7 +55,8 @@ for stage in $STAGES; do
         mkdir -p "$OUT/faults"
         for pair in skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash \
                     pool_cached_at_init:frozen_kv_mtp window_off_by_one:none \
-                    no_swa_eviction:none no_draft_headroom:eagle; do
+                    no_swa_eviction:none no_draft_headroom:eagle \
+                    leak_rejected_draft_slots:eagle; do
             ( python3 -m swafactory backend=flashinfer model=gemma4 workload=smoke \
                 faults="${pair%%:*}" spec="${pair##*:}" \
                 hydra.run.dir="$OUT/faults/${pair%%:*}" > "$OUT/faults/${pair%%:*}.log" 2>&1

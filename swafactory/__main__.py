@@ -1,7 +1,9 @@
 """`python -m swafactory …` / `swafactory …`: the Hydra app. The only place that maps errors to exit codes.
 
 Exit codes: 0 ok; 1 conformance failure; 2 configuration refused (message on stderr, no traceback).
-In a multirun sweep each job records its outcome in result.json and the sweep goes on.
+In a multirun sweep each job records its outcome in result.json (a refusal raised before the first
+forward makes the job `refused`) and the sweep goes on; the sweep then exits with its worst job
+(ok < refused < failed): 1 if any failed, else 2 if any was refused, else 0.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from swafactory.config.paths import conf_dir
-from swafactory.errors import EXIT_CONFIG, ConfigError
+from swafactory.errors import EXIT_CONFIG, EXIT_CONFORMANCE, EXIT_OK, CapacityError, ConfigError
+
+EXIT_FOR_STATUS = {"ok": EXIT_OK, "refused": EXIT_CONFIG, "failed": EXIT_CONFORMANCE}
 
 _ran_task = False
 
@@ -29,7 +33,7 @@ def _app(cfg: DictConfig) -> None:
     try:
         code = run_cli(cfg, Path(hc.runtime.output_dir), overrides=list(hc.overrides.task),
                        sweep=hc.mode == RunMode.MULTIRUN)
-    except ConfigError as exc:
+    except (ConfigError, CapacityError) as exc:
         print(exc, file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     if code:
@@ -38,6 +42,10 @@ def _app(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        from swafactory.cli import help_text
+
+        print(help_text(), flush=True)  # what swafactory is, its exit codes and groups; Hydra's next
     try:
         _app()
     except SystemExit as exc:
@@ -46,6 +54,13 @@ def main() -> None:
         if not _ran_task and exc.code not in (0, None):
             raise SystemExit(EXIT_CONFIG) from None
         raise
+    from swafactory.harness.callback import last_sweep_status
+
+    status = last_sweep_status()  # set when a multirun sweep ended in this process
+    if status is not None and status != "ok":
+        print(f"sweep: worst job {status}, exit {EXIT_FOR_STATUS[status]} (see matrix.md)",
+              file=sys.stderr)
+        sys.exit(EXIT_FOR_STATUS[status])
 
 
 if __name__ == "__main__":

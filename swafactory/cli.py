@@ -1,13 +1,14 @@
 """What the command line does with a composed config: plan, or run the conformance job.
 
 Every job writes `result.json` in its output directory (ok, refused or failed), which the
-multirun callback turns into `matrix.md`. In a single run, a refusal raises ConfigError (exit 2)
-and a failure returns 1; in a sweep both are recorded and the sweep goes on.
+multirun callback turns into `matrix.md`. In a single run, a refusal raises (exit 2) and a failure
+returns 1; in a sweep both are recorded, the sweep goes on, and `__main__` exits with the worst.
 """
 from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -15,12 +16,13 @@ from rich.console import Console
 from rich.table import Table
 
 from swafactory.config.from_hydra import from_hydra
-from swafactory.errors import EXIT_CONFORMANCE, EXIT_OK, ConfigError
+from swafactory.config.paths import conf_dir
+from swafactory.errors import EXIT_CONFORMANCE, EXIT_OK, CapacityError, ConfigError
 from swafactory.layout import PlanSummary, describe
 from swafactory.registry.device import detect_device
 from swafactory.registry.select import validate
 
-__all__ = ["run_cli", "render_plan"]
+__all__ = ["run_cli", "render_plan", "help_text"]
 
 
 def _mib(n: int) -> str:
@@ -75,41 +77,54 @@ def _write_result(out: Path | None, cfg: DictConfig, overrides: list[str], statu
 
 def run_cli(cfg: DictConfig, output_dir: Path | None, *, overrides: list[str] = (),
             sweep: bool = False) -> int:
-    """Validate and run the composed config; returns the exit code.
+    """Validate and run the composed config; returns the exit code of a single run.
 
-    Raises ConfigError on refusal, except in a sweep, where the refusal is recorded and 0 returned.
+    A refusal (ConfigError, or CapacityError before the first forward) raises in a single run;
+    in a sweep it is recorded as `refused` and 0 returned, as is a failure: the sweep goes on and
+    `__main__` exits with the worst of its jobs (`callback.sweep_status`).
     """
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140)
     try:
-        conf = from_hydra(cfg)
-        device = detect_device(conf.workload.device)
-        conf = validate(conf, device)
-    except ConfigError as exc:
-        _write_result(output_dir, cfg, list(overrides), "refused",
-                      reasons=[str(r) for r in exc.reasons])
-        if not sweep:
-            raise
-        print(exc, file=sys.stderr)
-        return EXIT_OK
-    if conf.run.mode == "plan":
-        plan = describe(conf, device)
-        render_plan(plan, console)
-        if output_dir is not None:
-            path = output_dir / "plan.json"
-            path.write_text(json.dumps({"plan": plan.model_dump(),
-                                        "config": conf.model_dump(mode="json")}, indent=2))
-            _write_result(output_dir, cfg, list(overrides), "ok")
-            console.print(f"wrote {path}")
-        return EXIT_OK
-    return _conformance(conf, device, cfg, output_dir, list(overrides), console, sweep)
+        try:
+            conf = from_hydra(cfg)
+            device = detect_device(conf.workload.device)
+            conf = validate(conf, device)
+            if conf.run.mode == "plan":
+                return _plan(conf, device, cfg, output_dir, list(overrides), console)
+            return _conformance(conf, device, cfg, output_dir, list(overrides), console, sweep)
+        except (ConfigError, CapacityError) as exc:
+            reasons = [str(r) for r in getattr(exc, "reasons", ())] or [str(exc)]
+            _write_result(output_dir, cfg, list(overrides), "refused", reasons=reasons)
+            if not sweep:
+                raise
+            print(exc, file=sys.stderr)
+            return EXIT_OK
+    except Exception as exc:
+        # an unexpected error: in a sweep, the row says so (failed) before Hydra records the crash
+        if sweep and not (output_dir is None or (output_dir / "result.json").exists()):
+            _write_result(output_dir, cfg, list(overrides), "failed",
+                          error=f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _plan(conf, device, cfg, output_dir, overrides, console) -> int:
+    plan = describe(conf, device)
+    render_plan(plan, console)
+    if output_dir is not None:
+        path = output_dir / "plan.json"
+        path.write_text(json.dumps({"plan": plan.model_dump(),
+                                    "config": conf.model_dump(mode="json")}, indent=2))
+        _write_result(output_dir, cfg, overrides, "ok")
+        console.print(f"wrote {path}")
+    return EXIT_OK
 
 
 def _conformance(conf, device, cfg, output_dir, overrides, console, sweep) -> int:
     from swafactory.harness.report import progress, render_summary, write_report
     from swafactory.harness.run import run
 
-    with progress(conf.workload.num_requests, console) as bar:
-        report = run(conf, device, on_step=bar.update)
+    with progress(console) as bar:
+        report = run(conf, device, on_progress=bar.update)
     render_summary(report, console)
     if output_dir is not None:
         for path in write_report(report, output_dir):
@@ -122,3 +137,39 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep) -> in
               file=sys.stderr)
         return EXIT_OK if sweep else EXIT_CONFORMANCE
     return EXIT_OK
+
+
+def help_text() -> str:
+    """What `python -m swafactory --help` prints before Hydra's own help."""
+    from swafactory.config.paths import GROUPS, group_options
+
+    # the defaults' groups, then any other group of conf/ (added with +, e.g. +experiment=NAME)
+    extra = [d.name for d in sorted(conf_dir().iterdir()) if d.is_dir() and d.name not in GROUPS]
+    defaults = {k: v for d in OmegaConf.load(conf_dir() / "config.yaml").defaults
+                if isinstance(d, DictConfig) for k, v in d.items()}
+    rows = []
+    for g in [*GROUPS, *(f"+{x}" for x in extra)]:
+        opts = ", ".join(group_options(g.lstrip("+")))
+        default = f" (default {defaults[g]})" if g in defaults else ""
+        rows += textwrap.wrap(opts + default, 96, initial_indent=f"  {g + '=':<13}",
+                              subsequent_indent=" " * 15, break_on_hyphens=False)
+    rows = "\n".join(rows)
+    return f"""\
+swafactory: builds attention backends for LLM inference on hybrid sliding-window models from a
+composed config (model x spec x backend x workload), refuses a combination the kernels cannot
+run with every reason, and proves a built backend with a conformance run: real pools, SWA
+eviction, speculative decoding, every checked attention output against an fp32 oracle.
+
+  python -m swafactory backend=torch spec=eagle3 model=gemma4   # conformance run
+  python -m swafactory run=plan model=gemma4                    # the plan only
+  python -m swafactory -m backend=torch,triton spec=none,eagle3 # a sweep: matrix.md
+
+Exit codes: 0 ok; 1 conformance failure (a mismatch, a caught fault or a leak); 2 configuration
+refused (message on stderr, no traceback). A sweep (-m) runs every job and exits with the worst
+of them: 1 if any failed, else 2 if any was refused, else 0.
+
+Config groups (group=option), from {conf_dir()}; any field overrides too (spec.topk=2):
+{rows}
+
+Hydra's own help follows.
+"""

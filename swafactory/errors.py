@@ -42,7 +42,8 @@ class ConfigError(SwaFactoryError, ValueError):
     """A configuration swafactory refuses, with every reason at once.
 
     ``reasons`` lists them all; ``alternatives`` names backends that would work on this device;
-    ``suggestion`` is an override to type.
+    ``suggestion`` is overrides to type after the user's own. Both have passed `check` (on the
+    same device) together with those overrides before they are given.
     """
 
     def __init__(self, reasons: Iterable[Reason], *, combination: str | None = None,
@@ -69,7 +70,8 @@ class ConfigError(SwaFactoryError, ValueError):
             if self.alternatives:
                 lines.append(f"Backends that would work on this device: {', '.join(self.alternatives)}")
             else:
-                lines.append("No registered backend can serve this combination on this device.")
+                lines.append("No registered backend can serve this combination on this device"
+                             + (" as configured." if self.suggestion else "."))
         if self.suggestion:
             lines.append(f"Try: {self.suggestion}")
         return "\n".join(lines)

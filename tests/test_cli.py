@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 
 def test_plan_prints_gemma4_groups_and_writes_plan_json(cli, tmp_path) -> None:
     out = cli("backend=torch", "spec=eagle3", "model=gemma4", "run=plan")
@@ -56,3 +58,130 @@ def test_console_script_matches_python_m(tmp_path) -> None:
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "8×128" in out.stdout and (tmp_path / "plan.json").is_file()
+
+
+# ---------------------------------------------------------------- sweeps: every job runs
+SMALL = ("workload.num_requests=2", "workload.prompt_over_window=[4,12]", "workload.output_len=[2,4]")
+
+
+def _sweep(tmp_path, *overrides: str):
+    import os
+    import subprocess
+    import sys
+
+    sweep = tmp_path / "multirun"
+    out = subprocess.run([sys.executable, "-m", "swafactory", "-m", *overrides,
+                          f"hydra.sweep.dir={sweep}"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, env={**os.environ, "COLUMNS": "160"})
+    return out, sweep
+
+
+def _results(sweep):
+    from swafactory.harness.callback import JobResult
+
+    return {p.parent.name: JobResult.model_validate_json(p.read_text())
+            for p in sweep.glob("*/result.json")}
+
+
+def test_a_sizing_refusal_in_a_sweep_is_a_refused_row_and_the_sweep_goes_on(tmp_path) -> None:
+    out, sweep = _sweep(tmp_path, "backend=torch", "model=tiny", "spec=none",
+                        "workload.swa_full_tokens_ratio=0.01,auto", *SMALL)
+    assert out.returncode == 2, out.stderr[-3000:]  # the worst job was refused
+    assert "Traceback" not in out.stderr and "sweep: worst job refused, exit 2" in out.stderr
+    res = _results(sweep)
+    assert sorted(res) == ["0", "1"]  # both jobs ran
+    refused, ok = res["0"], res["1"]
+    assert "workload.swa_full_tokens_ratio=0.01" in refused.overrides and refused.status == "refused"
+    assert len(refused.reasons) == 1 and refused.reasons[0].startswith(
+        "- `workload.swa_full_tokens_ratio`: 0.01 gives each of 2 running requests")
+    assert ok.status == "ok" and ok.report.passed == ok.report.checks > 0
+    md = (sweep / "matrix.md").read_text()
+    assert "1 ok, 1 refused, 0 failed" in md
+    rows = [line for line in md.splitlines() if line.startswith("| torch ")]
+    assert len(rows) == 2
+    assert "**refused** | `workload.swa_full_tokens_ratio=0.01`<br>- `workload." in rows[0]
+    assert "**ok** | `workload.swa_full_tokens_ratio=auto`<br>" in rows[1]
+    # no terminal: the ok job printed progress lines, step N/M, the last one at the end
+    steps = [(int(n), int(m)) for n, m in re.findall(r"serving: step (\d+)/(\d+) ", out.stdout)]
+    assert steps[0] == (0, ok.report.steps) and steps[-1] == (ok.report.steps, ok.report.steps)
+
+
+@pytest.mark.parametrize("overrides,code,counts", [
+    (("run=plan", "backend=torch", "model=tiny,gpt_oss_20b"), 0, "2 ok, 0 refused, 0 failed"),
+    (("backend=torch", "model=tiny", "spec=none", "faults=window_off_by_one",
+      "workload.swa_full_tokens_ratio=0.01,auto", *SMALL), 1, "0 ok, 1 refused, 1 failed"),
+], ids=["all-ok", "failed-beats-refused"])
+def test_a_sweep_exits_with_its_worst_job(tmp_path, overrides, code, counts) -> None:
+    out, sweep = _sweep(tmp_path, *overrides)
+    assert out.returncode == code, out.stderr[-3000:]
+    assert counts in (sweep / "matrix.md").read_text()
+    assert len(_results(sweep)) == 2
+
+
+def test_a_sizing_refusal_in_a_single_run_exits_2(cli, tmp_path) -> None:
+    out = cli("backend=torch", "model=tiny", "spec=none", "workload.swa_full_tokens_ratio=0.01")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "- `workload.swa_full_tokens_ratio`: 0.01 gives each" in out.stderr
+    assert "Fix: workload.swa_full_tokens_ratio=auto" in out.stderr
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "refused"
+
+
+def _composed(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from swafactory.config.paths import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_a_capacity_refusal_before_the_first_forward_is_refused(tmp_path, monkeypatch) -> None:
+    from swafactory.cli import run_cli
+    from swafactory.errors import CapacityError
+    from swafactory.harness import run as run_module
+
+    def short(*a, **kw):
+        raise CapacityError("pool 'target.swa' is short: asked 40, 12 free")
+
+    monkeypatch.setattr(run_module, "build_parts", short)
+    cfg = _composed("backend=torch", "model=tiny", "spec=none")
+    with pytest.raises(CapacityError):  # a single run: raised, so __main__ exits 2
+        run_cli(cfg, tmp_path, overrides=["model=tiny"])
+    assert run_cli(cfg, tmp_path, overrides=["model=tiny"], sweep=True) == 0
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["status"] == "refused"
+    assert res["reasons"] == ["pool 'target.swa' is short: asked 40, 12 free"]
+
+
+def test_a_crash_in_a_sweep_job_leaves_a_failed_result(tmp_path, monkeypatch) -> None:
+    from swafactory.cli import run_cli
+    from swafactory.harness import run as run_module
+
+    def crash(*a, **kw):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(run_module, "run", crash)
+    with pytest.raises(KeyError):  # Hydra records the crash; the row says failed, with the error
+        run_cli(_composed("backend=torch", "model=tiny"), tmp_path, sweep=True)
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert (res["status"], res["error"]) == ("failed", "KeyError: 'boom'")
+
+
+def test_help_opens_with_what_it_does_exit_codes_and_groups(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from swafactory.config.paths import GROUPS, group_options
+
+    out = subprocess.run([sys.executable, "-m", "swafactory", "--help"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ours, _, hydra_help = out.stdout.partition("swafactory is powered by Hydra.")
+    assert hydra_help and "== Configuration groups ==" in hydra_help  # Hydra's own help follows
+    assert ours.startswith("swafactory: builds attention backends")
+    assert "Exit codes: 0 ok; 1 conformance failure" in ours and "2 configuration" in ours
+    assert "1 if any failed, else 2 if any was refused, else 0" in ours
+    listed = " ".join(ours.split())
+    for group in GROUPS:
+        assert f"{group}= {', '.join(group_options(group))}" in listed, group
+    assert f"+experiment= {', '.join(group_options('experiment'))}" in listed

@@ -225,6 +225,9 @@ class FaultsSpec(_Frozen):
     """Out-of-window SWA slots are never freed (sglang #33805)."""
     no_draft_headroom: bool = False
     """The own draft pool gets half the target's full capacity (sglang #17630)."""
+    leak_rejected_draft_slots: bool = False
+    """Rejected draft slots are freed in the full pool but not in the SWA pool (spec-decoding
+    leak; sglang's "SWA Pool Mem Leak", #27789)."""
 
     @property
     def active(self) -> list[str]:

@@ -3,7 +3,8 @@
 Hydra instantiates the callback from `hydra.callbacks.matrix._target_` in conf/config.yaml. The
 matrix is rebuilt after every job as well as at the end: Hydra's sweeper re-raises the first failed
 job's exception before `on_multirun_end`, and a remote launcher may never return, so the file
-should already be there when either happens.
+should already be there when either happens. At the end the callback also records the sweep's
+worst status (`sweep_status`), which `swafactory.__main__` turns into the exit code.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from swafactory.harness.report_model import Report
 
-__all__ = ["JobResult", "MatrixCallback", "build_matrix", "write_matrix", "RESULT_FILE", "MATRIX_FILE"]
+__all__ = ["JobResult", "MatrixCallback", "build_matrix", "write_matrix", "sweep_status",
+           "last_sweep_status", "SEVERITY", "RESULT_FILE", "MATRIX_FILE"]
 
 RESULT_FILE = "result.json"
 MATRIX_FILE = "matrix.md"
@@ -81,13 +83,27 @@ def _failed_details(res: JobResult) -> str:
     return "<br>".join(_cell(x) for x in lines)
 
 
-def _row(res: JobResult) -> str:
+def _key(res: JobResult) -> tuple[str, str, str, str]:
+    return res.backend, res.spec, res.model, res.workload
+
+
+def _distinct(res: JobResult, same: list[JobResult]) -> str:
+    """The overrides of ``res`` that not every job in ``same`` (its rows with the same backend,
+    spec, model and workload) shares: what tells those rows apart."""
+    own = [o for o in res.overrides if not all(o in r.overrides for r in same)]
+    return " ".join(f"`{o}`" for o in own)
+
+
+def _row(res: JobResult, same: list[JobResult] = ()) -> str:
     if res.status == "ok":
         details = _cell(_ok_details(res.report)) if res.report else "planned only (no report)"
     elif res.status == "refused":
         details = "<br>".join(_cell(x) for x in res.reasons)
     else:
         details = _failed_details(res)
+    apart = _distinct(res, same) if len(same) > 1 else ""
+    if apart:
+        details = _cell(apart) + "<br>" + details
     cells = [res.backend, res.spec, res.model, res.workload, f"**{res.status}**"]
     return "| " + " | ".join(_cell(c) for c in cells) + f" | {details} |"
 
@@ -102,8 +118,9 @@ def _job_dirs_without_result(sweep_dir: Path, with_result: set[Path]) -> list[tu
     return missing
 
 
-def build_matrix(sweep_dir: Path) -> str:
-    """The matrix.md text for every result.json under `sweep_dir`, sorted by backend, spec, model."""
+def _collect(sweep_dir: Path) -> tuple[list[JobResult], list[tuple[Path, str]], list[tuple[Path, str]]]:
+    """Every job's result (sorted by backend, spec, model), the unreadable result files and the
+    started jobs that wrote none."""
     results: list[JobResult] = []
     unreadable: list[tuple[Path, str]] = []
     seen: set[Path] = set()
@@ -114,7 +131,34 @@ def build_matrix(sweep_dir: Path) -> str:
         except (ValidationError, ValueError, OSError) as exc:
             first = str(exc).splitlines()
             unreadable.append((path, " ".join(first[:3])))
-    results.sort(key=lambda r: (r.backend, r.spec, r.model, r.workload))
+    results.sort(key=lambda r: (r.backend, r.spec, r.model, r.workload, r.overrides))
+    return results, unreadable, _job_dirs_without_result(sweep_dir, seen)
+
+
+SEVERITY = {"ok": 0, "refused": 1, "failed": 2}
+"""ok < refused < failed: a sweep is as bad as its worst job."""
+
+
+def sweep_status(sweep_dir: Path) -> Literal["ok", "refused", "failed"]:
+    """The worst status of the sweep's jobs; a job without a readable result counts as failed."""
+    results, unreadable, missing = _collect(sweep_dir)
+    if unreadable or missing:
+        return "failed"
+    return max((r.status for r in results), key=SEVERITY.__getitem__, default="ok")
+
+
+_last_status: list[str] = []
+
+
+def last_sweep_status() -> str | None:
+    """`sweep_status` of the last sweep this process ended (`MatrixCallback.on_multirun_end`);
+    None when none ended here. `swafactory.__main__` maps it to the exit code."""
+    return _last_status[-1] if _last_status else None
+
+
+def build_matrix(sweep_dir: Path) -> str:
+    """The matrix.md text for every result.json under `sweep_dir`, sorted by backend, spec, model."""
+    results, unreadable, missing = _collect(sweep_dir)
     counts = {s: sum(r.status == s for r in results) for s in ("ok", "refused", "failed")}
     out = [f"# swafactory sweep: {len(results)} combinations",
            "",
@@ -123,8 +167,7 @@ def build_matrix(sweep_dir: Path) -> str:
            "",
            "| backend | spec | model | workload | result | details |",
            "|---|---|---|---|---|---|",
-           *(_row(r) for r in results)]
-    missing = _job_dirs_without_result(sweep_dir, seen)
+           *(_row(r, [x for x in results if _key(x) == _key(r)]) for r in results)]
     if unreadable or missing:
         out += ["", "## Jobs without a readable result", ""]
         out += [f"- `{p.relative_to(sweep_dir)}`: {_cell(e)}" for p, e in unreadable]
@@ -158,4 +201,6 @@ class MatrixCallback(Callback):
             write_matrix(_sweep_dir(config))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        print(f"wrote {write_matrix(_sweep_dir(config))}")
+        sweep_dir = _sweep_dir(config)
+        print(f"wrote {write_matrix(sweep_dir)}")
+        _last_status.append(sweep_status(sweep_dir))

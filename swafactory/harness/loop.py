@@ -71,10 +71,13 @@ class Loop:
 
     def _alloc(self, r: Req, upto: int) -> None:
         need = upto - self.p.slots.reqs[r.rid].kv_len
-        if need > 0 and self.p.slots.extend(r.rid, need) is None:
-            raise CapacityError(f"request {r.rid}: the pools cannot give {need} more slots "
-                                f"({self.p.alloc.available_size()} free): out-of-window SWA "
-                                "slots were not freed, or the pools are too small")
+        if need <= 0:
+            return
+        try:
+            self.p.slots.extend(r.rid, need)
+        except CapacityError as exc:
+            raise CapacityError(f"{exc}: out-of-window SWA slots were not freed, rejected draft "
+                                "slots were not freed, or the pools are too small") from exc
 
     def _run(self, worker: Worker, mode: ForwardMode, reqs: list[ReqForward], check: bool) -> None:
         self.current = (worker.name, mode)
@@ -215,7 +218,7 @@ class Loop:
                           [self._rf(r, r.committed, hi, parents=parents[:hi], query_from=lo)
                            for r in reqs], True)
             for r in reqs:  # keep the verified subtree (BFS prefix), free the rest of the tree
-                self.p.slots.truncate(r.rid, r.committed + verify_n)
+                self._truncate(r, r.committed + verify_n)
             parents = parents[:verify_n]
         else:  # chains: eagle, nextn, standalone, frozen_kv_mtp
             parents, verify_n = None, s.num_draft_tokens
@@ -241,6 +244,11 @@ class Loop:
             r.fresh_eviction = False
             self.accepts.append(a)
 
+    def _truncate(self, r: Req, new_len: int) -> None:
+        """Free the rejected draft slots past ``new_len`` (the fault switch lives in RequestSlots)."""
+        self.p.slots.truncate(r.rid, new_len,
+                              leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots)
+
     def _commit(self, r: Req, path: list[int]) -> None:
         """Move the accepted path's KV to positions L.., then free everything after it."""
         L = r.committed
@@ -254,7 +262,7 @@ class Loop:
                 if pool is not None:
                     move_kv(pool, src, dst)
             self.p.hist_t[r.rid].reorder_tail(L, path)
-        self.p.slots.truncate(r.rid, L + len(path))
+        self._truncate(r, L + len(path))
         self.p.hist_t[r.rid].truncate(L + len(path))
         if r.rid in self.p.hist_d:  # the draft extend rewrites the accepted tokens' draft KV
             self.p.hist_d[r.rid].truncate(L)

@@ -1,4 +1,5 @@
-"""Showing a `Report`: the end-of-run summary, report.json + report.png, and the live progress bar.
+"""Showing a `Report`: the end-of-run summary, report.json + report.png, and the live progress
+(a bar on a terminal, plain lines in a log).
 
 Rendering only; the harness measures. matplotlib is optional (the `plot` extra): without it the run
 still writes report.json and warns that the picture was skipped.
@@ -9,15 +10,16 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from swafactory.harness.report_model import Report
+from swafactory.harness.report_model import Report, Tick
 
-__all__ = ["render_summary", "write_report", "progress", "RunProgress", "layer_ranges"]
+__all__ = ["render_summary", "write_report", "progress", "RunProgress", "LogProgress", "layer_ranges"]
 
 SWA_PRESSURE = 0.9
 """The pool use the workloads are sized to exceed; drawn as a line on the pool-use panel."""
@@ -62,6 +64,13 @@ def _mode_table(report: Report) -> Table:
     return t
 
 
+def _leaks(leaked: dict[str, int]) -> str:
+    if not leaked:  # the run stopped before every request finished: nothing to count
+        return "-"
+    bad = [f"{k} {v:,}" for k, v in leaked.items() if v]
+    return f"[red]{', '.join(bad)}[/]" if bad else f"none ({len(leaked)} pools and tables)"
+
+
 def _facts(report: Report) -> Table:
     """The run's figures, two key/value pairs per row."""
     saving = report.full_only_bytes / report.hybrid_bytes if report.hybrid_bytes else 0.0
@@ -73,11 +82,14 @@ def _facts(report: Report) -> Table:
         ("target pools", f"{_bytes(report.hybrid_bytes)} vs full-only "
                          f"{_bytes(report.full_only_bytes)} ({saving:.2f}× smaller)"),
         ("draft pool", _bytes(report.draft_pool_bytes) if report.draft_pool_bytes else "-"),
-        ("per step", f"attention {report.attention_ms_per_step:.2f} ms, "
-                     f"planning {report.planning_ms_per_step:.2f} ms"),
-        ("accept length", "-" if report.accept_len is None else f"{report.accept_len:.2f} tok/step"),
+        ("steady per step", f"attention {report.attention_ms_per_step:.2f} ms, "
+                            f"planning {report.planning_ms_per_step:.2f} ms"),
+        ("first use", f"{report.first_use_s:.2f} s in {len(report.first_use)} forwards"
+                      if report.first_use else "-"),
         ("layers attended", f"{layer_ranges(report.layers_attended)} "
                             f"({len(report.layers_attended)}; draft {report.draft_layers})"),
+        ("accept length", "-" if report.accept_len is None else f"{report.accept_len:.2f} tok/step"),
+        ("leaked", _leaks(report.leaked)),
         ("fault", report.fault or "none"),
         ("status", "[green]ok[/]" if report.status == "ok" else "[red b]failed[/]"),
     ]
@@ -119,9 +131,9 @@ def _plot(report: Report, path: Path) -> None:
 
     h = report.history
     steps = [r.step for r in h]
-    fig = Figure(figsize=(9, 8), layout="constrained")
+    fig = Figure(figsize=(9, 10), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_pool, ax_err, ax_acc = fig.subplots(3, 1, sharex=True)
+    ax_pool, ax_err, ax_acc, ax_ms = fig.subplots(4, 1, sharex=True)
     fig.suptitle(f"{report.combination} on {report.device}: {report.status}")
 
     ax_pool.plot(steps, [r.swa_use for r in h], label="SWA pool")
@@ -145,10 +157,26 @@ def _plot(report: Report, path: Path) -> None:
     else:
         ax_acc.text(0.5, 0.5, "no spec steps", ha="center", transform=ax_acc.transAxes)
     ax_acc.set_ylabel("accept length")
-    ax_acc.set_xlabel("step")
+
+    # steady steps only: one first-use step (a minute of JIT compiles) would flatten the rest
+    steady = [r for r in h if r.first_use_ms == 0]
+    if steady:
+        ax_ms.plot([r.step for r in steady], [r.attention_ms for r in steady], marker=".",
+                   linewidth=0.8, label="attention")
+        ax_ms.plot([r.step for r in steady], [r.planning_ms for r in steady], marker=".",
+                   linewidth=0.8, label="planning")
+    for r in h:
+        if r.first_use_ms > 0:
+            ax_ms.axvline(r.step, color="grey", linestyle=":", linewidth=1)
+    ax_ms.set_title(f"per step, steady state (dotted: a step with a first use; "
+                    f"{report.first_use_s:.2f} s in all)", fontsize="small", loc="left")
+    ax_ms.set_ylabel("ms")
+    ax_ms.set_xlabel("step")
+    if steady:
+        ax_ms.legend(loc="upper right", fontsize="small")
 
     if report.mismatch is not None:  # where it stopped, on every panel
-        for ax in (ax_pool, ax_err, ax_acc):
+        for ax in (ax_pool, ax_err, ax_acc, ax_ms):
             ax.axvline(report.mismatch.step, color="red", linewidth=1,
                        label="mismatch" if ax is ax_pool else None)
     ax_pool.legend(loc="lower right", fontsize="small")
@@ -172,26 +200,66 @@ def write_report(report: Report, out_dir: Path) -> list[Path]:
 
 
 class RunProgress:
-    """Handle yielded by `progress()`; the serving loop calls `update` once per step."""
+    """Handle yielded by `progress()` on a terminal: a rich bar; `run` calls `update` per `Tick`."""
 
     def __init__(self, bar: Progress, task: int) -> None:
         self._bar, self._task = bar, task
 
-    def update(self, finished: int, step: int, swa_use: float) -> None:
-        self._bar.update(self._task, completed=finished, step=step, swa=_pct(swa_use))
+    def update(self, t: Tick) -> None:
+        note = f" · compiling kernels: {t.compiling}" if t.compiling else ""
+        self._bar.update(self._task, total=t.requests, completed=t.finished, step=t.step,
+                         steps=t.est_steps, checks=f"{t.passed:,}/{t.checks:,}",
+                         swa=_pct(t.peak_swa_use), note=note)
+
+
+class LogProgress:
+    """Progress as plain lines, for a log or CI (no terminal): one line when a tenth of the
+    estimated steps has passed since the last one, or ``every_s`` seconds of run time, whichever
+    comes first; one when a first-use forward starts compiling (CUDA); one at the end. Lines are
+    written when a `Tick` comes (between steps), so one step longer than ``every_s`` delays the
+    next. Each line is flushed, so `> log` shows it while the run goes on."""
+
+    def __init__(self, file: TextIO, every_s: float = 10.0) -> None:
+        self.file, self.every_s = file, every_s
+        self._step: int | None = None
+        self._at = 0.0
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.file, flush=True)
+
+    def update(self, t: Tick) -> None:
+        head = f"serving: step {t.step}/{t.est_steps}"
+        if t.compiling:
+            self._print(f"{head} · compiling kernels: first use of {t.compiling} (its time is "
+                        "reported apart, as first use, not in the per-step times)")
+            return
+        tenth = max(1, -(-t.est_steps // 10))
+        due = (self._step is None or t.step - self._step >= tenth
+               or t.elapsed_s - self._at >= self.every_s or t.finished == t.requests)
+        if not due:
+            return
+        note = f" ({t.est_steps} steps estimated from the workload)" if self._step is None else ""
+        self._step, self._at = t.step, t.elapsed_s
+        self._print(f"{head}{note} · {t.finished}/{t.requests} requests done · "
+                    f"{t.passed:,}/{t.checks:,} checks passed · peak pool use SWA "
+                    f"{_pct(t.peak_swa_use)}, full {_pct(t.peak_full_use)} · {t.elapsed_s:.0f} s")
 
 
 @contextmanager
-def progress(total_requests: int, console: Console, *, transient: bool = True) -> Iterator[RunProgress]:
-    """A rich progress bar of finished requests, with the step and SWA pool use beside it.
-
-    Off when the console is not a terminal (logs, pytest, Hydra multirun jobs), so no control
-    codes land in files; `update` still works then.
-    """
+def progress(console: Console, *, transient: bool = True,
+             every_s: float = 10.0) -> Iterator[RunProgress | LogProgress]:
+    """The run's progress: on a terminal a rich bar of finished requests with the step, the
+    checks and the SWA pool's peak use beside it; elsewhere (logs, CI, Hydra multirun jobs)
+    `LogProgress` lines, which carry no control codes."""
+    if not console.is_terminal:
+        yield LogProgress(console.file, every_s)
+        return
     bar = Progress(TextColumn("[b]serving"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("requests · step {task.fields[step]} · SWA {task.fields[swa]}"),
-                   TimeElapsedColumn(), console=console, transient=transient,
-                   disable=not console.is_terminal)
-    task = bar.add_task("serving", total=total_requests, step=0, swa=_pct(0.0))
+                   TextColumn("requests · step {task.fields[step]}/{task.fields[steps]} · checks "
+                              "{task.fields[checks]} · SWA peak {task.fields[swa]}"
+                              "{task.fields[note]}"),
+                   TimeElapsedColumn(), console=console, transient=transient)
+    task = bar.add_task("serving", total=None, step=0, steps="?", checks="0/0", swa=_pct(0.0),
+                        note="")
     with bar:
         yield RunProgress(bar, task)

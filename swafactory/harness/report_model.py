@@ -1,11 +1,13 @@
-"""What a conformance run measured: `Report`, validated by pydantic and written as report.json."""
+"""What a conformance run measured: `Report`, validated by pydantic and written as report.json,
+and `Tick`, what a running job has done so far (for the progress output)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["ModeStats", "StepRecord", "Mismatch", "Report"]
+__all__ = ["ModeStats", "StepRecord", "Mismatch", "Report", "Tick"]
 
 
 class _Model(BaseModel):
@@ -49,6 +51,14 @@ class StepRecord(_Model):
     """Mean accepted tokens per request in a spec step (None otherwise)."""
     evicted: int = 0
     """SWA positions evicted in the step."""
+    attention_ms: float = 0.0
+    """Attention time of the step's forwards that were not a first use (all workers; CUDA events
+    on a GPU, the host clock on CPU)."""
+    planning_ms: float = 0.0
+    """Metadata planning time (host clock) of the step's forwards that were not a first use."""
+    first_use_ms: float = 0.0
+    """Planning + attention (+ all-gather) time of the step's first-use forwards (`Report.first_use`);
+    a step with any is left out of the steady-state per-step figures."""
 
 
 class Mismatch(_Model):
@@ -62,8 +72,9 @@ class Mismatch(_Model):
     request: str
     error: str
     check: str
-    """Which check caught it: `oracle`, `nan`, `space` (typed index spaces), `capacity`, or
-    `kernel` (a kernel raised)."""
+    """Which check caught it: `oracle`, `nan`, `space` (typed index spaces), `capacity`, `kernel`
+    (a kernel raised), or `leak` (every request finished, yet a pool or `ReqToToken` is not back to
+    its capacity; `Report.leaked` has the counts)."""
 
 
 class Report(_Model):
@@ -102,7 +113,20 @@ class Report(_Model):
     accept_len: float | None = None
     """Mean accepted tokens per request per spec step (the bonus token included)."""
     attention_ms_per_step: float
+    """Steady-state attention time per step (ms): the mean over the steps in which no forward was
+    a first use (`first_use_s`). Every step, first uses subtracted, when no step was steady."""
     planning_ms_per_step: float
+    """Steady-state metadata planning time per step (ms), over the same steps."""
+    first_use_s: float = 0.0
+    """Seconds spent in first-use forwards, kept out of the per-step figures: the planning,
+    attention and (tp > 1) all-gather time of the first forward of each (worker, mode) run eagerly
+    and of each CUDA-graph bucket's first forward (warm-up + capture). JIT compiles (FlashInfer,
+    Triton), autotuning, lazy workspace allocation and NCCL set-up land here. Host clock for
+    planning, CUDA events (which span a host-side compile) or the host clock for attention."""
+    first_use: dict[str, float] = Field(default_factory=dict)
+    """`first_use_s` by forward: `worker/mode` (eager) or `worker/mode graph bs=N` → seconds."""
+    steady_steps: int = 0
+    """Steps the steady-state per-step figures average over."""
     tokens_per_s: float
     """Tokens committed per second of wall time (oracle checks included)."""
     wall_s: float
@@ -115,5 +139,34 @@ class Report(_Model):
     """Attention time per step on each rank (tp > 1)."""
     gather_ms_per_step: float = 0.0
     """All-gather time per step on rank 0 (tp > 1)."""
+    leaked: dict[str, int] = Field(default_factory=dict)
+    """Slots, per pool (`target.full`, `target.swa`, `draft.full`, …; rows for `req_to_token`,
+    slots both free and mapped for `free_and_mapped`) that no request held once every request had
+    finished (`swafactory.harness.leaks.leaked`). Any value > 0 fails the run with the `leak` check.
+    Empty when the run stopped before every request finished."""
     history: list[StepRecord] = Field(default_factory=list)
     mismatch: Mismatch | None = None
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What a running conformance job has done so far, sent to `run(on_progress=…)` after every
+    step, and before a first-use forward (``compiling`` set: on CUDA its kernels compile then)."""
+
+    step: int
+    """Scheduler steps done."""
+    est_steps: int
+    """Total steps: estimated (`swafactory.harness.estimate.estimate_steps`, raised to ``step``
+    when the run goes past it) until every request has finished, then the real count."""
+    finished: int
+    """Requests finished."""
+    requests: int
+    checks: int
+    """Oracle checks so far."""
+    passed: int
+    peak_swa_use: float
+    """Peak used / total SWA slots so far (the full pool for an unsplit model)."""
+    peak_full_use: float
+    elapsed_s: float
+    compiling: str | None = None
+    """`worker/mode` whose first forward is about to run (CUDA only; None on a step's tick)."""

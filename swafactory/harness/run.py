@@ -9,9 +9,11 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import CapacityError, SpaceError
+from swafactory.harness import leaks
+from swafactory.harness.estimate import estimate_steps
 from swafactory.harness.loop import Loop, Mismatched
-from swafactory.harness.report_model import Mismatch, ModeStats, Report, StepRecord
-from swafactory.harness.setup import Parts, build_parts
+from swafactory.harness.report_model import Mismatch, ModeStats, Report, StepRecord, Tick
+from swafactory.harness.setup import Parts, build_parts, pool_sizes
 from swafactory.harness.workers import Check, Worker
 from swafactory.registry.device import DeviceInfo, detect_device
 from swafactory.registry.select import validate
@@ -27,17 +29,23 @@ def tolerance_for(cfg: SwaFactoryConfig) -> float:
 
 
 def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
-        on_step: Callable[[int, int, float], None] | None = None) -> Report:
+        on_progress: Callable[[Tick], None] | None = None) -> Report:
     """Serve ``cfg.workload`` through real pools and the built backends, checking attention
-    outputs against the fp32 oracle. Raises ConfigError when refused; a mismatch or a caught
-    fault returns a Report with ``status="failed"``. ``on_step(finished, step, swa_use)``."""
+    outputs against the fp32 oracle; ``on_progress`` gets a `Tick` after every step (and, on
+    CUDA, before each first-use forward, while its kernels compile).
+
+    Raises ConfigError or CapacityError when refused: the config or the pool sizing, or a pool
+    that is too small before the first forward ran. A mismatch, a caught fault, a pool that runs
+    out later or a leak at the end returns a Report with ``status="failed"``."""
     dev = device or detect_device(cfg.workload.device)
     cfg = validate(cfg, dev)
+    _, prompts, outs = _draws(cfg)
+    pool_sizes(cfg, prompts, outs)  # a sizing refusal raises here, before any rank is spawned
     if cfg.parallel.tp > 1:
         from swafactory.parallel import launch
 
         return launch(cfg, dev.kind)
-    return _run_local(cfg, dev, on_step, None)
+    return _run_local(cfg, dev, on_progress, None)
 
 
 def run_rank(cfg: SwaFactoryConfig, shard) -> Report:
@@ -49,14 +57,43 @@ def run_rank(cfg: SwaFactoryConfig, shard) -> Report:
     return _run_local(cfg, dev, None, shard)
 
 
-def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
-               on_step: Callable[[int, int, float], None] | None, shard) -> Report:
-    w, m = cfg.workload, cfg.model
+def _draws(cfg: SwaFactoryConfig) -> tuple[random.Random, list[int], list[int]]:
+    """The run's seeded prompt and output lengths, and the rng the loop goes on with."""
+    w, W = cfg.workload, cfg.model.sliding_window or 0
     rng = random.Random(w.seed)
-    gen = torch.Generator().manual_seed(w.seed)
-    W = m.sliding_window or 0
     prompts = [W + rng.randint(*w.prompt_over_window) for _ in range(w.num_requests)]
     outs = [rng.randint(*w.output_len) for _ in range(w.num_requests)]
+    return rng, prompts, outs
+
+
+class _Clock:
+    """The workers' steady-state and first-use seconds, read before and after each step."""
+
+    def __init__(self) -> None:
+        self.steady: list[tuple[float, float, float]] = []  # (attn, plan, gather) s, steady steps
+
+    @staticmethod
+    def read(workers) -> tuple[float, float, float, float, int]:
+        return (sum(x.attn_s for x in workers), sum(x.plan_s for x in workers),
+                sum(x.gather_s for x in workers),
+                sum(sum(x.first_use.values()) for x in workers),
+                sum(len(x.first_use) for x in workers))
+
+    def per_step_ms(self, workers, steps: int) -> tuple[float, float, float]:
+        """Mean attention, planning and gather ms over the steady steps (no first use in them);
+        when there is none, every step's steady-state seconds over all steps."""
+        if self.steady:
+            n = len(self.steady)
+            return tuple(1000 * sum(x[i] for x in self.steady) / n for i in range(3))
+        a, p, g, _, _ = self.read(workers)
+        return 1000 * a / steps, 1000 * p / steps, 1000 * g / steps
+
+
+def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
+               on_progress: Callable[[Tick], None] | None, shard) -> Report:
+    w = cfg.workload
+    rng, prompts, outs = _draws(cfg)
+    gen = torch.Generator().manual_seed(w.seed)
     torch_dev = "cuda" if dev.kind == "cuda" else "cpu"
     t0 = time.perf_counter()
     stats: dict[tuple[str, str], ModeStats] = {}
@@ -78,20 +115,46 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
     history: list[StepRecord] = []
     mismatch = None
     loop = None
+    clock = _Clock()
+    peak = [0.0, 0.0]  # SWA, full
+
+    def tick(compiling: str | None = None) -> None:
+        if on_progress is None:
+            return
+        step = loop.step
+        total = step if loop.finished() else max(est, step)  # at the end: the real count
+        on_progress(Tick(step=step, est_steps=total, finished=len(loop.done),
+                         requests=w.num_requests, checks=sum(s.checks for s in stats.values()),
+                         passed=sum(s.passed for s in stats.values()), peak_swa_use=peak[0],
+                         peak_full_use=peak[1], elapsed_s=time.perf_counter() - t0,
+                         compiling=compiling))
+
     try:
         parts = build_parts(cfg, prompts, outs, torch_dev, gen, shard)
+        est = estimate_steps(cfg, prompts, outs, parts.sizes.swa_pages_per_req * cfg.backend.page_size)
+        workers = [x for x in (parts.target, parts.draft) if x is not None]
+        if dev.kind == "cuda":  # a first use compiles (JIT) there: say so before it starts
+            for x in workers:
+                x.on_first_use = tick
         loop = Loop(parts, prompts, outs, tolerance=tol, rng=rng, on_forward=on_forward)
+        tick()
         while not loop.finished():
             step_err[0] = 0.0
             n_acc = len(loop.accepts)
+            before = clock.read(workers)
             kind = loop.step_once()
+            after = clock.read(workers)
+            d = [b - a for a, b in zip(before, after)]
+            if not d[4]:
+                clock.steady.append((d[0], d[1], d[2]))
             acc = loop.accepts[n_acc:]
             history.append(StepRecord(
                 step=loop.step, kind=kind, running=len(loop.running), swa_use=loop.swa_use,
                 full_use=loop.full_use, max_rel_err=step_err[0],
-                accept_len=sum(acc) / len(acc) if acc else None, evicted=loop.step_evicted))
-            if on_step:
-                on_step(len(loop.done), loop.step, history[-1].swa_use)
+                accept_len=sum(acc) / len(acc) if acc else None, evicted=loop.step_evicted,
+                attention_ms=1000 * d[0], planning_ms=1000 * d[1], first_use_ms=1000 * d[3]))
+            peak[0], peak[1] = max(peak[0], loop.swa_use), max(peak[1], loop.full_use)
+            tick()
     except Mismatched as exc:
         c = exc.check
         kind = "nan" if torch.isnan(c.out).any() else "oracle"
@@ -101,6 +164,8 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
                                   + (" (NaN: a poisoned, freed or dummy slot was read)"
                                      if kind == "nan" else ""), check=kind)
     except (SpaceError, CapacityError, RuntimeError) as exc:
+        if isinstance(exc, CapacityError) and (loop is None or loop.current == ("-", "setup")):
+            raise  # no forward ran: the pools cannot hold this workload, a refusal
         # a typed-space refusal, a pool that ran out, or a kernel that raised: the run stops here
         worker, mode = loop.current if loop else ("-", "setup")
         check = ("space" if isinstance(exc, SpaceError) else
@@ -108,21 +173,25 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
         mismatch = Mismatch(step=loop.step if loop else 0, worker=worker, mode=mode, layer=-1,
                             group="-", request="-", error=f"{type(exc).__name__}: {exc}",
                             check=check)
+    books: dict[str, int] = {}
+    if mismatch is None:  # every request finished: every slot and row must be back
+        books = leaks.leaked(parts)
+        if any(v > 0 for v in books.values()):
+            mismatch = Mismatch(step=loop.step, worker="-", mode="end of run", layer=-1, group="-",
+                                request="-", error=leaks.leak_message(books), check="leak")
     wall = time.perf_counter() - t0
-    report = _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall)
+    report = _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, books)
     if shard is not None:
-        report = _with_ranks(report, parts, loop)
+        report = _with_ranks(report, parts, loop, clock)
     return report
 
 
-def _with_ranks(report: Report, parts, loop) -> Report:
-    """Add every rank's attention time and this rank's all-gather cost (per step)."""
+def _with_ranks(report: Report, parts, loop, clock: _Clock) -> Report:
+    """Add every rank's steady-state attention time and this rank's all-gather cost (per step)."""
     import torch.distributed as dist
 
     workers = [x for x in (parts.target, parts.draft) if x is not None] if parts else []
-    steps = max(1, loop.step if loop else 1)
-    mine = 1000 * sum(x.attn_s for x in workers) / steps
-    gather = 1000 * sum(x.gather_s for x in workers) / steps
+    mine, _, gather = clock.per_step_ms(workers, max(1, loop.step if loop else 1))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return report.model_copy(update={"tp": dist.get_world_size(), "rank_attention_ms": every,
@@ -138,14 +207,14 @@ def _graph_use(workers) -> str:
             f"({', '.join(f'{m}×{t}' for x in workers for m, t in x.graphs)})")
 
 
-def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall) -> Report:
+def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, books) -> Report:
     s, b, m = cfg.spec, cfg.backend, cfg.model
     checks = sum(st.checks for st in stats.values())
     passed = sum(st.passed for st in stats.values())
     steps = max(1, loop.step if loop else 1)
     workers = [x for x in (parts.target, parts.draft) if x is not None] if parts else []
-    attn = sum(x.attn_s for x in workers)
-    plan = sum(x.plan_s for x in workers)
+    attn, plan, _ = clock.per_step_ms(workers, steps)
+    first_use = {f"{x.name}/{v}": sec for x in workers for v, sec in x.first_use.items()}
     tokens = sum(r.committed for r in (loop.done + loop.running)) if loop else 0
     pool_bytes = sum(sp.bytes for sp in parts.pool.sub_pools) if parts else 0
     full_only = 0
@@ -185,7 +254,8 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall) -> Repor
         draft_pool_bytes=sum(sp.bytes for sp in parts.draft_pool.sub_pools)
         if parts and parts.draft_pool is not None else 0,
         accept_len=(sum(loop.accepts) / len(loop.accepts)) if loop and loop.accepts else None,
-        attention_ms_per_step=1000 * attn / steps, planning_ms_per_step=1000 * plan / steps,
+        attention_ms_per_step=attn, planning_ms_per_step=plan,
+        first_use_s=sum(first_use.values()), first_use=first_use, steady_steps=len(clock.steady),
         tokens_per_s=tokens / wall if wall else 0.0, wall_s=wall,
         peak_device_bytes=torch.cuda.max_memory_allocated() if dev.kind == "cuda" else None,
-        history=history, mismatch=mismatch)
+        leaked=books, history=history, mismatch=mismatch)

@@ -1,20 +1,21 @@
 """Build a conformance run's parts from a validated config: pool sizes, pools, draft, workers."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from swafactory.backend import build_backend, model_windows
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.errors import CapacityError, ConfigError, Reason
+from swafactory.errors import CapacityError
 from swafactory.harness.workers import LayerSpec, Worker
 from swafactory.harness.world import target_layer_specs
 from swafactory.kvcache.draft import build_draft_pool, frozen_draft_view, own_draft_pool
 from swafactory.kvcache.factory import build_pools, torch_dtype
 from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
+from swafactory.kvcache.shares import size_pools
+from swafactory.kvcache.sizing import step_nodes
 from swafactory.layout import frozen_draft_binding
 from swafactory.metadata.plan import group_key
 from swafactory.parallel import Shard, shard_config
@@ -24,12 +25,7 @@ __all__ = ["Sizes", "pool_sizes", "draft_nodes", "Parts", "build_parts", "DraftV
 
 def draft_nodes(cfg: SwaFactoryConfig) -> int:
     """Slots one request takes beyond its committed tokens in one decode or spec step."""
-    s = cfg.spec
-    if s.algorithm == "none":
-        return 1
-    if s.is_tree:
-        return 1 + s.topk * s.num_steps  # the whole drafted tree, root included
-    return s.num_draft_tokens
+    return step_nodes(cfg.spec)
 
 
 @dataclass(frozen=True)
@@ -44,28 +40,17 @@ class Sizes:
 
 
 def pool_sizes(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> Sizes:
-    """Full space: every running request's whole context. SWA: `auto` gives each running request
-    just its window + one step's nodes + eviction lag + page slack, so use peaks above 90%."""
-    w, m, P = cfg.workload, cfg.model, cfg.backend.page_size
-    R, T, I = w.max_running_requests, draft_nodes(cfg), w.eviction_interval
-    ctx = max(p + o for p, o in zip(prompts, outs)) + T
-    full_pages = math.ceil(ctx / P) + 2
-    full = R * full_pages * P
-    W = m.sliding_window or 0
-    # one step's nodes, eviction lag, page slack, and a little prefill headroom (≤ 1/16 of the
-    # window: steady decode still fills the share above 90%)
-    need = math.ceil((W + T + I + P + 1 + (W + T) // 16) / P) + 1
-    if w.swa_full_tokens_ratio == "auto":
-        swa_pages = need
-    else:
-        swa_pages = int(full * float(w.swa_full_tokens_ratio)) // P // R
-        if swa_pages < need:
-            raise ConfigError([Reason(
-                "workload", "workload.swa_full_tokens_ratio",
-                f"{w.swa_full_tokens_ratio} gives each of {R} running requests {swa_pages * P} SWA "
-                f"slots, but one needs W + step nodes + eviction lag + page = {need * P}",
-                "workload.swa_full_tokens_ratio=auto", rule="sizing")])
-    return Sizes(full, R * swa_pages * P, full_pages, swa_pages, full_pages * P)
+    """The public `swafactory.kvcache.size_pools`, sized tight so SWA use peaks above 90%: its
+    prefill chunk is one step's nodes plus 1/16 of the window (`Loop._prefill` clamps chunks to
+    the SWA share), and two spare pages widen each request's full share. Raises `ConfigError`
+    when ``workload.swa_full_tokens_ratio`` leaves a request less than its SWA need."""
+    m, P = cfg.model, cfg.backend.page_size
+    T, W = draft_nodes(cfg), m.sliding_window or 0
+    longest = max(p + o for p, o in zip(prompts, outs))
+    s = size_pools(cfg, cfg.workload.max_running_requests, longest + 2 * P,
+                   chunk=T + (W + T) // 16)
+    return Sizes(s.full, s.swa, s.full_per_request // P, s.swa_per_request // P,
+                 s.full_per_request)
 
 
 class DraftView:
@@ -144,6 +129,8 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
         types = ["full_attention"] * s.draft_num_layers
         if dpool.is_split:
             types = list(m.layer_types[-s.draft_num_layers:])
+        # the oracle's windows, stated from the pool built; the backend derives its own
+        # (swafactory.backend.runner_windows): the harness takes the embedder's default path
         windows = {j: (m.sliding_window if t == "sliding_attention" else None)
                    for j, t in enumerate(types)}
         dspecs = {}
@@ -152,7 +139,7 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
             dspecs[j] = LayerSpec(windows[j], m.num_attention_heads, geo.num_kv_heads, geo.head_dim,
                                   m.softmax_scale or geo.head_dim ** -0.5, m.logit_softcap, j)
         parts.draft_pool, parts.draft_view = dpool, view
-        parts.draft = Worker("draft", build_backend(scfg, view=view, windows=windows), dspecs,
+        parts.draft = Worker("draft", build_backend(scfg, view=view), dspecs,
                              parts.hist_d, writes=True, q_dtype=q_dtype, device=device, gen=gen,
                              sinks={}, shard=shard)
     elif s.draft_kv == "target_pool":
@@ -162,11 +149,10 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
         dummy = own_draft_pool(sizes.full, cfg.backend.page_size, len(binding), geo.num_kv_heads,
                                geo.head_dim, torch_dtype(kv), device, check_mode=True)
         view = DraftView(dummy, pool, "draft_reads_target", s.algorithm)
-        windows = {j: model_windows(cfg)[t] for j, t in enumerate(binding)}
         dspecs = {j: specs[t] for j, t in enumerate(binding)}
         parts.dummy_pool, parts.draft_view = dummy, view
         parts.frozen_view = frozen_draft_view(pool, binding)
-        parts.draft = Worker("draft", build_backend(scfg, view=view, windows=windows), dspecs,
+        parts.draft = Worker("draft", build_backend(scfg, view=view), dspecs,
                              parts.hist_t, writes=False, q_dtype=q_dtype, device=device, gen=gen,
                              sinks={j: sinks[t] for j, t in enumerate(binding) if t in sinks},
                              shard=shard)

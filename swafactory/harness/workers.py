@@ -6,7 +6,7 @@ Q, K and V are seeded random tensors: no model weights are needed.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +92,11 @@ class Worker:
         self.device, self.gen = device, gen
         self.sinks = {layer: s.to(device) for layer, s in sinks.items()}  # moved once, not per layer
         self.shard = shard  # a swafactory.parallel.Shard: this rank's heads (None = all heads)
+        # steady-state seconds; a variant's first forward (JIT compiles, graph capture, NCCL
+        # set-up) goes to `first_use` instead, `on_first_use(label)` announcing it beforehand
         self.plan_s = self.attn_s = self.gather_s = 0.0
+        self.first_use: dict[str, float] = {}  # "mode" or "mode graph bs=N q=T" → seconds
+        self.on_first_use: Callable[[str], None] | None = None
         # inputs, histories and the oracle live on the run's device: on a GPU, drawing and
         # checking on the host would cost more than the attention being checked
         self.draw_gen = gen if device == "cpu" else torch.Generator(device).manual_seed(
@@ -111,9 +115,14 @@ class Worker:
                 h.pos.extend(r.node_positions()[r.query_from:].tolist())
         batch = ForwardBatch.of(mode, reqs, req_to_token, full_id)
         graphed = self._graphed(batch)
+        variant = mode if graphed is None else \
+            f"{mode} graph bs={graphed.bucket(batch.batch_size)} q={graphed.tokens}"
+        first = variant not in self.first_use
+        if first and self.on_first_use is not None:
+            self.on_first_use(f"{self.name}/{variant}")
         t0 = time.perf_counter()
         plan = None if graphed is not None else self.backend.init_forward_metadata(batch)
-        self.plan_s += time.perf_counter() - t0
+        plan_s, gather_s = time.perf_counter() - t0, 0.0
         oracle = ForwardOracle(reqs, self.hist, self.device) if check else None
         # a long forward (a prefill chunk) is checked layer by layer and keeps nothing; a short
         # one (decode, verify, draft steps: most forwards) keeps its outputs and syncs once
@@ -141,7 +150,7 @@ class Worker:
             if self.shard is not None:
                 t0 = time.perf_counter()
                 out = _all_gather_heads(out)
-                self.gather_s += time.perf_counter() - t0
+                gather_s += time.perf_counter() - t0
             if self.writes:
                 self._record(reqs, spec.history_layer, *self._full[layer][1:])
             if check:
@@ -156,7 +165,13 @@ class Worker:
         pending = [e for e in errs.values() if torch.is_tensor(e)]
         values = iter(torch.stack(pending).tolist() if pending else [])
         errs = {layer: next(values) if torch.is_tensor(e) else e for layer, e in errs.items()}
-        self.attn_s += timer.seconds()
+        attn_s = timer.seconds()
+        if first:
+            self.first_use[variant] = plan_s + attn_s + gather_s
+        else:
+            self.plan_s += plan_s
+            self.attn_s += attn_s
+            self.gather_s += gather_s
         if not check:
             return []
         rows = {r.rid: slice(o, o + r.q_len) for r, o in zip(reqs, oracle.row0)}

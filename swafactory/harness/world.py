@@ -68,8 +68,8 @@ class World:
         """Allocate the nodes not yet allocated, run ``layers`` and return their checks."""
         for r in reqs:
             need = r.prefix_len + r.nodes - self.kv_len(r.rid)
-            if need > 0 and self.slots.extend(r.rid, need) is None:
-                raise RuntimeError(f"pools are full: request {r.rid!r} needs {need} slots")
+            if need > 0:  # raises CapacityError (pool, ask, free) when the pools are full
+                self.slots.extend(r.rid, need)
         worker = Worker("target", self.backend, {i: self.specs[i] for i in layers}, self.hist,
                         writes=True, q_dtype=self.q_dtype, device=self.device, gen=self.gen,
                         sinks=self.sinks)

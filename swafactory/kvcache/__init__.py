@@ -1,6 +1,7 @@
 """KV-cache parts: pools, allocators, typed index spaces and translation, draft pools, sizing.
 
-`sizing` imports without torch (the CLI's plan uses it); everything else is loaded on first
+`sizing` and `shares` (`size_pools`: pool sizes for N requests × context × chunk) import
+without torch (the CLI's plan uses them); everything else is loaded on first
 access, so ``import swafactory.kvcache`` stays light.
 """
 from __future__ import annotations
@@ -9,11 +10,13 @@ import importlib
 from typing import Any
 
 from swafactory.errors import CapacityError
+from swafactory.kvcache.shares import PoolSizes, size_pools
 from swafactory.kvcache.sizing import (BudgetSizing, GroupBytes, PoolSizing, build_pools,
-                                       pool_sizing, size_from_budget, swa_tokens_per_request)
+                                       full_tokens_per_request, pool_sizing, size_from_budget,
+                                       step_nodes, swa_tokens_per_request)
 
 _LAZY = {
-    "Locs": "locs", "SlotMapping": "locs", "translate": "locs", "translate_pages": "locs",
+    "Locs": "locs", "SlotMapping": "locs", "translate": "locs",
     "KVPool": "pool", "HybridSWAPool": "pool", "ReqToToken": "pool",
     "layers_mapping_for": "pool",
     "TokenAllocator": "allocator", "SWAAllocator": "allocator",
@@ -23,7 +26,8 @@ _LAZY = {
 }
 
 __all__ = ["CapacityError", "BudgetSizing", "GroupBytes", "PoolSizing", "build_pools",
-           "pool_sizing", "size_from_budget", "swa_tokens_per_request", *_LAZY]
+           "pool_sizing", "size_from_budget", "swa_tokens_per_request", "full_tokens_per_request",
+           "step_nodes", "PoolSizes", "size_pools", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,7 @@ for every model at one int64 per full slot, and works with any page size.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -62,15 +63,9 @@ class _PagedSlots:
         pages = torch.unique(slots[slots > 0] // self.page_size)
         self.free_pages(pages)
 
-    def alloc_extend(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
-                     ) -> torch.Tensor | None:
-        """New slots for a batch of requests, each continuing its own last page.
-
-        ``last_loc``: ``[bs]`` int64, the full slot of each request's last token (``<= 0``: the
-        request has none, start a fresh page). ``extend_lens``: ``[bs]`` new tokens per request.
-        Returns ``[sum(extend_lens)]`` int64 slots, request-major; or None (nothing allocated)
-        when the pool lacks the pages.
-        """
+    def _extend_plan(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
+                     ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Per request: last slot, new tokens, slots taken from its last page, new pages."""
         P = self.page_size
         lasts = [int(x) for x in last_loc.reshape(-1).tolist()]
         lens = [int(x) for x in (extend_lens.tolist() if torch.is_tensor(extend_lens)
@@ -81,6 +76,23 @@ class _PagedSlots:
         # Slots left in each request's last page, then whole new pages for the rest.
         take = [min(P - 1 - last % P, n) if last > 0 else 0 for last, n in zip(lasts, lens)]
         need = [math.ceil((n - t) / P) for n, t in zip(lens, take)]
+        return lasts, lens, take, need
+
+    def pages_needed(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]) -> int:
+        """New pages `alloc_extend` would take for the same arguments."""
+        return sum(self._extend_plan(last_loc, extend_lens)[3])
+
+    def alloc_extend(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
+                     ) -> torch.Tensor | None:
+        """New slots for a batch of requests, each continuing its own last page.
+
+        ``last_loc``: ``[bs]`` int64, the full slot of each request's last token (``<= 0``: the
+        request has none, start a fresh page). ``extend_lens``: ``[bs]`` new tokens per request.
+        Returns ``[sum(extend_lens)]`` int64 slots, request-major; or None (nothing allocated)
+        when the pool lacks the pages.
+        """
+        P = self.page_size
+        lasts, lens, take, need = self._extend_plan(last_loc, extend_lens)
         total = sum(need)
         if total > self.available_pages():
             return None
@@ -171,6 +183,29 @@ class TokenAllocator(_PagedSlots):
         """Page ids currently handed out, ``[k]`` int64 (for checks and reports)."""
         return torch.nonzero(self._owned).reshape(-1)
 
+    def free_by_space(self) -> dict[str, int]:
+        """Free slots per index space (``{space_id: n}``), for error messages."""
+        return {self.space_id: self.available_size()}
+
+    def leaked(self, held: Mapping[str, torch.Tensor] | None = None) -> dict[str, int]:
+        """``{space_id: slots}`` off the free list that no live request accounts for.
+
+        ``held``: space id → ``[k]`` int64 page ids live requests still hold (`RequestSlots.
+        held_pages`); none once every request has finished, when the allocator must be back to
+        its whole capacity. 0 = no leak.
+        """
+        pages = (held or {}).get(self.space_id)
+        kept = 0
+        if pages is not None and pages.numel():
+            pages = torch.unique(pages.reshape(-1).to(self.device, torch.int64))
+            pages = pages[(pages >= 1) & (pages <= self.num_pages)]
+            kept = int(self._owned[pages].sum())
+        return {self.space_id: (self.num_pages - self._free.numel() - kept) * self.page_size}
+
+    def free_and_mapped(self) -> int:
+        """One index space has no full→SWA mapping: nothing can be free yet mapped."""
+        return 0
+
     def alloc_pages(self, n: int) -> torch.Tensor | None:
         """``n`` page ids (``[n]`` int64) or None when fewer are free."""
         if n < 0:
@@ -254,6 +289,32 @@ class SWAAllocator(_PagedSlots):
 
     def available_pages(self) -> int:
         return min(self.full.available_pages(), self.swa.available_pages())
+
+    def free_by_space(self) -> dict[str, int]:
+        """Free slots per index space (``{full_id: n, swa_id: m}``), for error messages."""
+        return {**self.full.free_by_space(), **self.swa.free_by_space()}
+
+    def leaked(self, held: Mapping[str, torch.Tensor] | None = None) -> dict[str, int]:
+        """`TokenAllocator.leaked` of the full and the SWA space."""
+        return {**self.full.leaked(held), **self.swa.leaked(held)}
+
+    def free_and_mapped(self) -> int:
+        """Slots that are free yet linked by the full→SWA mapping; 0 when the books are clean.
+
+        Counts free full slots whose mapping entry is non-zero (a free that skipped `free_swa`),
+        plus free SWA slots that some full slot still maps to (a mapping left pointing at freed
+        KV, which a later reader would see as live).
+        """
+        P, table = self.page_size, self.full_to_swa
+        full_owned = self.full._owned.repeat_interleave(P)  # per full slot, the dummy page's too
+        n = full_owned.numel()
+        stale_full = int(((table[:n] != 0) & ~full_owned).sum()) + int((table[n:] != 0).sum())
+        targets = table[table > 0]
+        pages = targets // P
+        in_range = pages <= self.swa.num_pages
+        freed = torch.ones_like(in_range)
+        freed[in_range] = ~self.swa._owned[pages[in_range]]
+        return stale_full + torch.unique(targets[freed]).numel()
 
     def shuffle(self, generator: torch.Generator) -> None:
         """Permute both free lists independently (random full and SWA page orders)."""

@@ -22,7 +22,7 @@ import torch
 
 from swafactory.errors import SpaceError
 
-__all__ = ["Space", "Locs", "SlotMapping", "translate", "translate_pages", "gather_torch"]
+__all__ = ["Space", "Locs", "SlotMapping", "translate", "gather_torch"]
 
 Space = Literal["full", "swa"]
 
@@ -143,22 +143,6 @@ def translate(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget, 
     """
     m, swa_id = _check(locs, mapping, pool)
     return Locs("swa", swa_id, _gather(locs.tensor, m.table, 1, impl, dtype), 1, _TRANSLATED)
-
-
-def translate_pages(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget,
-                    page_size: int, *, impl: Literal["auto", "torch", "triton"] = "auto",
-                    dtype: torch.dtype = torch.int32) -> Locs:
-    """SWA page table from full-space *slot* ids of each page: ``mapping[slot] // page_size``.
-
-    ``locs``: full-space slot ids (e.g. ``req_to_token[:, ::page_size]``), any shape. Fuses
-    `translate` and `Locs.pages` in one pass (one kernel on CUDA); the order is fixed: translate,
-    then divide. Returns SWA page ids in ``dtype`` (int32 page tables by default).
-    """
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    m, swa_id = _check(locs, mapping, pool)
-    out = _gather(locs.tensor, m.table, page_size, impl, dtype)
-    return Locs("swa", swa_id, out, page_size, _TRANSLATED)
 
 
 def _check(locs: Locs, mapping: SlotMapping | _HasMapping,

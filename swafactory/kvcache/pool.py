@@ -7,7 +7,7 @@ never allocated, the target of padded writes and of absent (0) mapping entries (
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Literal
 
@@ -268,6 +268,12 @@ class ReqToToken:
 
     def available_size(self) -> int:
         return len(self._free_rows)
+
+    def leaked_rows(self, live_rows: Iterable[int] = ()) -> int:
+        """Rows taken but not among ``live_rows`` (the rows of requests still open; none once
+        every request has finished, when every row must be released). 0 = no leak."""
+        taken = set(range(self.max_requests)).difference(self._free_rows)
+        return len(taken.difference(live_rows))
 
     def alloc(self) -> int | None:
         """A free row, or None when every row is taken."""

@@ -1,4 +1,4 @@
-"""Per-request slot bookkeeping: extend, decode, draft reject, window eviction, finish.
+"""Per-request slot bookkeeping: extend, decode, draft reject, window eviction, finish, leaks.
 
 A request owns a row of `ReqToToken` (its full slot per position), ``kv_len`` allocated positions
 and ``swa_evicted``, the frontier below which its SWA slots were freed (sglang
@@ -14,6 +14,7 @@ from typing import Hashable, Union
 
 import torch
 
+from swafactory.errors import CapacityError
 from swafactory.kvcache.allocator import SWAAllocator, TokenAllocator
 from swafactory.kvcache.locs import Locs
 from swafactory.kvcache.pool import ReqToToken
@@ -65,17 +66,23 @@ class RequestSlots:
         return Locs("full", self.allocator.full_id,
                     self.req_to_token.table[s.row, start:end].long())
 
-    def extend(self, rid: Hashable, n: int) -> Locs | None:
-        """Allocate positions ``[kv_len, kv_len + n)``; their full slots, or None (nothing
-        changed) when the pools are short."""
+    def extend(self, rid: Hashable, n: int) -> Locs:
+        """Allocate positions ``[kv_len, kv_len + n)``; their full slots, ``[n]`` int64.
+
+        Raises `CapacityError` (nothing changed) when the pools are short."""
         return self.extend_batch([rid], [n])
 
-    def decode(self, rids: list[Hashable]) -> Locs | None:
-        """One new position per request, in ``rids`` order; ``[bs]`` full slots or None."""
+    def decode(self, rids: list[Hashable]) -> Locs:
+        """One new position per request, in ``rids`` order; ``[bs]`` full slots.
+
+        Raises `CapacityError` (nothing changed) when the pools are short."""
         return self.extend_batch(rids, [1] * len(rids))
 
-    def extend_batch(self, rids: list[Hashable], lens: list[int]) -> Locs | None:
-        """Positions ``[kv_len, kv_len + n)`` for each (rid, n); request-major slots or None."""
+    def extend_batch(self, rids: list[Hashable], lens: list[int]) -> Locs:
+        """Positions ``[kv_len, kv_len + n)`` for each (rid, n); request-major full slots.
+
+        Raises `CapacityError` naming the short pool, what was asked and what was free, with
+        nothing allocated, when the pools lack the pages (an engine retracts or waits then)."""
         states = [self._get(r) for r in rids]
         if len(set(rids)) != len(rids):
             raise ValueError("a request appears twice in one batch")
@@ -88,7 +95,7 @@ class RequestSlots:
                             dtype=torch.int64)
         slots = self.allocator.alloc_extend(last, lens)
         if slots is None:
-            return None
+            raise self._short(rids, lens, self.allocator.pages_needed(last, lens))
         cursor = 0
         for s, n in zip(states, lens):
             table[s.row, s.kv_len:s.kv_len + n] = slots[cursor:cursor + n].to(table.dtype)
@@ -96,11 +103,26 @@ class RequestSlots:
             cursor += n
         return Locs("full", self.allocator.full_id, slots)
 
-    def truncate(self, rid: Hashable, new_len: int) -> int:
+    def _short(self, rids: list[Hashable], lens: list[int], pages: int) -> CapacityError:
+        P = self.page_size
+        free = self.allocator.free_by_space()
+        short = [k for k, v in free.items() if v < pages * P] or list(free)
+        who = f"request {rids[0]!r}" if len(rids) == 1 else f"requests {rids!r}"
+        asked = (f"{sum(lens)} new slots" if P == 1 else
+                 f"{sum(lens)} new positions, {pages} new pages of {P} slots ({pages * P} slots)")
+        have = ", ".join(f"{k!r} has {v}" for k, v in free.items())
+        return CapacityError(f"pool {' and '.join(map(repr, short))} is short: {who} asked for "
+                             f"{asked}; {have} free")
+
+    def truncate(self, rid: Hashable, new_len: int, *,
+                 leak_rejected_draft_slots: bool = False) -> int:
         """Release positions ``[new_len, kv_len)`` (rejected draft tokens); returns pages freed.
 
-        Pages entirely past ``new_len`` are freed; the page holding position ``new_len - 1`` stays
-        with the request and its later slots are reused by the next extend.
+        Pages entirely past ``new_len`` are freed, full and SWA together; the page holding
+        position ``new_len - 1`` stays with the request and its later slots are reused by the
+        next extend. ``leak_rejected_draft_slots`` is the fault-injection switch: only the full
+        pages are freed, the SWA pages behind them stay allocated and still mapped (an engine
+        that frees rejected drafts in the full allocator but never calls ``free_swa``).
         """
         s = self._get(rid)
         if not 0 <= new_len <= s.kv_len:
@@ -112,7 +134,10 @@ class RequestSlots:
         keep_pages = math.ceil(new_len / P)
         row = self.req_to_token.table[s.row]
         drop = row[keep_pages * P:s.kv_len:P].long() // P
-        self.allocator.free_pages(drop)
+        if leak_rejected_draft_slots and isinstance(self.allocator, SWAAllocator):
+            self.allocator.full.free_pages(drop)  # FAULT: free_swa skipped
+        else:
+            self.allocator.free_pages(drop)
         row[new_len:s.kv_len] = 0
         s.kv_len = new_len
         return drop.numel()
@@ -152,6 +177,33 @@ class RequestSlots:
         self.allocator.free_pages(pages)
         self.req_to_token.free(s.row)
         del self.reqs[rid]
+
+    def held_pages(self) -> dict[str, torch.Tensor]:
+        """Space id → ``[k]`` int64 page ids the open requests hold: the full pages of positions
+        ``[0, kv_len)`` and, on a split pool, the SWA pages of ``[swa_evicted, kv_len)``."""
+        P, table = self.page_size, self.req_to_token.table
+        firsts = [table[s.row, 0:s.kv_len:P].long() for s in self.reqs.values()]
+        full = torch.cat(firsts) if firsts else torch.empty(0, dtype=torch.int64)
+        out = {self.allocator.full_id: full // P}
+        if isinstance(self.allocator, SWAAllocator):
+            kept = [table[s.row, s.swa_evicted:s.kv_len:P].long() for s in self.reqs.values()]
+            swa = (self.allocator.full_to_swa[torch.cat(kept)] if kept
+                   else torch.empty(0, dtype=torch.int64))
+            out[self.allocator.swa.space_id] = swa[swa > 0] // P
+        return out
+
+    def leaks(self) -> dict[str, int]:
+        """What the books hold that no open request accounts for (everything, once every
+        request has finished); all zeros when they are clean.
+
+        ``{space_id: slots}`` per allocator space (``target.full``, ``target.swa``), then
+        ``req_to_token`` (rows) and ``free_and_mapped`` (slots both free and linked by the
+        full→SWA mapping, see `SWAAllocator.free_and_mapped`).
+        """
+        live = [s.row for s in self.reqs.values()]
+        return {**self.allocator.leaked(self.held_pages()),
+                "req_to_token": self.req_to_token.leaked_rows(live),
+                "free_and_mapped": self.allocator.free_and_mapped()}
 
     def _get(self, rid: Hashable) -> ReqState:
         try:

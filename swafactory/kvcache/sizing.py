@@ -1,10 +1,12 @@
 """Sizing of the hybrid pools: analytic bytes per request, and pool sizes from a memory budget.
 
 Per request, a full layer holds every context token; a sliding layer of a hybrid pool holds at
-most ``W + draft tokens + page_size`` (the window, the draft tokens of one step, and the page that
-straddles the eviction frontier). A full-only pool keeps every token in every layer.
-`size_from_budget` turns a byte budget into sub-pool sizes (DESIGN invariant 6); `build_pools`
-allocates them (it imports torch; this module does not).
+most `swa_tokens_per_request` slots: the window, what one forward adds, the eviction lag and page
+slack. That function is the one statement of the per-request SWA need: the plan (`pool_sizing`),
+the budget check, `swafactory.kvcache.size_pools` and the conformance harness all call it. A
+full-only pool keeps every token in every layer. `size_from_budget` turns a byte budget into
+sub-pool sizes (DESIGN invariant 6); `build_pools` allocates them (it imports torch; this module
+does not).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from swafactory.errors import CapacityError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GroupBytes", "PoolSizing", "pool_sizing", "swa_tokens_per_request", "effective_ratio", "BudgetSizing",
+__all__ = ["GroupBytes", "PoolSizing", "pool_sizing", "swa_tokens_per_request",
+           "full_tokens_per_request", "step_nodes", "effective_ratio", "BudgetSizing",
            "size_from_budget", "build_pools"]
 
 
@@ -76,9 +79,37 @@ class PoolSizing:
         return self.full_only_bytes_per_request / max(1, self.hybrid_bytes_per_request)
 
 
-def swa_tokens_per_request(window: int, draft_tokens: int, page_size: int) -> int:
-    """SWA slots one request needs at most: the window, one step's draft tokens, page slack."""
-    return window + draft_tokens + page_size
+def step_nodes(spec: Any) -> int:
+    """Slots one request takes beyond its committed tokens in one decode or spec step: 1 for a
+    decode, the whole drafted tree (root included) for a tree, the verified tokens for a chain or
+    a DFlash block. ``spec``: a `SpecConfig`."""
+    if spec.algorithm == "none":
+        return 1
+    if spec.is_tree:
+        return 1 + spec.topk * spec.num_steps
+    return spec.num_draft_tokens
+
+
+def full_tokens_per_request(max_context: int, step_tokens: int, page_size: int) -> int:
+    """Full slots one running request holds at most, a multiple of ``page_size``: its whole
+    context and one step's not yet verified nodes (position p lives in page ``p // page_size``)."""
+    return -(-(max_context + step_tokens) // page_size) * page_size
+
+
+def swa_tokens_per_request(window: int, step_tokens: int, page_size: int,
+                           eviction_interval: int = 1) -> int:
+    """SWA slots one running request holds at most, a multiple of ``page_size``.
+
+    ``W + step_tokens + eviction_interval + page_size + 1``, rounded up to whole pages, plus one
+    page: the window the next query sees; what one forward adds before eviction can run (a
+    prefill chunk, or one step's nodes: `step_nodes`); the dead positions that wait while the
+    frontier advances by less than ``eviction_interval``; the page that straddles the frontier
+    (SWA pages are freed whole) and the position L-1 a FROZEN_KV draft re-reads; the partly
+    filled last page. `RequestSlots` bookkeeping peaks at ``P⌈(W+n+P-1)/P⌉ + P⌊(I-1)/P⌋`` (the
+    re-read included), which this bounds (tests/test_sizing.py drives it).
+    """
+    P = page_size
+    return P * (-(-(window + step_tokens + eviction_interval + P + 1) // P) + 1)
 
 
 def effective_ratio(cfg: SwaFactoryConfig) -> float:
@@ -90,9 +121,16 @@ def effective_ratio(cfg: SwaFactoryConfig) -> float:
     m, ctx = cfg.model, cfg.workload.context_len
     if not (m.swa_layers and m.hybrid_pool and m.sliding_window):
         return 1.0
-    keep = swa_tokens_per_request(m.sliding_window, cfg.spec.draft_tokens_per_step,
-                                  cfg.backend.page_size)
-    return min(1.0, keep / ctx)
+    return min(1.0, _steady_swa_need(cfg) / ctx)
+
+
+def _steady_swa_need(cfg: SwaFactoryConfig) -> int:
+    """`swa_tokens_per_request` of a decoding request (one step's nodes; a prefilling request
+    also holds its chunk: `swafactory.kvcache.size_pools` takes it)."""
+    m = cfg.model
+    assert m.sliding_window is not None
+    return swa_tokens_per_request(m.sliding_window, step_nodes(cfg.spec), cfg.backend.page_size,
+                                  cfg.workload.eviction_interval)
 
 
 def pool_sizing(cfg: SwaFactoryConfig, context_len: int | None = None) -> PoolSizing:
@@ -104,7 +142,7 @@ def pool_sizing(cfg: SwaFactoryConfig, context_len: int | None = None) -> PoolSi
     if m.swa_layers:
         assert m.swa is not None and m.sliding_window is not None
         split = m.hybrid_pool
-        keep = swa_tokens_per_request(m.sliding_window, cfg.spec.draft_tokens_per_step, b.page_size)
+        keep = _steady_swa_need(cfg)
         groups.append(GroupBytes(
             "swa", "swa" if split else "full (window as mask)", m.swa_layers, m.swa.num_kv_heads,
             m.swa.head_dim, m.sliding_window, 2 * m.swa.num_kv_heads * m.swa.head_dim * elt,
@@ -151,13 +189,15 @@ def size_from_budget(cfg: SwaFactoryConfig, budget_bytes: int, *, ratio: float |
     (full-indexed, target full size) is part of the cell (sglang #29622). All-SWA: the virtual
     full space holds every running request's context, and the budget left after an own draft
     pool goes to SWA. Unsplit: every layer at full size. Raises `CapacityError` when the SWA pool
-    cannot hold ``W + page`` or ``max_running · (W + draft + page)`` slots.
+    cannot hold ``max_running · swa_tokens_per_request(W, draft_tokens, page, interval)`` slots;
+    ``draft_tokens`` defaults to `step_nodes` (what one decode or spec step adds).
     """
     m, b, s, w = cfg.model, cfg.backend, cfg.spec, cfg.workload
     r = effective_ratio(cfg) if ratio is None else ratio
     reqs = w.max_running_requests if max_running_requests is None else max_running_requests
     W = m.sliding_window if window is None else window
-    d = s.draft_tokens_per_step if draft_tokens is None else draft_tokens
+    d = step_nodes(s) if draft_tokens is None else draft_tokens
+    I = w.eviction_interval
     P = b.page_size if page_size is None else page_size
     if not 0 < r <= 1:
         raise ValueError(f"swa_full_tokens_ratio must lie in (0, 1], got {r}")
@@ -171,11 +211,11 @@ def size_from_budget(cfg: SwaFactoryConfig, budget_bytes: int, *, ratio: float |
     draft_full, draft_swa = _draft_layers(cfg, split)
     draft_bpt = bpt.get("full", bpt.get("swa", 0))  # an own pool takes the full geometry
     if split and not m.full_layers:  # all-SWA: a virtual full space of every running context
-        full = reqs * -(-(w.context_len + d) // P) * P
+        full = reqs * full_tokens_per_request(w.context_len, d, P)
         left = budget_bytes - draft_full * draft_bpt * full
         swa = _page_floor(left / (bpt["swa"] * (n_swa + draft_swa)), P) if left > 0 else 0
         used = draft_full * draft_bpt * full + bpt["swa"] * (n_swa + draft_swa) * swa
-        _check_swa(swa, reqs, W, d, P, budget_bytes, r)
+        _check_swa(swa, reqs, W, d, P, I, budget_bytes, r)
         return BudgetSizing(full, swa, True, used)
     cell = full_bpt * n_full + draft_bpt * draft_full + \
         (r * bpt["swa"] * (n_swa + draft_swa) if split else 0)
@@ -185,7 +225,7 @@ def size_from_budget(cfg: SwaFactoryConfig, budget_bytes: int, *, ratio: float |
                             f"(one full token costs {cell:.0f} bytes)")
     swa = _page_floor(full * r, P) if split else 0
     if split:
-        _check_swa(swa, reqs, W, d, P, budget_bytes, r)
+        _check_swa(swa, reqs, W, d, P, I, budget_bytes, r)
     used = (full_bpt * n_full + draft_bpt * draft_full) * full + \
         (bpt["swa"] * (n_swa + draft_swa) * swa if split else 0)
     return BudgetSizing(full, swa, False, used)
@@ -203,12 +243,15 @@ def _draft_layers(cfg: SwaFactoryConfig, split: bool) -> tuple[int, int]:
     return s.draft_num_layers, 0
 
 
-def _check_swa(swa: int, reqs: int, W: int, d: int, P: int, budget: int, r: float) -> None:
-    need = max(W + P, reqs * swa_tokens_per_request(W, d, P))
+def _check_swa(swa: int, reqs: int, W: int, d: int, P: int, I: int, budget: int,
+               r: float) -> None:
+    one = swa_tokens_per_request(W, d, P, I)
+    need = reqs * one
     if swa < need:
         raise CapacityError(
             f"the SWA pool gets {swa} slots from a budget of {budget} bytes at ratio {r}, but "
-            f"{reqs} running requests × (window {W} + draft {d} + page {P}) need {need}. Raise "
+            f"{reqs} running requests × {one} (window {W} + step {d} + eviction interval {I} + "
+            f"page slack, swa_tokens_per_request) need {need}. Raise "
             "the budget or workload.swa_full_tokens_ratio, or lower "
             "workload.max_running_requests.")
 

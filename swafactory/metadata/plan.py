@@ -51,7 +51,8 @@ class GroupPlan:
     """Everything the layers of one group need in this forward."""
 
     key: str
-    """`swa`, `full`, or `full/w<W>` (a window applied as a mask on an unsplit pool)."""
+    """`group_key(sub_pool, window)`: `swa/w<W>`, `full`, or `full/w<W>` (a window applied as a
+    mask on an unsplit pool)."""
     sub_pool: str
     """Sub-pool whose buffers the group's layers read: `swa` or `full`."""
     window: int | None
@@ -113,10 +114,10 @@ class ForwardPlan:
 
 
 def group_key(sub_pool: str, window: int | None) -> str:
-    """Layers share a plan when they share a sub-pool and a window."""
-    if sub_pool == "swa" or window is None:
-        return sub_pool
-    return f"{sub_pool}/w{window}"
+    """Layers share a plan only when they share a sub-pool *and* a window: ``swa/w1024``,
+    ``full``, ``full/w16`` (a window applied as a mask on an unsplit pool). Tables are trimmed and
+    masked by the window, so two windows never share one set."""
+    return sub_pool if window is None else f"{sub_pool}/w{window}"
 
 
 def _start(r: ReqForward, window: int | None) -> int:

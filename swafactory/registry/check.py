@@ -112,7 +112,8 @@ def _tree(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterato
         return
     if not caps.tree_masks:
         yield _r("spec.topk", f"topk={spec.topk} verifies a tree, and {caps.name} serves no tree "
-                              "mask (sglang refuses trtllm_mha with topk > 1)", "spec=eagle (a chain)")
+                              "mask (sglang refuses trtllm_mha with topk > 1); spec=eagle drafts a "
+                              "chain", "spec=eagle")
     elif b.tree_mask not in caps.tree_masks:
         other = sorted(caps.tree_masks)[0]
         yield _r("backend.tree_mask", f"{caps.name} serves tree masks by {sorted(caps.tree_masks)}, "
@@ -196,10 +197,14 @@ def _parallel(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Ite
     tp, m = cfg.parallel.tp, cfg.model
     if tp == 1:
         return
+    kv_heads = [geo.num_kv_heads for geo in (m.swa, m.full) if geo is not None]
+    # the largest smaller tp that splits the query heads and splits or replicates every KV group
+    fix = "parallel.tp=" + str(max(d for d in range(1, tp) if m.num_attention_heads % d == 0
+                                   and all(kv % d == 0 or d % kv == 0 for kv in kv_heads)))
     if m.num_attention_heads % tp:
         ok = [d for d in range(1, m.num_attention_heads + 1) if m.num_attention_heads % d == 0]
         yield _r("parallel.tp", f"{m.num_attention_heads} query heads of {m.name} do not split "
-                                f"over {tp} ranks; tp must divide them: {ok}")
+                                f"over {tp} ranks; tp must divide them: {ok}", fix)
     for group, geo in (("swa", m.swa), ("full", m.full)):
         if geo is None:
             continue
@@ -207,4 +212,4 @@ def _parallel(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Ite
         if kv % tp and tp % kv:
             yield _r(f"model.{group}.num_kv_heads",
                      f"{kv} KV heads neither split over {tp} ranks nor replicate evenly onto them "
-                     "(need kv % tp == 0, or tp % kv == 0 to replicate)")
+                     "(need kv % tp == 0, or tp % kv == 0 to replicate)", fix)

@@ -45,7 +45,7 @@ def test_trees_both_strategies(backend: str, mode: str, tree_mask: str) -> None:
                              backend=backend)
     checks = run_mode(world, mode, [0, 2], 6)
     if mode != "dflash_block":  # a DFlash block is no tree: one pass under either strategy
-        assert (world.backend.plan.groups["swa"].cascade is not None) == (tree_mask == "cascade")
+        assert (world.backend.plan.group(0).cascade is not None) == (tree_mask == "cascade")
     assert_close(checks)
 
 
@@ -62,7 +62,7 @@ def test_run_without_plan_is_refused(backend: str) -> None:
     world, _ = adapter_world("tiny", 1, backend=backend)
     world.open(0)
     world.forward("extend", [world.req(0, 0, 4)], [0])
-    t = world.backend.plan.groups["swa"].tables
+    t = world.backend.plan.group(0).tables
     world.backend.adapter._passes.clear()
     k, v, _ = world.pool.get_kv(0)
     q = torch.zeros(4, 2 * k.shape[1], k.shape[2])

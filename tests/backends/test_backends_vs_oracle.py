@@ -130,7 +130,7 @@ def test_trees_through_both_strategies(mode: str, tree_mask: str, backend: str) 
                           backend=backend)
     checks = run_mode(world, mode, [0, 2], 6)
     plan = world.backend.plan
-    assert (plan.groups["swa"].cascade is not None) == (tree_mask == "cascade")
+    assert (plan.group(0).cascade is not None) == (tree_mask == "cascade")
     assert_close(checks)
 
 

@@ -67,7 +67,7 @@ def test_sink_epilogue_equals_sinks_in_the_softmax(fake) -> None:
     world.forward("target_verify", [world.req(0, 9, 3)], [0])  # writes the nodes' K/V
     batch = ForwardBatch.of("target_verify", [world.req(0, 9, 3)], world.slots.req_to_token.table,
                             world.alloc.full_id)
-    t = world.backend.init_forward_metadata(batch).groups["swa"].tables
+    t = world.backend.init_forward_metadata(batch).group(0).tables
     k, v, _ = world.pool.get_kv(0)
     q = torch.randn(3, 8, k.shape[-1])
     sinks = torch.randn(8) * 2
@@ -87,7 +87,7 @@ def test_custom_mask_is_structure_and_window_by_position(fake) -> None:
     parents = (-1, -1, 0, 1)  # two roots at depth 0, one child each at depth 1
     batch = ForwardBatch.of("target_verify", [world.req(0, 10, 4, parents=parents)],
                             world.slots.req_to_token.table, world.alloc.full_id)
-    t = world.backend.init_forward_metadata(batch).groups["swa"].tables
+    t = world.backend.init_forward_metadata(batch).group(0).tables
     m = fi.custom_mask(t, 4).view(4, -1)
     kv_pos = t.kv_pos.tolist()
     assert kv_pos == [7, 8, 9, 10, 10, 11, 11]  # trimmed to 10 - 4 + 1, nodes at prefix + depth
@@ -104,7 +104,7 @@ def test_one_wrapper_plan_per_pass_per_forward(fake) -> None:
     world.open(0)
     world.forward("extend", [world.req(0, 0, 12)], [0, 1, 2, 5, 11])
     ad = world.backend.adapter
-    assert {k[0] for k in ad._wrappers} == {"swa", "full"}
+    assert {k[0] for k in ad._wrappers} == {"swa/w8", "full"}  # group_key: window in the key
     assert all(w.plans == 1 for w in ad._wrappers.values())
     world.forward("decode", [world.req(0, 12, 1)], [0, 1, 2, 5, 11])
     assert sorted(w.plans for w in ad._wrappers.values()) == [1, 1, 1, 1]  # decode wrappers new

@@ -46,13 +46,13 @@ def test_padding_to_the_bucket_reads_the_dummy_row(monkeypatch) -> None:
         world.slots.extend(r.rid, 3)
     batch = ForwardBatch.of("target_verify", reqs, world.slots.req_to_token.table,
                             world.alloc.full_id)
-    eager = world.backend.init_forward_metadata(batch).groups["swa"].tables
+    eager = world.backend.init_forward_metadata(batch).group(0).tables
     k, v, _ = world.pool.get_kv(0)
     k.nan_to_num_(0.0), v.nan_to_num_(0.0)  # the fake multiplies every row: no poisoned slots
     q = torch.randn(9, 8, k.shape[-1])
     o_eager, _ = ad.run(eager, q, k, v, window=5, scale=0.25)
     ad.graph = (8, 3)
-    padded = world.backend.init_forward_metadata(batch).groups["swa"].tables
+    padded = world.backend.init_forward_metadata(batch).group(0).tables
     ad.graph = None
     p = ad._passes[id(padded)]
     assert p.qo_host.tolist()[-6:] == [9 + 3 * i for i in range(6)]  # 5 padding requests × 3

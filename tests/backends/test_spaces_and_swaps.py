@@ -2,22 +2,17 @@
 wrong window, and pool state cached across a FROZEN_KV draft's pool swap."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 import swafactory
-from swafactory.backend import build_backend, model_windows
+from swafactory.backend import TargetView, build_backend, model_windows
 from swafactory.errors import SpaceError
 from swafactory.harness.world import World, oracle_for
 from swafactory.kvcache.draft import frozen_draft_view
-from swafactory.kvcache.locs import translate
 from swafactory.layout import frozen_draft_binding
-from swafactory.metadata import ForwardBatch, prepare_spec_page_table
-
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed (pip install swafactory[triton])")
+from swafactory.metadata import ForwardBatch, plan
+from swafactory.resolve import resolve_kv_source
 
 
 def gemma4_world(extra=(), **kw) -> World:
@@ -26,47 +21,69 @@ def gemma4_world(extra=(), **kw) -> World:
     return World(cfg, size_full=1024, size_swa=512, **kw)
 
 
-def test_untranslated_table_for_an_swa_group_raises_the_space_error() -> None:
-    w = gemma4_world()
-    w.open("a")
-    w.forward("extend", [w.req("a", 0, 20)], [0])
-    full = w.slots.slots("a")                       # full-space slots, as req_to_token holds them
-    branches = torch.zeros(4, 3, dtype=torch.int64)
-    exp_full = type(full)("full", full.pool_id, branches)
-    with pytest.raises(SpaceError, match="translate the full slots"):
-        prepare_spec_page_table(full[None], torch.tensor([20]), exp_full, 4, w.pool.swa)
+def _tree_step(w: World, lens: list[int], parents: tuple[int, ...]) -> tuple[ForwardBatch, list]:
+    """Committed histories of ``lens`` (K/V written, out-of-window SWA slots evicted), then one
+    EAGLE3 tree's nodes allocated after each: the batch of its verify forward."""
+    W = w.cfg.model.sliding_window
+    for rid, n in enumerate(lens):
+        w.open(rid)
+    w.forward("extend", [w.req(rid, 0, n) for rid, n in enumerate(lens)], [0, 5])
+    reqs = []
+    for rid, n in enumerate(lens):
+        w.slots.evict_out_of_window(rid, n, W)
+        assert w.slots.extend(rid, len(parents)) is not None
+        reqs.append(w.req(rid, n, len(parents), parents=parents))
+    return ForwardBatch.of("target_verify", reqs, w.slots.req_to_token.table, w.alloc.full_id), reqs
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_spec_tree_tables_are_translated_before_any_split_or_reorder(page: int) -> None:
+    """The planner, on the path every adapter takes: a tree forward's SWA tables (one pass, and
+    the cascade's prefix and expand passes) and its write locations are SWA-space slots, equal to
+    the allocator's mapping of each request's full slots, translated per slot before the lists are
+    trimmed, concatenated or split; the full group keeps full slots."""
+    w = gemma4_world([f"backend.page_size={page}", "backend.tree_mask=cascade"])
+    W = w.cfg.model.sliding_window
+    parents = (-1, -1, 0, 1, 2)  # topk 2: the FA3 + EAGLE3 case (sglang #24402)
+    lens = [3 * W + 1, W + 2, 2 * W - 1]
+    batch, reqs = _tree_step(w, lens, parents)
+    source = resolve_kv_source(TargetView(w.pool), "auto")
+    fp = plan(batch, w.pool.layers_mapping, model_windows(w.cfg), source, cascade=True)
+    table, f2s = w.slots.req_to_token.table, w.alloc.full_to_swa
+    rows = [(table[r.row, max(0, r.prefix_len - W + 1):r.prefix_len].long(),
+             table[r.row, r.prefix_len:r.prefix_len + r.nodes].long()) for r in reqs]
+    swa, full = fp.group(0), fp.group(5)
+    assert (swa.key, full.key) == (f"swa/w{W}", "full")
+    for locs in (swa.tables.kv_indices, swa.write_locs, *(t.kv_indices for t in swa.cascade)):
+        assert (locs.space, locs.pool_id) == ("swa", "target.swa") and w.pool.swa.accepts(locs)
+    want = torch.cat([f2s[torch.cat([p, n])] for p, n in rows])
+    assert torch.equal(swa.tables.kv_indices.tensor, want) and bool((want > 0).all())  # all live
+    pre, exp = swa.cascade
+    assert torch.equal(pre.kv_indices.tensor, torch.cat([f2s[p] for p, _ in rows]))
+    assert torch.equal(exp.kv_indices.tensor, torch.cat([f2s[n] for _, n in rows]))
+    assert torch.equal(swa.write_locs.tensor, torch.cat([f2s[n] for _, n in rows]))
+    assert full.tables.kv_indices.space == "full" and torch.equal(
+        full.tables.kv_indices.tensor, torch.cat([table[r.row, :r.prefix_len + r.nodes].long()
+                                                  for r in reqs]))
+
+
+def test_untranslated_spec_tables_are_refused_by_the_swa_layer() -> None:
+    """The fault that reproduces sglang #24402 (tree tables left in full space): the planner's
+    tables, its write locations and the SWA buffers all refuse them, and a translated plan runs."""
+    w = gemma4_world(["faults=skip_spec_translation"])
+    batch, reqs = _tree_step(w, [2 * w.cfg.model.sliding_window + 3], (-1, -1, 0, 1))
+    bad = w.backend.init_forward_metadata(batch).group(0)
+    assert bad.tables.kv_indices.space == "full" and not w.pool.swa.accepts(bad.tables.kv_indices)
+    q = torch.randn(batch.total_q, w.cfg.model.num_attention_heads, 256)
+    with pytest.raises(SpaceError, match="full-space locations"):
+        w.backend.forward(q, None, None, 0, save_kv=False)
     with pytest.raises(SpaceError, match="translate full slots"):
-        w.pool.read(0, full)                        # the SWA layer's buffers refuse them too
-    swa = translate(full, w.alloc, w.pool.swa)
-    swa_exp = translate(exp_full, w.alloc, w.pool.swa)
-    rows = prepare_spec_page_table(swa[None], torch.tensor([20]), swa_exp, 4, w.pool.swa)
-    assert rows.space == "swa" and rows.tensor.shape == (4, 23)
-    assert torch.equal(rows.tensor[2, :20], swa.tensor)
-
-
-@needs_triton
-@pytest.mark.parametrize("page", [1, 16])
-def test_spec_page_table_triton_matches_torch(monkeypatch, page: int) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    w = gemma4_world([f"backend.page_size={page}"])
-    g = torch.Generator().manual_seed(page)
-    lens = [5, 33, 17]
-    for i, n in enumerate(lens):
-        w.open(i)
-        w.slots.extend(i, n)
-    width = max(lens)
-    table = torch.zeros(3, width, dtype=torch.int64)
-    for i, n in enumerate(lens):
-        table[i, :n] = w.slots.slots(i).tensor
-    full = type(w.slots.slots(0))("full", w.alloc.full_id, table)
-    prefix = translate(full, w.alloc, w.pool.swa)
-    exp = translate(full[:, :4].__class__("full", w.alloc.full_id,
-                                          torch.randint(1, 64, (6, 4), generator=g)), w.alloc, w.pool.swa)
-    lens_t = torch.tensor(lens)
-    a = prepare_spec_page_table(prefix, lens_t, exp, 2, w.pool.swa, impl="torch").tensor
-    b = prepare_spec_page_table(prefix, lens_t, exp, 2, w.pool.swa, impl="triton").tensor
-    assert torch.equal(a, b)
-    assert torch.equal(a[3, lens[1]:lens[1] + 4], exp.tensor[3]) and int(a[0, lens[0] + 4:].abs().sum()) == 0
+        w.backend.write_kv(0, q[:, :16], q[:, :16])
+    with pytest.raises(SpaceError, match="translate full slots"):
+        w.pool.read(0, bad.tables.kv_indices)
+    w.backend = build_backend(gemma4_world().cfg, pools=w.pool)  # the same pools, translated
+    checks = w.forward("target_verify", reqs, [0, 5])
+    assert [c.group for c in checks] == ["swa/w8", "full"] and max(c.error() for c in checks) < 1e-5
 
 
 def test_wrong_window_reads_an_evicted_slot_as_nan_and_fails_the_oracle() -> None:
@@ -113,8 +130,8 @@ def test_frozen_kv_draft_follows_a_pool_swap_between_forwards() -> None:
         r = w.req("r", 20, 1)
         batch = ForwardBatch.of("draft_decode", [r], w.slots.req_to_token.table, w.alloc.full_id)
         plan = draft.init_forward_metadata(batch)
-        assert plan.groups["swa"].tables.kv_indices.pool_id == "target.swa"
-        assert plan.groups["swa"].write_locs is None
+        assert plan.group(0).tables.kv_indices.pool_id == "target.swa"
+        assert plan.group(0).write_locs is None
         q = torch.randn(1, cfg.model.num_attention_heads, 256)
         out = draft.forward(q, None, None, 0, save_kv=False)
         ref = oracle_for(w.specs[binding[0]], r, w.hist["r"], q, None)

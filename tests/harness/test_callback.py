@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from swafactory.harness.callback import JobResult, write_matrix
+from swafactory.harness.callback import JobResult, sweep_status, write_matrix
 
 REASON_HEAD = "- `backend.name`: flash_attn needs a CUDA GPU"
 REASON_DIM = "- `model.head_dim`: head_dim 512 > 256 | the kernel's limit"
@@ -174,6 +174,42 @@ def test_build_matrix_lists_unreadable_files_and_plan_only_jobs(tmp_path) -> Non
     assert not list(tmp_path.glob(".matrix.*"))  # the temp file was renamed into place
 
 
+def _write(d: Path, **kw) -> None:
+    d.mkdir(parents=True)
+    (d / "result.json").write_text(JobResult(**_result(**kw)).model_dump_json())
+
+
+@pytest.mark.parametrize("statuses,worst", [
+    ([], "ok"), (["ok", "ok"], "ok"), (["ok", "refused"], "refused"),
+    (["refused", "ok", "failed"], "failed"), (["failed", "refused"], "failed"),
+])
+def test_sweep_status_is_the_worst_job(tmp_path, statuses, worst) -> None:
+    evidence = {"ok": {}, "refused": {"reasons": ["- `x`: no"]}, "failed": {"error": "E"}}
+    for i, st in enumerate(statuses):
+        _write(tmp_path / str(i), status=st, **evidence[st])
+    assert sweep_status(tmp_path) == worst
+
+
+def test_a_job_without_a_result_makes_the_sweep_failed(tmp_path) -> None:
+    _write(tmp_path / "0", status="ok")
+    (tmp_path / "1" / ".hydra").mkdir(parents=True)
+    (tmp_path / "1" / ".hydra" / "overrides.yaml").write_text("- backend=boom\n")
+    assert sweep_status(tmp_path) == "failed"
+
+
+def test_rows_of_one_combination_show_the_overrides_that_tell_them_apart(tmp_path) -> None:
+    common = ["backend=torch", "workload.num_requests=2"]
+    _write(tmp_path / "0", status="refused", reasons=["- `r`: too small"],
+           overrides=[*common, "workload.swa_full_tokens_ratio=0.01"])
+    _write(tmp_path / "1", status="ok", overrides=[*common, "workload.swa_full_tokens_ratio=auto"])
+    _write(tmp_path / "2", status="ok", spec="eagle3", overrides=common)  # unique: no prefix
+    rows = _table_rows(write_matrix(tmp_path).read_text())
+    assert [r[5] for r in rows] == [
+        "planned only (no report)",
+        "`workload.swa_full_tokens_ratio=0.01`<br>- `r`: too small",
+        "`workload.swa_full_tokens_ratio=auto`<br>planned only (no report)"]
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(status="refused"), "needs at least one reason"),
     (dict(status="failed"), "needs the report or the error"),
@@ -191,7 +227,7 @@ def test_real_cli_multirun_writes_the_matrix(tmp_path) -> None:
                           "spec=none,eagle3", "model=gpt_oss_20b", f"hydra.sweep.dir={sweep}"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
                          env={**os.environ, "COLUMNS": "160"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 2, out.stderr[-3000:]  # the worst job was refused: ok < refused
     rows = {(r[0], r[1], r[4]) for r in _table_rows((sweep / "matrix.md").read_text())}
     assert rows == {("torch", "none", "**ok**"), ("torch", "eagle3", "**ok**"),
                     ("flash_attn", "none", "**refused**"), ("flash_attn", "eagle3", "**refused**")}

@@ -11,6 +11,8 @@ import pytest
 
 import swafactory
 from swafactory.config.paths import group_options
+from swafactory.harness import run as run_module
+from swafactory.harness.leaks import leak_message, leaked
 from swafactory.harness.report_model import Report
 
 SPECS = group_options("spec")
@@ -21,9 +23,18 @@ def _run(*overrides: str) -> Report:
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_every_spec_on_gpt_oss_passes_under_pool_pressure(spec: str) -> None:
+def test_every_spec_on_gpt_oss_passes_under_pool_pressure(spec: str, monkeypatch) -> None:
+    real, built = run_module.build_parts, []  # keep the run's parts to read their books after
+    monkeypatch.setattr(run_module, "build_parts",
+                        lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
     r = _run(f"spec={spec}", "model=gpt_oss_20b")
     assert r.status == "ok", r.mismatch
+    # every request finished: every pool is back to its capacity, every row released
+    books = leaked(built[0])
+    assert books and set(books.values()) == {0}, leak_message(books)
+    assert {"target.full", "target.swa", "req_to_token", "free_and_mapped"} <= set(books)
+    if built[0].draft_pool is not None:
+        assert {sp.pool_id for sp in built[0].draft_pool.sub_pools} <= set(books)
     assert r.checks > 0 and r.passed == r.checks and r.max_rel_err <= r.tolerance
     assert r.peak_swa_use > 0.9 and r.evictions > 0
     modes = {(m.worker, m.mode) for m in r.mode_stats}
@@ -57,7 +68,33 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "window_off_by_one": ("none", "oracle"),
     "no_swa_eviction": ("none", "capacity"),
     "no_draft_headroom": ("eagle", "capacity"),
+    # chains reject a few drafts per step and the SWA share has the slack; a tree (eagle3) or a
+    # DFlash block rejects more, and the SWA pool runs out before the end (capacity) instead
+    "leak_rejected_draft_slots": ("eagle", "leak"),
 }
+
+
+def test_leaked_names_every_pool_and_a_split_draft_pool_shares_the_target_count() -> None:
+    from swafactory.harness.setup import Parts
+    from swafactory.kvcache import ReqToToken, RequestSlots, build_draft_pool, build_pools
+
+    cfg = swafactory.compose(["model=tiny", "spec=dflash", "spec.draft_pool_split=true",
+                              "backend=torch"])
+    pool, alloc = build_pools(cfg, 64, 32)
+    dpool = build_draft_pool(cfg, pool, alloc)
+    slots = RequestSlots(alloc, ReqToToken(2, 64))
+    parts = Parts(cfg, None, pool, alloc, slots, None, None, dpool, None, None, None)
+    zeros = {"target.full": 0, "target.swa": 0, "draft.full": 0, "draft.swa": 0,
+             "req_to_token": 0, "free_and_mapped": 0}
+    slots.open("a")
+    slots.extend("a", 10)
+    assert leaked(parts) == zeros and leak_message(zeros) == "no leaks"
+    slots.truncate("a", 4, leak_rejected_draft_slots=True)  # 6 rejected, SWA side kept
+    slots.finish("a")
+    books = leaked(parts)
+    assert books == {**zeros, "target.swa": 6, "draft.swa": 6, "free_and_mapped": 6}
+    msg = leak_message(books)
+    assert "target.swa 6 slots" in msg and "draft.swa 6 slots" in msg and "target.full" not in msg
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))

@@ -1,4 +1,5 @@
-"""The end-of-run summary, report.json/report.png and the progress bar, on hand-built Reports."""
+"""The end-of-run summary, report.json/report.png and the progress (a bar on a terminal, lines in a
+log), on hand-built Reports and Ticks."""
 from __future__ import annotations
 
 import io
@@ -8,8 +9,9 @@ import sys
 import pytest
 from rich.console import Console
 
-from swafactory.harness.report import layer_ranges, progress, render_summary, write_report
-from swafactory.harness.report_model import Report
+from swafactory.harness.report import (LogProgress, RunProgress, layer_ranges, progress,
+                                       render_summary, write_report)
+from swafactory.harness.report_model import Report, Tick
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -28,6 +30,7 @@ def test_summary_shows_the_key_figures(make_report) -> None:
                    "SWA 97.3%, full 61.0%",                     # peak pool use
                    "3.00 GiB vs full-only 11.00 GiB (3.67× smaller)", "96.0 MiB",
                    "2.47 tok/step", "attention 12.35 ms, planning 0.46 ms", "321.5 tok/s",
+                   "first use      -", "leaked            -",
                    "0-1,5-7,11,59 (7; draft 1)", "1,234 SWA positions"):
         assert needle in text, needle
     assert "mismatch" not in text
@@ -84,14 +87,63 @@ def test_layer_ranges(layers, expected) -> None:
     assert layer_ranges(layers) == expected
 
 
-def test_progress_renders_on_a_terminal_and_is_silent_elsewhere() -> None:
-    tty, log = io.StringIO(), io.StringIO()
-    for buf, term in ((tty, True), (log, False)):
-        with progress(5, Console(file=buf, force_terminal=term, width=100)) as bar:
-            for i in range(6):
-                bar.update(finished=min(i, 5), step=3 * i, swa_use=0.93)
-    assert "5/5" in tty.getvalue() and "step 15" in tty.getvalue() and "SWA 93.0%" in tty.getvalue()
-    assert log.getvalue() == ""
+def _tick(step: int, elapsed: float, *, est: int = 100, finished: int = 0, requests: int = 5,
+          compiling: str | None = None) -> Tick:
+    return Tick(step=step, est_steps=est, finished=finished, requests=requests, checks=4 * step,
+                passed=4 * step, peak_swa_use=0.93, peak_full_use=0.4, elapsed_s=elapsed,
+                compiling=compiling)
+
+
+def test_progress_on_a_terminal_is_a_bar_with_step_checks_and_swa() -> None:
+    tty = io.StringIO()
+    with progress(Console(file=tty, force_terminal=True, width=140)) as bar:
+        assert isinstance(bar, RunProgress)
+        for i in range(6):
+            bar.update(_tick(3 * i, i, est=20, finished=min(i, 5)))
+    text = tty.getvalue()
+    assert "5/5" in text and "step 15/20" in text and "checks 60/60" in text
+    assert "SWA peak 93.0%" in text
+
+
+def _log_lines(ticks: list[Tick]) -> list[str]:
+    log = io.StringIO()
+    with progress(Console(file=log, force_terminal=False, width=100)) as bar:
+        assert isinstance(bar, LogProgress)
+        for t in ticks:
+            bar.update(t)
+    assert "\x1b[" not in log.getvalue()  # no control codes in a log
+    return log.getvalue().splitlines()
+
+
+def _steps(lines: list[str]) -> list[int]:
+    return [int(re.search(r"step (\d+)/", x).group(1)) for x in lines]
+
+
+def test_progress_in_a_log_prints_every_tenth_of_the_steps() -> None:
+    # fast steps (0.1 s): a line when 10 of the 100 estimated steps have passed, and at the end
+    lines = _log_lines([_tick(i, 0.1 * i, finished=5 if i == 100 else 0) for i in range(101)])
+    assert _steps(lines) == list(range(0, 101, 10))
+    assert "(100 steps estimated from the workload)" in lines[0]
+    assert lines[3] == ("serving: step 30/100 · 0/5 requests done · 120/120 checks passed · "
+                        "peak pool use SWA 93.0%, full 40.0% · 3 s")
+
+
+def test_progress_in_a_log_prints_every_10_s_when_steps_are_slow() -> None:
+    # slow steps (3 s each, 1000 estimated): a line as soon as 10 s have passed since the last
+    lines = _log_lines([_tick(i, 3.0 * i, est=1000) for i in range(13)])
+    assert _steps(lines) == [0, 4, 8, 12]
+
+
+def test_progress_in_a_log_says_when_kernels_compile_and_flushes_each_line(tmp_path) -> None:
+    path = tmp_path / "log"
+    with path.open("w") as f:  # a file is block-buffered: each line must be flushed to be seen
+        bar = LogProgress(f)
+        bar.update(_tick(0, 0.0))
+        assert "step 0/100" in path.read_text()
+        bar.update(_tick(0, 0.5, compiling="target/extend"))
+        assert "step 0/100 · compiling kernels: first use of target/extend" in path.read_text()
+        bar.update(_tick(1, 0.6))  # the compile notice is not a progress line: not due yet
+    assert len(path.read_text().splitlines()) == 2
 
 
 def test_a_gpu_run_shows_its_peak_device_memory_within_120_columns(make_report) -> None:
@@ -99,3 +151,18 @@ def test_a_gpu_run_shows_its_peak_device_memory_within_120_columns(make_report) 
     assert "peak GPU memory" in text and "23.00 GiB" in text
     assert max(len(x) for x in text.splitlines()) <= 120
     assert "peak GPU memory" not in _render(make_report())  # CPU reports leave it out
+
+
+def test_summary_shows_first_use_apart_and_the_leak_books(make_report) -> None:
+    report = make_report().model_copy(update={
+        "first_use_s": 61.234, "first_use": {"target/extend": 40.0, "target/decode": 21.234},
+        "leaked": {"target.full": 0, "target.swa": 0, "req_to_token": 0}})
+    text = _render(report)
+    assert "steady per step   attention 12.35 ms, planning 0.46 ms" in text
+    assert "first use      61.23 s in 2 forwards" in text
+    assert "none (3 pools and tables)" in text
+    leaky = report.model_copy(update={"leaked": {"target.full": 0, "target.swa": 6,
+                                                 "req_to_token": 1}})
+    text = _render(leaky)
+    assert "target.swa 6, req_to_token 1" in text and "target.full" not in text
+    assert max(len(x) for x in text.splitlines()) <= 120

@@ -4,7 +4,8 @@ Operations: open+prefill, decode, draft (extend d, accept a ≤ d, free the rest
 finish. After every step: no slot owned twice; the mapping agrees with the SWA allocator, page by
 page (same in-page offset); absent entries are 0; free + used == size per sub-pool; check-mode
 NaN exactly on unowned rows; every live position reads back the K/V written for it. At the end,
-finishing every request leaves nothing allocated.
+finishing every request leaves nothing allocated, and the leak accounting (`RequestSlots.leaks`)
+reports zeros at every step.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swafactory.errors import CapacityError
 from swafactory.kvcache.allocator import SWAAllocator, TokenAllocator, page_rows
 from swafactory.kvcache.locs import translate
 from swafactory.kvcache.pool import HybridSWAPool, KVPool, ReqToToken
@@ -63,10 +65,13 @@ class Harness:
 
     def extend(self, rid: int, n: int) -> bool:
         start = self.slots.reqs[rid].kv_len
-        locs = self.slots.extend(rid, n)
-        if locs is not None:
-            self._write(rid, start, locs)
-        return locs is not None
+        try:
+            locs = self.slots.extend(rid, n)
+        except CapacityError:
+            assert self.slots.reqs[rid].kv_len == start, "a refused extend changed the request"
+            return False
+        self._write(rid, start, locs)
+        return True
 
     def apply(self, op: str, pick: int, n: int, a: int) -> None:
         live = sorted(self.slots.reqs)
@@ -82,10 +87,12 @@ class Harness:
         s = self.slots.reqs[rid]
         if op == "decode":
             starts = [self.slots.reqs[r].kv_len for r in live]
-            locs = self.slots.decode(live)
-            if locs is not None:
-                for i, (r, st_) in enumerate(zip(live, starts)):
-                    self._write(r, st_, locs[i:i + 1])
+            try:
+                locs = self.slots.decode(live)
+            except CapacityError:
+                return
+            for i, (r, st_) in enumerate(zip(live, starts)):
+                self._write(r, st_, locs[i:i + 1])
         elif op == "draft":
             d = 1 + n % 8
             old = s.kv_len
@@ -126,6 +133,8 @@ class Harness:
                   else [self.alloc]):
             assert a.available_size() + a.used_size() == a.size
             assert a.used_size() == a.owned_pages().numel() * P
+        # the leak accounting agrees: what the pools hold is exactly what the requests hold
+        assert set(self.slots.leaks().values()) == {0}, self.slots.leaks()
         if isinstance(self.alloc, SWAAllocator):
             assert len(swa_pages) == len(set(swa_pages)), "an SWA page is mapped twice"
             assert sorted(swa_pages) == self.alloc.swa.owned_pages().tolist()

@@ -72,11 +72,12 @@ def test_dflash_split_draft_shares_the_mapping_and_needs_the_target_swa_capacity
         small.register_mapping(alloc.mapping)
 
 
-def test_existing_pool_sizing_is_unchanged():
+def test_plan_sizing_keeps_the_swa_need_of_a_decoding_request():
     cfg = swafactory.compose(["model=gemma4", "spec=eagle3", "backend=torch"])
     s = pool_sizing(cfg)
     swa = next(g for g in s.groups if g.kind == "swa")
-    assert swa.tokens_per_request == 1024 + 12 + 1  # W + max(3·4, 8) + page
+    # W + tree nodes (1 + 4·3) + eviction interval 1 + page 1 + 1, plus one page
+    assert swa.tokens_per_request == 1024 + 13 + 1 + 1 + 1 + 1
     assert s.context_len == 8192 and s.saving > 1
 
 
@@ -95,7 +96,7 @@ def test_budget_sizing_follows_the_configurator_formula():
 
 def test_budget_too_small_for_the_window_raises():
     cfg = _cfg("spec=eagle3", "workload.max_running_requests=8")
-    need = 8 * (16 + 12 + 1)
+    need = 8 * (16 + 13 + 1 + 1 + 1 + 1)  # 8 × (W + tree nodes + interval + page + 1, + page)
     with pytest.raises(CapacityError, match=f"need {need}"):
         size_from_budget(cfg, 100_000)
     with pytest.raises(CapacityError, match="need"):
@@ -108,7 +109,8 @@ def test_budget_sizing_of_all_swa_and_unsplit_models(model):
                               "workload.max_running_requests=1", "workload.context_len=8192"])
     got = size_from_budget(cfg, 8 * 2**30)
     if model == "mistral_7b":  # virtual full space: every running context, no buffers
-        assert got.full_is_virtual and got.full_tokens == 8192 and got.swa_tokens > 4096
+        # virtual full space: every running context and the decode token past it, no buffers
+        assert got.full_is_virtual and got.full_tokens == 8192 + 1 and got.swa_tokens > 4096
     else:
         assert not got.full_is_virtual and got.swa_tokens == 0
     assert got.bytes_used <= 8 * 2**30

@@ -123,7 +123,9 @@ def test_allocation_refuses_when_either_sub_pool_is_short(tiny):
     pool, alloc = build_pools(tiny, 32, 8)
     slots = RequestSlots(alloc, ReqToToken(2, 64))
     slots.open("r")
-    assert slots.extend("r", 9) is None  # the SWA pool holds 8
+    with pytest.raises(CapacityError, match=r"pool 'target.swa' is short: request 'r' asked for "
+                       r"9 new slots; 'target.full' has 32, 'target.swa' has 8 free"):
+        slots.extend("r", 9)  # the SWA pool holds 8
     assert alloc.full.used_size() == 0 and slots.reqs["r"].kv_len == 0
     assert slots.extend("r", 8) is not None
     assert alloc.available_size() == 0

@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
+from swafactory.errors import SpaceError
 from swafactory.kvcache.allocator import SWAAllocator
-from swafactory.kvcache.locs import Locs, gather_torch, translate, translate_pages
+from swafactory.kvcache.locs import Locs, gather_torch, translate
 from swafactory.kvcache.pool import HybridSWAPool, KVPool
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -50,10 +51,6 @@ def test_triton_kernel_matches_torch_on_random_permutations(interpret, P, seed):
     assert got.space == ref.space == "swa" and got.tensor.dtype == torch.int64
     assert torch.equal(got.tensor, ref.tensor)
     assert bool((ref.tensor > 0).any()) and bool((ref.tensor == 0).any())  # both cases exercised
-    ref_pages = translate_pages(locs, alloc, pool, P, impl="torch")
-    got_pages = translate_pages(locs, alloc, pool, P, impl="triton")
-    assert got_pages.tensor.dtype == torch.int32 and got_pages.page_size == P
-    assert torch.equal(got_pages.tensor, ref_pages.tensor)
 
 
 @needs_triton
@@ -72,12 +69,14 @@ def test_page_table_translates_slots_before_dividing():
     pool, alloc, _ = _mapped(P, 4)
     owned = alloc.full.owned_pages()
     starts = Locs("full", "target.full", owned * P)  # first slot of each full page
-    pages = translate_pages(starts, alloc, pool, P, impl="torch")
+    pages = translate(starts, alloc, pool).pages(P)
+    assert pages.space == "swa" and pages.page_size == P
     want = alloc.full_to_swa[owned * P] // P
-    assert torch.equal(pages.tensor.long(), want)
+    assert torch.equal(pages.tensor, want)
     wrong = gather_torch(owned, alloc.full_to_swa, 1, torch.int64)  # dividing first
-    assert not torch.equal(pages.tensor.long(), wrong)
-    assert torch.equal(translate(starts, alloc, pool).pages(P).tensor, want)
+    assert not torch.equal(pages.tensor, wrong)
+    with pytest.raises(SpaceError, match="slot ids, not page ids"):
+        translate(starts.pages(P), alloc, pool)  # the wrong order is refused, not computed
 
 
 def test_unknown_impl_is_refused():

@@ -1,0 +1,56 @@
+"""docs/embedding.md is code: its python blocks run in order, on CPU with the torch backend.
+
+The guide checks every forward it makes against a plain fp32 attention it computes from the K/V
+it wrote, so a block that raises or an assert that fails here is the guide (or the contract it
+shows) being wrong.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "embedding.md"
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+
+
+def blocks(text: str) -> list[tuple[int, str]]:
+    """(first line number, code) of each ```python block, in order."""
+    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in _BLOCK.finditer(text)]
+
+
+def test_the_guide_has_its_sections_as_code() -> None:
+    text = DOC.read_text()
+    assert len(blocks(text)) >= 8
+    code = "\n".join(c for _, c in blocks(text))
+    for needed in ("size_pools(", "build_pools(", "RequestSlots(", "evict_out_of_window(",
+                   "truncate(", "finish(", "except CapacityError", "build_backend(cfg, pools=",
+                   'view=View(dpool, pool, "draft_own_pool"', '"draft_reads_target"',
+                   "fview.active_pool = frozen", "spec.draft_pool_split=true", "block=True",
+                   "query_from=", "parents="):
+        assert needed in code, f"docs/embedding.md no longer shows {needed!r}"
+    assert "windows=" not in code  # drafts are built with view= alone
+
+
+def test_the_guide_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert __debug__, "the guide's asserts are its checks: do not run this test under -O"
+    text = DOC.read_text()
+    module = types.ModuleType("docs_embedding")  # a real module: the guide defines a dataclass
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # hundreds of tiny matmuls: extra threads only contend (30× slower)
+    try:
+        for line, code in blocks(text):
+            # padded so a traceback's line numbers are the markdown file's
+            compiled = compile("\n" * (line - 1) + code, str(DOC), "exec")
+            try:
+                exec(compiled, module.__dict__)  # noqa: S102 — the guide's own code, this repo
+            except Exception as err:
+                pytest.fail(f"docs/embedding.md, the block at line {line} failed: "
+                            f"{type(err).__name__}: {err}")
+    finally:
+        torch.set_num_threads(threads)
