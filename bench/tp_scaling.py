@@ -209,7 +209,7 @@ def meta_of(dirs: list[Path], jobs: dict[Key, list[Job]], commit: str | None) ->
         if gpus:  # "NVIDIA H200, 143771 MiB;NVIDIA H200, 143771 MiB" → "2 × NVIDIA H200, …"
             h["gpus"] = ", ".join(f"{gpus.count(g)} × {g}" for g in dict.fromkeys(gpus))
         hosts.append(h)
-    keys = ("gpus", "driver", "cpus", "python", "torch", "triton", "flashinfer")
+    keys = ("gpus", "driver", "python", "torch", "triton", "flashinfer")  # not cpus: the 2026-11-30 calls recorded nproc, which honours OMP_NUM_THREADS=2
     machines = sorted({"; ".join(f"{k} {h[k]}" for k in keys if h.get(k)) for h in hosts})
     devices = sorted({(j.result.get("report") or {}).get("device", "") for js in jobs.values()
                       for j in js} - {""})

@@ -171,7 +171,7 @@ echo "$COMMIT" > "$R/commit.txt"
     echo "phase: $PHASE"
     echo "gpus: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | paste -sd ';')"
     echo "driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
-    echo "cpus: $(nproc)"
+    echo "cpus: $(nproc --all)"  # --all: nproc alone honours OMP_NUM_THREADS (gpu_env.sh sets 2)
     python3 - <<'EOF'
 import importlib, platform
 print("python:", platform.python_version())
