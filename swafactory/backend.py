@@ -119,9 +119,10 @@ class AttentionBackend:
     """One runner's attention: plans once per forward, runs a kernel once per layer."""
 
     def __init__(self, cfg: SwaFactoryConfig, adapter, view: RunnerView,
-                 windows: Mapping[int, int | None]) -> None:
+                 windows: Mapping[int, int | None], guards: bool = True) -> None:
         self.cfg, self.adapter, self.view = cfg, adapter, view
         self.windows = dict(windows)
+        self.guards = guards
         self.softcap = cfg.model.logit_softcap
         self.cascade = cfg.backend.tree_mask == "cascade"
         self.faults = cfg.faults
@@ -168,7 +169,19 @@ class AttentionBackend:
         g = self.plan.group(layer_id)
         if g.write_locs is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
-        self._pool.write(layer_id, g.write_locs, k, v)
+        if self.guards:
+            self._pool.write(layer_id, g.write_locs, k, v)
+            return
+        # unguarded: store at whatever rows the plan says, as an engine with bare kernels would
+        k_buf, v_buf, sub = self._pool.get_kv(layer_id)
+        idx = g.write_locs.tensor.reshape(-1).long()
+        k_buf[idx] = k.to(sub.dtype)
+        v_buf[idx] = v.to(sub.dtype)
+
+    def layer_scale(self, layer_id: int) -> float:
+        """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
+        head_dim^-0.5 of the buffers it reads (a frozen draft layer reads a target layer)."""
+        return self.cfg.model.softmax_scale or self._pool.get_kv(layer_id)[2].head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, batch: ForwardBatch | None = None, save_kv: bool = True,
@@ -185,16 +198,16 @@ class AttentionBackend:
         if save_kv:
             self.write_kv(layer_id, k, v)
         k_buf, v_buf, sub = self._pool.get_kv(layer_id)
-        if q.shape[-1] != sub.head_dim or q.shape[1] % sub.num_kv_heads:
+        if self.guards and (q.shape[-1] != sub.head_dim or q.shape[1] % sub.num_kv_heads):
             raise SpaceError(f"layer {layer_id}: q is {q.shape[1]} heads × {q.shape[-1]}, but the "
                              f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "
                              f"{sub.head_dim}): the wrong pool for this layer")
-        if not sub.accepts(g.tables.kv_indices):
+        if self.guards and not sub.accepts(g.tables.kv_indices):
             raise SpaceError(f"layer {layer_id} reads {sub.pool_id!r} ({sub.space} space) but its "
                              f"plan holds {g.tables.kv_indices.space}-space locations of "
                              f"{g.tables.kv_indices.pool_id!r}")
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
-        scale = self.cfg.model.softmax_scale or sub.head_dim ** -0.5
+        scale = self.layer_scale(layer_id)
         kw = dict(window=g.window, scale=scale, softcap=self.softcap)
         if g.cascade is not None:
             pre, exp = g.cascade
@@ -206,13 +219,16 @@ class AttentionBackend:
 
 
 def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = None, *,
-                  windows: Mapping[int, int | None] | None = None) -> AttentionBackend:
+                  windows: Mapping[int, int | None] | None = None,
+                  guards: bool = True) -> AttentionBackend:
     """Validate ``cfg`` for the pools' device and compose the backend.
 
     pools: a target `HybridSWAPool` (wrapped in a `TargetView`), or give ``view`` (drafts,
     host engines). windows: ``layer -> W or None`` of the runner's layers; the default,
     `runner_windows(cfg, view)`, follows what each layer reads (a draft's layer j is not the
-    target's layer j). Pass it only to override.
+    target's layer j). Pass it only to override. guards: False skips the typed-space checks of
+    reads and writes and the geometry check, as an engine that embedded only the kernels would
+    run (the generator's ``run.guards=false``: faults must then show end to end).
     """
     if view is None:
         if pools is None:
@@ -230,4 +246,4 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
         windows = runner_windows(cfg, view)
         if view.role != "draft_reads_target":  # a FROZEN_KV view's pool is a dummy until swapped
             _check_own_pool(view, windows)
-    return AttentionBackend(cfg, module.Adapter(), view, windows)
+    return AttentionBackend(cfg, module.Adapter(), view, windows, guards)

@@ -1,4 +1,4 @@
-"""What the command line does with a composed config: plan, or run the conformance job.
+"""What the command line does with a composed config: plan, run the conformance job, or generate.
 
 Every job writes `result.json` in its output directory (ok, refused or failed), which the
 multirun callback turns into `matrix.md`. In a single run, a refusal raises (exit 2) and a failure
@@ -91,6 +91,8 @@ def run_cli(cfg: DictConfig, output_dir: Path | None, *, overrides: list[str] = 
             conf = validate(conf, device)
             if conf.run.mode == "plan":
                 return _plan(conf, device, cfg, output_dir, list(overrides), console)
+            if conf.run.mode == "generate":
+                return _generate(conf, device, cfg, output_dir, list(overrides), console, sweep)
             return _conformance(conf, device, cfg, output_dir, list(overrides), console, sweep)
         except (ConfigError, CapacityError) as exc:
             reasons = [str(r) for r in getattr(exc, "reasons", ())] or [str(exc)]
@@ -139,6 +141,27 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep) -> in
     return EXIT_OK
 
 
+def _generate(conf, device, cfg, output_dir, overrides, console, sweep) -> int:
+    from swafactory.engine.report import render_generate, write_generate
+    from swafactory.engine.run import run_generate
+
+    report = run_generate(conf, device, progress=console.file)
+    render_generate(report, console)
+    if output_dir is not None:
+        for path in write_generate(report, output_dir):
+            console.print(f"wrote {path}")
+        _write_result(output_dir, cfg, overrides, report.status,
+                      error=None if report.status == "ok" else
+                      f"caught by {report.caught_by}: "
+                      f"{next(c.detail for c in report.checks if c.name == report.caught_by)}")
+    if report.status != "ok":
+        failed = next(c for c in report.checks if c.name == report.caught_by)
+        print(f"generate FAILED: caught by the {report.caught_by} check: {failed.detail}",
+              file=sys.stderr)
+        return EXIT_OK if sweep else EXIT_CONFORMANCE
+    return EXIT_OK
+
+
 def help_text() -> str:
     """What `python -m swafactory --help` prints before Hydra's own help."""
     from swafactory.config.paths import GROUPS, group_options
@@ -162,6 +185,7 @@ eviction, speculative decoding, every checked attention output against an fp32 o
 
   python -m swafactory backend=torch spec=eagle3 model=gemma4   # conformance run
   python -m swafactory run=plan model=gemma4                    # the plan only
+  python -m swafactory run=generate model=tiny spec=eagle3      # HF model, greedy spec decoding
   python -m swafactory -m backend=torch,triton spec=none,eagle3 # a sweep: matrix.md
 
 Exit codes: 0 ok; 1 conformance failure (a mismatch, a caught fault or a leak); 2 configuration

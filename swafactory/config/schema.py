@@ -66,6 +66,12 @@ class ModelSpec(_Frozen):
     """Score scale; None = head_dim^-0.5 (Gemma 4 uses 1.0 with QK-norm)."""
     hybrid_pool: bool = True
     """Sliding layers get their own SWA sub-pool. False = one full pool, window as a mask only."""
+    architecture: Literal["gemma4", "gemma4_moe", "gpt_oss", "mistral", "gemma3"] | None = None
+    """The HF model definition `run=generate` builds (transformers' Gemma4ForCausalLM (dense or
+    MoE), GptOssForCausalLM, MistralForCausalLM, Gemma3ForCausalLM); None = none (refused)."""
+    checkpoint: str | None = None
+    """`run=generate`: a local HF checkpoint directory to load (`from_pretrained(PATH,
+    local_files_only=True)`) instead of random weights; its attention geometry is served."""
 
     @model_validator(mode="before")
     @classmethod
@@ -201,11 +207,40 @@ class WorkloadSpec(_Frozen):
 
 
 class RunSpec(_Frozen):
-    """What the command does."""
+    """What the command does, and the sizes of `generate`'s model (conf/run/generate.yaml)."""
 
-    mode: Literal["plan", "conformance"] = "conformance"
+    mode: Literal["plan", "conformance", "generate"] = "conformance"
     """`plan`: validate and print the plan, allocate nothing. `conformance`: the serving
-    simulation with every checked attention output compared with the oracle."""
+    simulation with every checked attention output compared with the oracle. `generate`: greedy
+    (speculative) generation with an HF model definition whose attention is the built backend,
+    checked against transformers' own forward."""
+    hidden_size: int = Field(default=64, ge=8)
+    """`generate`: the model's hidden size (the attention heads and head dims stay the model's)."""
+    intermediate_size: int = Field(default=128, ge=8)
+    """`generate`: MLP (and each expert's) intermediate size."""
+    num_layers: int | None = Field(default=6, ge=1)
+    """`generate`: the first this many of the model's layers (their types kept); null = all."""
+    num_experts: int = Field(default=4, ge=1)
+    """`generate`, MoE models (GPT-OSS, Gemma 4 26B-A4B): experts per layer."""
+    experts_per_token: int = Field(default=2, ge=1)
+    """`generate`, MoE models: experts each token is routed to."""
+    vocab_size: int = Field(default=256, ge=8)
+    """`generate`: vocabulary size (prompts are drawn from it)."""
+    init_std: float = Field(default=0.1, gt=0)
+    """`generate`: HF `initializer_range` of the random weights: large enough that attention, not
+    the token embedding alone, decides the next token."""
+    max_position_embeddings: int = Field(default=8192, ge=16)
+    """`generate`: RoPE table length; prompts and outputs must fit in it."""
+    guards: bool = True
+    """`generate`: false turns off the typed-space checks and the NaN poisoning of freed slots, as
+    an engine that embedded only the kernels would run; faults must then show end to end."""
+
+    @model_validator(mode="after")
+    def _experts(self) -> RunSpec:
+        if self.experts_per_token > self.num_experts:
+            raise FieldError("experts_per_token", f"{self.experts_per_token} exceeds "
+                             f"num_experts={self.num_experts}")
+        return self
 
 
 class FaultsSpec(_Frozen):
@@ -260,6 +295,14 @@ class SwaFactoryConfig(_Frozen):
     """Fault injection (all off by default)."""
     parallel: ParallelSpec = ParallelSpec()
     """Tensor parallelism (one process by default)."""
+
+    @model_validator(mode="after")
+    def _generate_fits(self) -> SwaFactoryConfig:
+        n, m = self.run.num_layers, self.model
+        if self.run.mode == "generate" and n is not None and n > m.num_layers:
+            raise FieldError("run.num_layers", f"{n} exceeds model.num_layers={m.num_layers} of "
+                             f"model={m.name}; use run.num_layers≤{m.num_layers} or null (all)")
+        return self
 
     @property
     def combination(self) -> str:

@@ -5,10 +5,10 @@ replays `Loop.step_once`'s scheduling on the run's own prompt and output lengths
 to ``max_running_requests``, prefill chunks clamped to each request's SWA share exactly as
 `Loop._prefill` clamps them (with `RequestSlots.evict_out_of_window`'s page-floored frontier),
 then decode or spec steps. A decode step commits one token per request; a spec step commits an
-accepted length drawn from the loop's own acceptance rule (`_accept` on `_tree`). Without spec
-the replay is exact; with spec the estimate is the mean step count of `_REPLAYS` seeded replays
-(not the plug-in mean length: which requests finish together, and so whether a prefill stalls
-the decodes, depends on the draws).
+accepted length drawn from the loop's own acceptance rule (`swafactory.speculative`'s
+`seeded_accept` on `seeded_tree`). Without spec the replay is exact; with spec the estimate
+is the mean step count of `_REPLAYS` seeded replays (not the plug-in mean length: which
+requests finish together, and so whether a prefill stalls the decodes, depends on the draws).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import random
 from collections import deque
 
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.harness.loop import _accept, _tree  # the loop's own acceptance rule
+from swafactory.speculative import seeded_accept, seeded_tree  # the loop's own rule
 
 __all__ = ["estimate_steps", "accepted_lengths"]
 
@@ -36,10 +36,11 @@ def accepted_lengths(cfg: SwaFactoryConfig, samples: int = _SAMPLES) -> list[int
         if s.algorithm == "dflash":
             parents, n = None, s.block_size
         elif s.is_tree:
-            parents, n = _tree(s.topk, s.num_steps, rng)[:s.num_draft_tokens], s.num_draft_tokens
+            n = s.num_draft_tokens
+            parents = seeded_tree(s.topk, s.num_steps, rng)[:n]
         else:
             parents, n = None, s.num_draft_tokens
-        out.append(len(_accept(parents, n, rng)))
+        out.append(len(seeded_accept(parents, n, rng)))
     return out
 
 

@@ -39,17 +39,20 @@ def _on(device: torch.device | str, t: torch.Tensor) -> torch.Tensor:
 
 def request_visibility(window: int | None, r: ReqForward, pos: Sequence[int],
                        device: torch.device | str) -> torch.Tensor:
-    """[q_len, prefix_len + nodes] bool: which of the request's logical keys (token positions
-    ``pos`` in slot order) each of its queries sees: structure, then the window."""
-    n = r.prefix_len + r.nodes
+    """[q_len, kv_end] bool: which of the request's logical keys (token positions ``pos`` in
+    slot order) each of its queries sees: structure, then the window."""
+    n = r.kv_end
     k_pos = _on(device, torch.tensor(pos[:n]))
-    if r.parents is not None:
-        structure = _on(device, tree_visibility(r.prefix_len, list(r.parents)))
+    q_pos = _on(device, r.node_positions()[r.query_from:])
+    if r.prefix_only:  # queries past the prefix that see all of it and none of the step's nodes
+        structure = torch.ones(r.q_len, n, dtype=torch.bool, device=device)
+    elif r.parents is not None:
+        structure = _on(device, tree_visibility(r.prefix_len, list(r.parents)))[r.query_from:]
     elif r.block:
-        structure = torch.ones(r.nodes, n, dtype=torch.bool, device=device)
+        structure = torch.ones(r.q_len, n, dtype=torch.bool, device=device)
     else:  # committed history and a chain: causal by position
-        structure = causal_visibility(k_pos[r.prefix_len:], k_pos)
-    return visibility(k_pos[r.prefix_len + r.query_from:], k_pos, structure[r.query_from:], window)
+        structure = causal_visibility(q_pos, k_pos)
+    return visibility(q_pos, k_pos, structure, window)
 
 
 class ForwardOracle:
@@ -58,7 +61,7 @@ class ForwardOracle:
     def __init__(self, reqs: Sequence[ReqForward], histories: Mapping[Hashable, object],
                  device: torch.device | str) -> None:
         self.reqs, self.hist, self.device = list(reqs), histories, device
-        self.n = [r.prefix_len + r.nodes for r in self.reqs]
+        self.n = [r.kv_end for r in self.reqs]
         self.q_len = [r.q_len for r in self.reqs]
         self.qmax = max(self.q_len)
         self.row0 = list(accumulate(self.q_len, initial=0))[:-1]  # each one's first q row

@@ -1,9 +1,11 @@
 """The serving loop: admit, prefill in chunks, decode or run the spec table, evict, finish.
 
-Each spec step follows DESIGN's table: the draft's forwards (own pool, or the target's frozen
-view swapped in), target verify (chain, tree by custom mask or cascade, or a DFlash block),
-a seeded accepted path, the rejected slots freed in both pools, the accepted tree KV moved into
-place (translated for SWA layers), and a draft extend over the accepted tokens.
+Each spec step is one run of the spec table (`swafactory.speculative.SpecStep`, shared with the
+generator): the draft's forwards (own pool, or the target's frozen view swapped in), target
+verify (chain, tree by custom mask or cascade, or a DFlash block), a seeded accepted path, the
+rejected slots freed in both pools, the accepted tree KV moved into place (translated for SWA
+layers), and a draft extend over the accepted tokens. A FROZEN_KV draft step re-reads position
+L - 1 here (``frozen_query="reread"``).
 """
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from swafactory.errors import CapacityError
-from swafactory.harness.setup import Parts, draft_nodes
+from swafactory.harness.setup import Parts
 from swafactory.harness.workers import Check, History, Worker
-from swafactory.kvcache.locs import Locs
-from swafactory.kvcache.move import move_kv
 from swafactory.metadata.batch import ForwardMode, ReqForward
+from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, seeded_accept,
+                                    seeded_tree)
 
 __all__ = ["Req", "Loop", "Mismatched", "pool_use"]
 
@@ -64,20 +66,17 @@ class Loop:
         self.accepts: list[int] = []
         self.current = ("-", "setup")
         self.swa_use = self.full_use = 0.0
+        self.spec_step = SpecStep(
+            self.cfg.spec, parts.slots, (parts.pool, parts.draft_pool),
+            draft_writes=parts.draft is not None and parts.draft.writes, frozen_query="reread",
+            leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots)
 
     # ------------------------------------------------------------------ plumbing
     def _rf(self, r: Req, prefix: int, nodes: int, **kw) -> ReqForward:
         return ReqForward(r.rid, self.p.slots.reqs[r.rid].row, prefix, nodes, **kw)
 
     def _alloc(self, r: Req, upto: int) -> None:
-        need = upto - self.p.slots.reqs[r.rid].kv_len
-        if need <= 0:
-            return
-        try:
-            self.p.slots.extend(r.rid, need)
-        except CapacityError as exc:
-            raise CapacityError(f"{exc}: out-of-window SWA slots were not freed, rejected draft "
-                                "slots were not freed, or the pools are too small") from exc
+        alloc_upto(self.p.slots, r.rid, upto)
 
     def _run(self, worker: Worker, mode: ForwardMode, reqs: list[ReqForward], check: bool) -> None:
         self.current = (worker.name, mode)
@@ -143,8 +142,8 @@ class Loop:
         W, I = self.cfg.model.sliding_window, self.cfg.workload.eviction_interval
         reread = self.cfg.spec.draft_kv == "target_pool"  # FROZEN_KV re-reads position L-1
         for r in self.running:
-            low = r.committed - 1 if reread and not r.prefilling else r.committed
-            n = self.p.slots.evict_out_of_window(r.rid, max(0, low), W, I)
+            low = eviction_floor(r.committed, r.prefilling, reread)
+            n = self.p.slots.evict_out_of_window(r.rid, low, W, I)
             if n:
                 r.fresh_eviction = True
                 self.evicted += n
@@ -201,99 +200,39 @@ class Loop:
             r.fresh_eviction = False
 
     def _spec(self, reqs: list[Req]) -> None:
-        s = self.cfg.spec
-        T = draft_nodes(self.cfg)
-        for r in reqs:
-            self._alloc(r, r.committed + T)
-        if s.algorithm == "dflash":
-            parents, verify_n = None, s.block_size
-            self._run(self.p.draft, "draft_decode",
-                      [self._rf(r, r.committed, s.block_size, block=True) for r in reqs], True)
-        elif s.is_tree:
-            parents = _tree(s.topk, s.num_steps, self.rng)
-            verify_n = s.num_draft_tokens
-            for lvl in range(s.num_steps):  # the draft queries the root, then each level
-                lo, hi = (0, 1) if lvl == 0 else (1 + s.topk * (lvl - 1), 1 + s.topk * lvl)
-                self._run(self.p.draft, "draft_decode",
-                          [self._rf(r, r.committed, hi, parents=parents[:hi], query_from=lo)
-                           for r in reqs], True)
-            for r in reqs:  # keep the verified subtree (BFS prefix), free the rest of the tree
-                self._truncate(r, r.committed + verify_n)
-            parents = parents[:verify_n]
-        else:  # chains: eagle, nextn, standalone, frozen_kv_mtp
-            parents, verify_n = None, s.num_draft_tokens
-            for step in range(s.num_steps):
-                if self.p.draft.writes:
-                    fw = [self._rf(r, r.committed, step + 1, query_from=step) for r in reqs]
-                else:  # FROZEN_KV: re-read the committed KV through the last committed token
-                    fw = [self._rf(r, r.committed - 1, 1) for r in reqs]
-                self._run(self.p.draft, "draft_decode", fw, True)
-        self._run(self.p.target, "target_verify",
-                  [self._rf(r, r.committed, verify_n, parents=parents) for r in reqs], True)
-        accepted = []
-        for r in reqs:
-            path = _accept(parents, verify_n, self.rng)
-            self._commit(r, path)
-            accepted.append((r, len(path)))
-        if self.p.draft is not None and self.p.draft.writes:
-            self._run(self.p.draft, "draft_extend",
-                      [self._rf(r, r.committed, a) for r, a in accepted], True)
-        for r, a in accepted:
+        """One step of the spec table (`swafactory.speculative`), with the harness's hooks:
+        a seeded tree, a seeded accepted path, histories kept beside the pools."""
+        accepted = self.spec_step.run(reqs, self)
+        for r, a in zip(reqs, accepted):
             r.committed += a
             r.generated += a
             r.fresh_eviction = False
             self.accepts.append(a)
 
-    def _truncate(self, r: Req, new_len: int) -> None:
-        """Free the rejected draft slots past ``new_len`` (the fault switch lives in RequestSlots)."""
-        self.p.slots.truncate(r.rid, new_len,
-                              leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots)
+    # ------------------------------------------------------------------ SpecHooks
+    def forward(self, worker: str, mode: ForwardMode, reqs: list[ReqForward]) -> None:
+        self._run(self.p.target if worker == "target" else self.p.draft, mode, reqs, True)
 
-    def _commit(self, r: Req, path: list[int]) -> None:
-        """Move the accepted path's KV to positions L.., then free everything after it."""
-        L = r.committed
+    def start_tree(self, reqs) -> dict:
+        s = self.cfg.spec
+        parents = list(seeded_tree(s.topk, s.num_steps, self.rng))  # one tree for every request
+        return {r.rid: parents for r in reqs}
+
+    def grow_tree(self, reqs, level, tree) -> None:
+        return None  # the seeded tree was drawn whole
+
+    def accept(self, verify: ReqForward) -> list[int]:
+        return seeded_accept(verify.parents, verify.nodes, self.rng)
+
+    def on_commit(self, rid, committed: int, path: list[int]) -> None:
         if path != list(range(len(path))):
-            row = self.p.slots.reqs[r.rid].row
-            table = self.p.slots.req_to_token.table[row]
-            fid = self.p.alloc.full_id
-            src = Locs("full", fid, table[[L + i for i in path]].long())
-            dst = Locs("full", fid, table[L:L + len(path)].long())
-            for pool in (self.p.pool, self.p.draft_pool):
-                if pool is not None:
-                    move_kv(pool, src, dst)
-            self.p.hist_t[r.rid].reorder_tail(L, path)
-        self._truncate(r, L + len(path))
-        self.p.hist_t[r.rid].truncate(L + len(path))
-        if r.rid in self.p.hist_d:  # the draft extend rewrites the accepted tokens' draft KV
-            self.p.hist_d[r.rid].truncate(L)
+            self.p.hist_t[rid].reorder_tail(committed, path)
+        self.p.hist_t[rid].truncate(committed + len(path))
+        if rid in self.p.hist_d:  # the draft extend rewrites the accepted tokens' draft KV
+            self.p.hist_d[rid].truncate(committed)
 
 
 def pool_use(alloc, space: str) -> float:
     """Used / total slots of one space (`swa` or `full`) of an allocator."""
     sub = getattr(alloc, space, alloc)  # an SWAAllocator has .full/.swa; a TokenAllocator is one
     return sub.used_size() / sub.size
-
-
-def _tree(topk: int, steps: int, rng: random.Random) -> tuple[int, ...]:
-    """A drafted tree in BFS order: a root, then `topk` nodes per level, each under a random
-    node of the level above."""
-    parents = [-1]
-    prev = [0]
-    for _ in range(steps):
-        level = [len(parents) + i for i in range(topk)]
-        parents.extend(rng.choice(prev) for _ in level)
-        prev = level
-    return tuple(parents)
-
-
-def _accept(parents: tuple[int, ...] | None, n: int, rng: random.Random,
-            p: float = 0.7) -> list[int]:
-    """A seeded accepted path from the root (node 0): each next token is accepted with
-    probability p, down a random child. A chain's child of node i is node i + 1."""
-    path = [0]
-    while True:
-        last = path[-1]
-        kids = [i for i in range(1, n) if (parents[i] if parents else i - 1) == last]
-        if not kids or rng.random() > p:
-            return path
-        path.append(rng.choice(kids))

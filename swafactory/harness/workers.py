@@ -74,7 +74,7 @@ def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
                sinks: torch.Tensor | None) -> torch.Tensor:
     """The oracle's answer for one request's queries at one layer, from its logical history
     (request by request; `ForwardOracle` answers a whole forward's layers)."""
-    start, keys, values = hist.kv_from(spec.history_layer, r.prefix_len + r.nodes)
+    start, keys, values = hist.kv_from(spec.history_layer, r.kv_end)
     allowed = request_visibility(spec.window, r, hist.pos, keys.device)
     return masked_attention(q, keys, values, allowed[:, start:], scale=spec.scale,
                             softcap=spec.softcap, sinks=sinks)

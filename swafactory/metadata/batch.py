@@ -40,6 +40,10 @@ class ReqForward:
     """Tree: parent node index of each node (-1 = child of the prefix). None = a causal chain."""
     block: bool = False
     """DFlash: the nodes see each other (non-causal inside the block)."""
+    prefix_only: bool = False
+    """The queries see the committed prefix only, none of the step's nodes (whose keys are not in
+    the pool): a FROZEN_KV MTP draft step k queries position ``prefix_len + k`` over the target's
+    keys ``0 … prefix_len - 1``, as ``ReqForward(L, k + 1, query_from=k, prefix_only=True)``."""
 
     def __post_init__(self) -> None:
         if self.prefix_len < 0 or self.nodes < 1 or not 0 <= self.query_from < self.nodes:
@@ -54,6 +58,9 @@ class ReqForward:
                 raise ValueError(f"request {self.rid!r}: each parent must precede its node")
         if self.parents is not None and self.block:
             raise ValueError(f"request {self.rid!r}: a DFlash block is not a tree")
+        if self.prefix_only and (self.parents is not None or self.block):
+            raise ValueError(f"request {self.rid!r}: prefix_only queries see no node, so they "
+                             "take no tree or block structure")
 
     @property
     def q_len(self) -> int:
@@ -74,8 +81,17 @@ class ReqForward:
         """[nodes] int64: token positions of the step's nodes."""
         return self.prefix_len + torch.tensor(self.depths, dtype=torch.int64)
 
+    @property
+    def kv_end(self) -> int:
+        """Slot index after the request's last key: the step's nodes are keys unless
+        `prefix_only`."""
+        return self.prefix_len + (0 if self.prefix_only else self.nodes)
+
     def node_structure(self) -> torch.Tensor | None:
-        """[q_len, nodes] bool: which nodes each query sees, or None when causal by position."""
+        """[q_len, nodes] bool: which nodes each query sees, or None when causal by position
+        (a `prefix_only` query sees none: [q_len, 0])."""
+        if self.prefix_only:
+            return torch.zeros(self.q_len, 0, dtype=torch.bool)
         if self.block:
             return torch.ones(self.q_len, self.nodes, dtype=torch.bool)
         if self.parents is None:
@@ -126,3 +142,9 @@ class ForwardBatch:
     def has_tree(self) -> bool:
         """Some request verifies or drafts a tree."""
         return any(r.parents is not None for r in self.reqs)
+
+    @property
+    def needs_mask(self) -> bool:
+        """Some request's visibility is not causal by position over keys ending at its queries
+        (a tree, a DFlash block, prefix-only queries): kernels get the structure mask."""
+        return self.has_tree or any(r.block or r.prefix_only for r in self.reqs)

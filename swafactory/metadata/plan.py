@@ -159,13 +159,14 @@ def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch
     device = table.device
     starts = [_start(r, window) for r in reqs]
     slots, pre_len, kv_pos, q_pos, masks, w_slots = [], [], [], [], [], []
-    need_mask = batch.has_tree or any(r.block for r in reqs)
+    need_mask = batch.needs_mask
     for r, s in zip(reqs, starts):
         end = r.prefix_len + r.nodes
-        slots.append(table[r.row, s:end].long())
+        slots.append(table[r.row, s:r.kv_end].long())
         pre_len.append(r.prefix_len - s)
         nodes_pos = r.node_positions()
-        kv_pos.append(torch.cat([torch.arange(s, r.prefix_len), nodes_pos]))
+        kv_pos.append(torch.cat([torch.arange(s, r.prefix_len),
+                                 nodes_pos[:r.kv_end - r.prefix_len]]))
         q_pos.append(nodes_pos[r.query_from:])
         w_slots.append(table[r.row, r.prefix_len + r.query_from:end].long())
         if need_mask:

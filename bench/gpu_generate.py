@@ -1,0 +1,219 @@
+"""Issue 15, item 5: `run=generate` on the GPU for every backend × model × spec, and its record.
+
+    # on the GPU host, one lane per backend (one process each; a lane runs its jobs one at a time)
+    python3 bench/gpu_generate.py run --backend flashinfer --rows OUT/rows_flashinfer.jsonl \
+        --reports OUT/reports_flashinfer [--deadline S] [OVERRIDE ...]
+    # back here
+    python bench/gpu_generate.py render ROWS.jsonl ... --commit C --command "…"
+
+`run` composes ``run=generate backend=B model=M spec=S`` plus the overrides for each model and
+spec, calls `swafactory.engine.run_generate` in this one process (transformers and the kernels
+load once), and appends one JSON row per job as it ends, so a lane stopped at its deadline keeps
+what finished. A refusal (ConfigError, CapacityError) is a row too, with its reasons. `render`
+writes bench/results/gpu-generate.md and .json (and .png: accept length per job).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench/results/gpu-generate"
+BACKENDS = ["flashinfer", "triton", "flash_attn"]
+MODELS = ["gemma4", "gpt_oss_20b", "mistral_7b"]
+SPECS = ["none", "eagle", "eagle3", "nextn", "standalone", "frozen_kv_mtp", "dflash"]
+
+
+def _row(backend: str, model: str, spec: str) -> dict:
+    return {"backend": backend, "model": model, "spec": spec}
+
+
+def run_lane(args: argparse.Namespace) -> int:
+    import torch
+
+    import swafactory
+    from swafactory.engine.report import write_generate
+    from swafactory.engine.run import run_generate
+    from swafactory.errors import CapacityError, ConfigError
+
+    t0 = time.perf_counter()
+    rows = Path(args.rows)
+    rows.parent.mkdir(parents=True, exist_ok=True)
+    for model in args.models.split(","):
+        for spec in args.specs.split(","):
+            left = args.deadline - (time.perf_counter() - t0)
+            row = _row(args.backend, model, spec)
+            if left < args.min_left:
+                row.update(status="did not run", detail=f"lane deadline ({args.deadline} s)")
+                _append(rows, row)
+                continue
+            overrides = ["run=generate", f"backend={args.backend}", f"model={model}",
+                         f"spec={spec}", *args.overrides]
+            row["overrides"] = overrides
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            try:
+                report = run_generate(swafactory.compose(overrides))
+            except (ConfigError, CapacityError) as exc:
+                reasons = [str(r) for r in getattr(exc, "reasons", ())] or [str(exc)]
+                row.update(status="refused", detail="; ".join(reasons))
+            except Exception as exc:  # noqa: BLE001 - a lane records every job's end
+                row.update(status="error", detail=f"{type(exc).__name__}: {exc}",
+                           traceback=traceback.format_exc()[-3000:])
+            else:
+                folder = Path(args.reports) / f"{model}-{spec}"
+                write_generate(report, folder)
+                checks = {c.name: c.status for c in report.checks}
+                row.update(
+                    status=report.status, caught_by=report.caught_by, device=report.device,
+                    dtype=report.dtype, architecture=report.architecture,
+                    transformers=report.transformers,
+                    logits_err=report.logits_max_rel_err, logits_tol=report.logits_tolerance,
+                    logits_positions=report.logits_positions, lossless=report.lossless,
+                    accept_len=report.accept_len, ideal=report.ideal_accept_len,
+                    accept_steps=[a for q in report.requests for a in q.accept_lengths],
+                    tokens=sum(len(q.generated_ids) for q in report.requests),
+                    tokens_per_s=report.tokens_per_s, wall_s=report.wall_s,
+                    reference_s=report.reference_s, checks=checks,
+                    details={c.name: c.detail for c in report.checks if c.status != "skipped"},
+                    serving=report.serving_model, draft=report.draft)
+            row["job_s"] = time.perf_counter() - t
+            if torch.cuda.is_available():
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            _append(rows, row)
+            print(f"{args.backend} {model} {spec}: {row['status']} "
+                  f"({row['job_s']:.1f} s) {row.get('caught_by') or ''} {row.get('detail', '')}",
+                  flush=True)
+    return 0
+
+
+def _append(path: Path, row: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _fmt(x, spec: str = ".2e") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render(args: argparse.Namespace) -> int:
+    rows: dict[tuple, dict] = {}
+    for p in args.rows:
+        for line in Path(p).read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                rows[(r["backend"], r["model"], r["spec"])] = r  # a later row of a job wins
+    order = [(b, m, s) for b in BACKENDS for m in MODELS for s in SPECS]
+    missing = [k for k in order if k not in rows]
+    ok = [r for r in rows.values() if r["status"] == "ok"]
+    first = next(iter(ok), {})
+    lines = [
+        "# run=generate on the H200: HF model definitions on swafactory attention",
+        "",
+        f"Commit `{args.commit}`; {first.get('device', '-')}; transformers "
+        f"{first.get('transformers', '-')}, {first.get('dtype', '-')} weights and KV. "
+        "Random weights (`torch.manual_seed(workload.seed)`), the model file's attention "
+        "geometry (layer types, heads, head dims, window, sinks, scale) with `run.*` sizes "
+        "(hidden size, 6 layers, vocab 256). Each job: greedy generation through the backend, "
+        "then transformers' own eager forward of every request's tokens (logits), spec=none on "
+        "the same backend (lossless), and for frozen_kv_mtp / dflash the torch backend "
+        "(acceptance step by step).",
+        "",
+        "Command, one lane per backend on one GPU:",
+        "",
+        f"    {args.command}",
+        "",
+        f"{len(ok)} ok, {sum(r['status'] == 'failed' for r in rows.values())} failed, "
+        f"{sum(r['status'] == 'refused' for r in rows.values())} refused by the registry, "
+        f"{sum(r['status'] in ('error', 'did not run') for r in rows.values()) + len(missing)} "
+        "did not run or stopped with an error.",
+        "",
+        "| backend | model | spec | status | logits err (tol) | lossless | accept len (ideal) "
+        "| tok/s | job s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k in order:
+        r = rows.get(k)
+        if r is None:
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | not run | - | - | - | - | - |")
+            continue
+        if r["status"] in ("refused", "error", "did not run"):
+            detail = r.get("detail", "").replace("|", "/")[:160]
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {r['status']}: {detail} | - | - | - | - "
+                         f"| - |")
+            continue
+        st = r["status"] if r["status"] == "ok" else f"failed ({r.get('caught_by')})"
+        ll = {True: "yes", False: "no", None: "-"}[r.get("lossless")]
+        acc = "-" if r.get("accept_len") is None else (
+            f"{r['accept_len']:.2f} ({_fmt(r.get('ideal'), '.0f')})")
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {st} | {_fmt(r.get('logits_err'))} "
+                     f"({_fmt(r.get('logits_tol'), '.0e')}) | {ll} | {acc} "
+                     f"| {_fmt(r.get('tokens_per_s'), '.1f')} | {_fmt(r.get('job_s'), '.1f')} |")
+    lines += [
+        "",
+        "tok/s: generated tokens over the main run's wall time, first-use kernel compiles and "
+        "the HF model's per-layer Python included, at a scaled hidden size: an end-to-end "
+        "figure of this small generator, not a kernel throughput. The lanes shared one GPU.",
+        "accept len: tokens committed per spec step (the root plus the accepted drafts); ideal: "
+        "a self-speculating copy's (num_steps + 1 for a chain, the verified greedy depth + 1 for "
+        "a tree); frozen_kv_mtp and dflash have none and are compared with the torch backend.",
+    ]
+    failed = [r for r in rows.values() if r["status"] == "failed"]
+    if failed:
+        lines += ["", "## Failed checks", ""]
+        for r in failed:
+            d = r.get("details", {}).get(r.get("caught_by"), "")
+            lines.append(f"- {r['backend']} {r['model']} {r['spec']}: {r.get('caught_by')}: {d}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    OUT.with_suffix(".json").write_text(json.dumps(
+        {"commit": args.commit, "command": args.command, "rows": list(rows.values())}, indent=1))
+    print("\n".join(lines))
+    _plot([rows[k] for k in order if k in rows and rows[k].get("accept_steps")])
+    return 0
+
+
+def _plot(rows: list[dict]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for r in rows:
+        ax.plot(r["accept_steps"], label=f"{r['backend']} {r['model']} {r['spec']}", lw=1)
+    ax.set_xlabel("spec step (every request's, in order)")
+    ax.set_ylabel("accept length")
+    ax.legend(fontsize=5, ncol=3)
+    fig.tight_layout()
+    fig.savefig(OUT.with_suffix(".png"), dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one backend's lane on this host")
+    r.add_argument("--backend", required=True, choices=BACKENDS + ["torch"])
+    r.add_argument("--models", default=",".join(MODELS))
+    r.add_argument("--specs", default=",".join(SPECS))
+    r.add_argument("--rows", required=True)
+    r.add_argument("--reports", required=True)
+    r.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole lane")
+    r.add_argument("--min-left", type=float, default=20.0)
+    r.add_argument("overrides", nargs="*", help="more overrides for every job")
+    d = sub.add_parser("render", help="write bench/results/gpu-generate.{md,json,png}")
+    d.add_argument("rows", nargs="+")
+    d.add_argument("--commit", required=True)
+    d.add_argument("--command", required=True)
+    args = ap.parse_args(argv)
+    return run_lane(args) if args.cmd == "run" else render(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""A small continuous-batching generator: greedy (speculative) decoding on HF model definitions.
+
+Each scheduler step admits requests up to ``workload.max_running_requests``, then either
+prefills a chunk of every prefilling request (target extend, and draft extend for a draft that
+writes its own pool), or decodes (``spec=none``), or runs one step of the spec table
+(`swafactory.speculative.SpecStep`, shared with the conformance harness) with this module's
+hooks: greedy drafts (a tree grows by the draft's top-k, its greedy child first) and greedy
+acceptance (the drafted token must be the target's argmax). Then finished requests release
+their slots and every running request evicts its out-of-window SWA slots.
+
+A request's ``tokens`` are its prompt and generated tokens; positions ``[0, committed)`` have K/V
+in the pools, and ``tokens[committed]`` (the root of the next step) is generated but not yet
+attended over.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from swafactory.engine.build import Parts, model_dtype
+from swafactory.engine.report_model import GenStep
+from swafactory.metadata.batch import ForwardMode, ReqForward
+from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, greedy_path,
+                                    level_bounds)
+
+__all__ = ["GenReq", "Generator", "MASK_TOKEN", "tie_tolerance"]
+
+MASK_TOKEN = 0
+"""The token id of a DFlash block's not-yet-drafted positions."""
+
+
+def tie_tolerance(dtype: torch.dtype) -> float:
+    """Two logits closer than this (relative to the row's largest |logit|) are an argmax tie:
+    which one wins may differ between two correct runs (another batch shape, another kernel), so
+    a divergence there is reported, not failed. fp32: 1e-5; 16-bit: 1e-2 (bf16 keeps 8 bits of
+    mantissa, and the draft and verify forwards round differently)."""
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@dataclass
+class GenReq:
+    """One request's progress."""
+
+    rid: int
+    prompt: list[int]
+    out: int
+    tokens: list[int] = field(default_factory=list)
+    committed: int = 0
+    accepts: list[int] = field(default_factory=list)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Target logits at each position whose argmax gave the next token (fp32, on the host)."""
+    ties: list[int] = field(default_factory=list)
+    """Positions whose target argmax was a near tie (`tie_tolerance`)."""
+    spec_at: list[int] = field(default_factory=list)
+    """The committed length L at each spec step (its verified positions start there)."""
+    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The draft's logits of its ``draft_extend`` rows (committed tokens), per position."""
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.committed < len(self.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+
+def _use(alloc, space: str) -> float:
+    sub = getattr(alloc, space, alloc)  # an SWAAllocator has .full/.swa; a TokenAllocator is one
+    return sub.used_size() / sub.size
+
+
+def _argmax(row: torch.Tensor, tie: float) -> tuple[int, bool]:
+    """(argmax, near tie) of one logits row."""
+    top = row.topk(2).values
+    return int(row.argmax()), bool(top[0] - top[1] <= tie * max(1.0, float(row.abs().max())))
+
+
+class Generator:
+    """Drives `Parts` until every request has generated its tokens."""
+
+    def __init__(self, parts: Parts, prompts: list[list[int]], outs: list[int],
+                 on_step: Callable[[Generator], None] | None = None) -> None:
+        self.p, self.cfg = parts, parts.cfg
+        self.waiting = deque(GenReq(i, pr, o) for i, (pr, o) in enumerate(zip(prompts, outs)))
+        self.running: list[GenReq] = []
+        self.done: list[GenReq] = []
+        self.by_id: dict[Hashable, GenReq] = {}
+        self.step = 0
+        self.history: list[GenStep] = []
+        self.evicted = 0
+        self.current = ("-", "setup")
+        self.on_step = on_step
+        s = self.cfg.spec
+        self.frozen = s.draft_kv == "target_pool"
+        self.tie = tie_tolerance(model_dtype(self.cfg))
+        self.spec = None if s.algorithm == "none" else SpecStep(
+            s, parts.slots, (parts.pool, parts.draft_pool),
+            draft_writes=parts.draft is not None and parts.draft.writes, frozen_query="mtp",
+            leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots)
+        self.nodes: dict[Hashable, list[int]] = {}     # this step's node tokens
+        self.scores: dict[Hashable, list[float]] = {}  # a tree's cumulative log-probs
+        self.rows: dict[Hashable, torch.Tensor] = {}   # the last forward's logits per request
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        while self.waiting or self.running:
+            self.step_once()
+
+    def step_once(self) -> None:
+        R = self.cfg.workload.max_running_requests
+        while self.waiting and len(self.running) < R:
+            r = self.waiting.popleft()
+            self.p.slots.open(r.rid)
+            self.by_id[r.rid] = r
+            self.running.append(r)
+        prefill = [r for r in self.running if r.prefilling]
+        accepts: list[int] = []
+        evicted, kind = self.evicted, "prefill" if prefill else "decode"
+        if prefill:
+            self._prefill(prefill)
+        elif self.spec is None:
+            self._decode(self.running)
+        else:
+            kind = "spec"
+            self._seed_nodes()
+            for r in self.running:
+                r.spec_at.append(r.committed)
+            accepts = self.spec.run(self.running, self)
+            for r, a in zip(self.running, accepts):
+                r.committed += a
+                r.accepts.append(a)
+        use = {sp: _use(self.p.alloc, sp) for sp in ("swa", "full")}  # after the forwards
+        for r in list(self.running):
+            if len(r.generated) >= r.out:
+                self.p.slots.finish(r.rid)
+                self.running.remove(r)
+                self.done.append(r)
+        self._evict()
+        self.step += 1
+        self.history.append(GenStep(
+            step=self.step, kind=kind, running=len(self.running),
+            accept_len=sum(accepts) / len(accepts) if accepts else None,
+            accept_min=min(accepts) if accepts else None, evicted=self.evicted - evicted,
+            swa_use=use["swa"], full_use=use["full"]))
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def _evict(self) -> None:
+        m = self.cfg.model
+        if not (m.swa_layers and m.hybrid_pool) or self.cfg.faults.no_swa_eviction:
+            return
+        W, I = m.sliding_window, self.cfg.workload.eviction_interval
+        for r in self.running:
+            self.evicted += self.p.slots.evict_out_of_window(
+                r.rid, eviction_floor(r.committed, r.prefilling, self.frozen), W, I)
+
+    def _prefill(self, reqs: list[GenReq]) -> None:
+        chunk = self.cfg.workload.chunk_size
+        fw = []
+        for r in reqs:
+            n = min(chunk, len(r.prompt) - r.committed)
+            alloc_upto(self.p.slots, r.rid, r.committed + n)
+            fw.append(self._rf(r, r.committed, n))
+        self.forward("target", "extend", fw)
+        if self.p.draft is not None and self.p.draft.writes:
+            self.forward("draft", "draft_extend", fw)
+        for r, f in zip(reqs, fw):
+            r.committed += f.nodes
+
+    def _decode(self, reqs: list[GenReq]) -> None:
+        for r in reqs:
+            alloc_upto(self.p.slots, r.rid, r.committed + 1)
+        self.forward("target", "decode", [self._rf(r, r.committed, 1) for r in reqs])
+        for r in reqs:
+            r.committed += 1
+
+    def _rf(self, r: GenReq, prefix: int, nodes: int, **kw) -> ReqForward:
+        return ReqForward(r.rid, self.p.slots.reqs[r.rid].row, prefix, nodes, **kw)
+
+    def _take(self, r: GenReq, row: torch.Tensor, pos: int) -> None:
+        """The target's logits at ``pos`` give the next token."""
+        tok, tie = _argmax(row, self.tie)
+        r.logits[pos] = row.detach().cpu()
+        if tie:
+            r.ties.append(pos)
+        r.tokens.append(tok)
+
+    # ------------------------------------------------------------------ SpecHooks
+    def forward(self, worker: str, mode: ForwardMode, reqs: list[ReqForward]) -> None:
+        """Pack the query rows' tokens and positions, run the worker, act on its logits."""
+        runner = self.p.target if worker == "target" else self.p.draft
+        self.current = (worker, mode)
+        tokens, positions = [], []
+        for f in reqs:
+            pos = f.node_positions()[f.query_from:].tolist()
+            if mode in ("draft_decode", "target_verify"):  # this step's drafted nodes
+                toks = self.nodes[f.rid][f.query_from:f.nodes]
+            else:  # committed or prompt tokens: position = index
+                toks = self.by_id[f.rid].tokens[pos[0]:pos[-1] + 1]
+            tokens += toks
+            positions += pos
+        logits = runner.forward(mode, reqs, tokens, positions, self.p.slots.req_to_token.table,
+                                self.p.alloc.full_id)
+        row = 0
+        for f in reqs:
+            rows, row = logits[row:row + f.q_len], row + f.q_len
+            r = self.by_id[f.rid]
+            self.rows[f.rid] = rows
+            if mode == "extend" and f.prefix_len + f.nodes == len(r.prompt):
+                self._take(r, rows[-1], len(r.prompt) - 1)  # the prompt's last logits
+            elif mode == "decode":
+                self._take(r, rows[0], f.prefix_len)
+            elif mode == "draft_decode":
+                self._drafted(f, rows)
+            elif mode == "draft_extend":  # kept for the draft's own check against its model
+                for i, p in enumerate(range(f.prefix_len, f.prefix_len + f.nodes)):
+                    r.draft_logits[p] = rows[i].detach().cpu()
+
+    def _drafted(self, f: ReqForward, rows: torch.Tensor) -> None:
+        nodes = self.nodes.setdefault(f.rid, [])
+        if f.block:  # DFlash: row i drafts node i + 1
+            nodes[1:] = rows[:-1].argmax(-1).tolist()
+        elif f.parents is None:  # a chain (own pool or FROZEN_KV): query node s drafts s + 1
+            del nodes[f.query_from + 1:]
+            nodes.append(int(rows[-1].argmax()))
+
+    def start_tree(self, reqs) -> dict[Hashable, list[int]]:
+        for r in reqs:
+            self.nodes[r.rid], self.scores[r.rid] = [r.tokens[r.committed]], [0.0]
+        return {r.rid: [-1] for r in reqs}
+
+    def grow_tree(self, reqs: list[ReqForward], level: int, tree) -> None:
+        """The next level: the greedy child of the level's first node (so the greedy path is
+        always drafted), then the best other children by cumulative log-probability."""
+        s = self.cfg.spec
+        if level + 1 >= s.num_steps + 1:
+            return
+        lo, hi = level_bounds(s.topk, level)
+        for f in reqs:
+            logp = self.rows[f.rid].float().log_softmax(-1)  # [hi - lo, V]
+            scores = self.scores[f.rid]
+            cand = []
+            for i in range(lo, hi):
+                top = logp[i - lo].topk(s.topk)
+                cand += [(scores[i] + float(v), i, int(t)) for v, t in zip(top.values, top.indices)]
+            greedy = max((c for c in cand if c[1] == lo), key=lambda c: c[0])
+            rest = sorted((c for c in cand if c is not greedy), key=lambda c: -c[0])
+            for score, parent, tok in [greedy, *rest[:s.topk - 1]]:
+                tree[f.rid].append(parent)
+                self.nodes[f.rid].append(tok)
+                self.scores[f.rid].append(score)
+
+    def accept(self, verify: ReqForward) -> list[int]:
+        r = self.by_id[verify.rid]
+        rows = self.rows[verify.rid]
+        nodes = self.nodes[verify.rid][:verify.nodes]
+        best = rows.argmax(-1).tolist()
+        path = greedy_path(verify.parents, nodes, best)
+        depth = verify.node_positions() - verify.prefix_len
+        for i in path[1:]:  # the accepted drafts are the target's argmax at their parents
+            parent = verify.parents[i] if verify.parents is not None else i - 1
+            self._record(r, rows[parent], verify.prefix_len + int(depth[parent]))
+            r.tokens.append(nodes[i])
+        self._take(r, rows[path[-1]], verify.prefix_len + int(depth[path[-1]]))  # the bonus
+        return path
+
+    def _record(self, r: GenReq, row: torch.Tensor, pos: int) -> None:
+        r.logits[pos] = row.detach().cpu()
+        if _argmax(row, self.tie)[1]:
+            r.ties.append(pos)
+
+    def on_commit(self, rid, committed: int, path: list[int]) -> None:
+        return None
+
+    def _seed_nodes(self) -> None:
+        """Each step's nodes start at the root (a DFlash block: the root, then mask tokens)."""
+        for r in self.running:
+            self.nodes[r.rid] = [r.tokens[r.committed]]
+            if self.cfg.spec.algorithm == "dflash":
+                self.nodes[r.rid] += [MASK_TOKEN] * (self.cfg.spec.block_size - 1)

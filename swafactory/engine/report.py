@@ -1,0 +1,137 @@
+"""Showing a `GenerateReport`: progress lines while it runs, the summary, report.json and
+report.png (accept length per step). Rendering only; `engine.run` measures."""
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import TextIO
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from swafactory.engine.report_model import GenerateReport
+
+__all__ = ["GenProgress", "render_generate", "write_generate"]
+
+
+class GenProgress:
+    """Plain progress lines (logs, CI, terminals alike): one every tenth of the estimated steps or
+    every ``every_s`` seconds, whichever comes first, and one when the last request finishes.
+    The generator calls it after each step; the reference runs print nothing."""
+
+    def __init__(self, file: TextIO, requests: int, est_steps: int, every_s: float = 10.0) -> None:
+        self.file, self.requests, self.est, self.every_s = file, requests, est_steps, every_s
+        self.t0 = time.perf_counter()
+        self._step: int | None = None
+        self._at = 0.0
+        self.peak_swa = 0.0
+
+    def __call__(self, gen) -> None:
+        h = gen.history[-1]
+        self.peak_swa = max(self.peak_swa, h.swa_use)
+        now = time.perf_counter() - self.t0
+        done = len(gen.done) == self.requests
+        tenth = max(1, -(-self.est // 10))
+        if not (self._step is None or gen.step - self._step >= tenth
+                or now - self._at >= self.every_s or done):
+            return
+        est = gen.step if done else max(self.est, gen.step)
+        note = f" ({est} steps estimated)" if self._step is None else ""
+        self._step, self._at = gen.step, now
+        acc = [a for r in (*gen.done, *gen.running) for a in r.accepts]
+        tokens = sum(len(r.generated) for r in (*gen.done, *gen.running))
+        print(f"generating: step {gen.step}/{est}{note} · {len(gen.done)}/{self.requests} requests "
+              f"done · {tokens} tokens · accept length "
+              f"{sum(acc) / len(acc) if acc else 0:.2f} · peak SWA pool use "
+              f"{100 * self.peak_swa:.1f}% · {now:.0f} s", file=self.file, flush=True)
+
+
+def render_generate(r: GenerateReport, console: Console) -> None:
+    """The end-of-run summary: header, the checks, the figures, the stop reason."""
+    colour = "green" if r.status == "ok" else "red"
+    console.print(f"[b]swafactory generate[/]: {r.combination} on {r.device} "
+                  f"({r.architecture}, transformers {r.transformers}, {r.dtype}) → "
+                  f"[{colour} b]{r.status.upper()}[/]")
+    console.print(f"[b]draft[/]: {r.draft}", overflow="fold")
+    t = Table(title="end-to-end checks", title_justify="left")
+    t.add_column("check")
+    t.add_column("status")
+    t.add_column("detail", overflow="fold")
+    for c in r.checks:
+        if c.status == "skipped" and c.detail == "not reached" and r.status == "ok":
+            continue  # the guards: nothing to say on a clean run
+        style = {"ok": "green", "failed": "red b", "skipped": "dim"}[c.status]
+        t.add_row(c.name, f"[{style}]{c.status}[/]", c.detail)
+    console.print(t)
+    tokens = sum(len(q.generated_ids) for q in r.requests)
+    logits = "-" if r.logits_max_rel_err is None else \
+        f"{r.logits_max_rel_err:.2e} (tol {r.logits_tolerance:.1e}, {r.logits_positions} positions)"
+    acc = "-" if r.accept_len is None else f"{r.accept_len:.2f} tok/step" + (
+        "" if r.ideal_accept_len is None else f" (ideal {r.ideal_accept_len:g})")
+    pairs = [("requests / tokens", f"{len(r.requests)} / {tokens}"),
+             ("wall", f"{r.wall_s:.1f} s, {r.tokens_per_s:.1f} tok/s (+{r.reference_s:.1f} s "
+                      "references)"),
+             ("logits vs transformers", logits),
+             ("lossless", "-" if r.lossless is None else str(r.lossless).lower()),
+             ("accept length", acc),
+             ("fault / guards", f"{r.fault or 'none'} / {'on' if r.guards else 'off'}"),
+             ("caught by", r.caught_by or "-"), ("seed", str(r.seed))]
+    g = Table.grid(padding=(0, 2))
+    for _ in range(2):
+        g.add_column(style="bold", no_wrap=True)
+        g.add_column(max_width=48)
+    for i in range(0, len(pairs), 2):
+        g.add_row(*pairs[i], *pairs[i + 1])
+    console.print(g)
+    if r.error:
+        console.print(Panel(r.error, title="stopped", title_align="left", border_style="red",
+                            expand=False))
+
+
+def _plot(r: GenerateReport, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax, ax_pool = fig.subplots(2, 1, sharex=False)
+    fig.suptitle(f"{r.combination} ({r.architecture}): {r.status}"
+                 + (f", caught by {r.caught_by}" if r.caught_by else ""))
+    for q in r.requests:
+        if q.accept_lengths:
+            ax.plot(range(len(q.accept_lengths)), q.accept_lengths, marker=".", linewidth=0.8,
+                    label=f"request {q.rid}")
+    if r.ideal_accept_len is not None:
+        ax.axhline(r.ideal_accept_len, color="grey", linestyle="--", linewidth=1, label="ideal")
+    if not any(q.accept_lengths for q in r.requests):
+        ax.text(0.5, 0.5, "no spec steps", ha="center", transform=ax.transAxes)
+    else:
+        ax.legend(loc="lower left", fontsize="small", ncol=4)
+    ax.set_xlabel("spec step of the request")
+    ax.set_ylabel("accept length (tokens)")
+    steps = [s.step for s in r.steps]
+    ax_pool.plot(steps, [s.swa_use for s in r.steps], label="SWA pool")
+    ax_pool.plot(steps, [s.full_use for s in r.steps], label="full pool")
+    ax_pool.set_ylim(0, 1.05)
+    ax_pool.set_xlabel("scheduler step")
+    ax_pool.set_ylabel("used / total")
+    ax_pool.legend(loc="lower right", fontsize="small")
+    fig.savefig(path, dpi=110)
+
+
+def write_generate(r: GenerateReport, out_dir: Path) -> list[Path]:
+    """report.json and (with matplotlib) report.png; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / "report.json"
+    js.write_text(r.model_dump_json(indent=1))
+    try:
+        import matplotlib  # noqa: F401 - only to learn whether the `plot` extra is installed
+    except ImportError:
+        warnings.warn("matplotlib is not installed, so report.png was skipped; "
+                      "pip install 'swafactory[plot]' to get it", stacklevel=2)
+        return [js]
+    png = out_dir / "report.png"
+    _plot(r, png)
+    return [js, png]

@@ -1,0 +1,111 @@
+"""What a generation run measured: `GenerateReport`, validated by pydantic, written as report.json.
+
+It carries enough to check the tokens without swafactory: the transformers config dict and the
+seed (``torch.manual_seed(seed)`` then ``AutoModelForCausalLM.from_config(config)`` rebuilds the
+weights), each request's prompt and generated ids, and the accept lengths.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["RequestRecord", "GenStep", "CheckResult", "GenerateReport", "CHECK_ORDER"]
+
+CHECK_ORDER = ("space", "nan", "kernel", "capacity", "leak", "logits", "draft_logits",
+               "lossless", "acceptance")
+"""Every check, in the order that names the one that caught a failure (`GenerateReport.caught_by`;
+`failed_checks` lists all): the guards and a kernel fault stop the run where they happen; then
+the logits against transformers (the target's, then a writing draft's own), which locate a wrong
+read most precisely; then what a user sees: tokens that differ from spec=none, acceptance."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RequestRecord(_Model):
+    """One request: what it was asked and what it produced."""
+
+    rid: int
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    """Greedy tokens, the first ``max_new_tokens`` (a last spec step may accept more)."""
+    max_new_tokens: int
+    accept_lengths: list[int]
+    """Tokens committed per spec step (the root plus the accepted drafts)."""
+    tie_positions: list[int] = []
+    """Positions where the target's top two logits were within the tie tolerance."""
+
+
+class GenStep(_Model):
+    """One scheduler step, for the plot."""
+
+    step: int
+    kind: Literal["prefill", "decode", "spec"]
+    running: int
+    accept_len: float | None = None
+    """Mean accept length of the step's requests (spec steps)."""
+    accept_min: int | None = None
+    evicted: int = 0
+    swa_use: float = 0.0
+    full_use: float = 0.0
+
+
+class CheckResult(_Model):
+    """One end-to-end check."""
+
+    name: str
+    status: Literal["ok", "failed", "skipped"]
+    detail: str
+
+
+class GenerateReport(_Model):
+    """A `run=generate` job's result (report.json)."""
+
+    status: Literal["ok", "failed"]
+    combination: str
+    device: str
+    backend: str
+    transformers: str
+    """transformers version the model was built with."""
+    architecture: str
+    checkpoint: str | None
+    seed: int
+    """``torch.manual_seed(seed)`` before ``from_config`` (random weights) and the prompt draws."""
+    hf_config: dict[str, Any]
+    """The target's transformers config (``config.to_dict()``)."""
+    serving_model: dict[str, Any]
+    """The `ModelSpec` the backend served, read from the model's attention modules."""
+    spec: str
+    draft: str
+    """What the draft is (weights, pool)."""
+    fault: str | None
+    guards: bool
+    dtype: str
+    requests: list[RequestRecord]
+    steps: list[GenStep]
+    logits_max_rel_err: float | None
+    """max |logits - HF eager| / max |HF eager| over every generated position."""
+    logits_tolerance: float
+    """The dtype's floor (1e-4 fp32, 5e-2 16-bit) or 4 × transformers' own eager error against
+    the same weights in fp64, the larger."""
+    logits_positions: int
+    lossless: bool | None
+    """Greedy tokens equal spec=none's (None: spec=none itself, or the run stopped)."""
+    accept_len: float | None
+    """Mean accept length over every spec step."""
+    ideal_accept_len: float | None
+    """num_steps + 1 (a chain), depth + 1 (a tree's verified greedy path); None where no ideal
+    exists (frozen_kv_mtp, dflash: compared with the torch backend step by step)."""
+    checks: list[CheckResult]
+    caught_by: str | None
+    """The first failing check in `CHECK_ORDER` (None when ok)."""
+    failed_checks: list[str] = []
+    """Every failing check, in `CHECK_ORDER`."""
+    error: str | None = None
+    """The exception that stopped the run, if one did."""
+    wall_s: float
+    tokens_per_s: float
+    reference_s: float
+    """Wall time of the reference runs (spec=none, the torch backend) and the eager forwards."""

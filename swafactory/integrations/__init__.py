@@ -1,0 +1,1 @@
+"""Adapters that let other libraries' model code call swafactory's attention (optional extras)."""
