@@ -19,7 +19,7 @@ import torch
 from swafactory.config.schema import Geometry, ModelSpec, SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
 
-__all__ = ["ARCHITECTURES", "require_transformers", "target_config", "load_target",
+__all__ = ["ARCHITECTURES", "require_transformers", "target_config", "post_init", "load_target",
            "serving_model", "attention_modules", "draft_copy", "draft_from_layers"]
 
 ARCHITECTURES = {"gemma4": "Gemma4ForCausalLM", "gemma4_moe": "Gemma4ForCausalLM",
@@ -104,9 +104,29 @@ def target_config(cfg: SwaFactoryConfig):
                                attn_logit_softcapping=m.logit_softcap)
 
 
+def post_init(model, architecture: str | None) -> dict[str, float]:
+    """Parameters a random model sets to a constant after ``from_config``, by name (report.json's
+    ``post_init``; rebuild with ``model.get_parameter(name).data.fill_(value)``).
+
+    Gemma 4 attends with scale 1.0 over QK-normed q and k whose norm weights start at one: the
+    scores of random weights then have a standard deviation of √head_dim (16 and 23 at its real
+    head dims), attention is near one-hot, and HF's own bf16 forward was 100 % off its fp64
+    forward on the H200 (617dbe1). Its q_norm and k_norm weights are set to head_dim^-1/4, which
+    gives unit-variance scores, as trained norms do."""
+    if architecture not in ("gemma4", "gemma4_moe"):
+        return {}
+    out = {}
+    for i, attn in enumerate(attention_modules(model)):
+        for norm in ("q_norm", "k_norm"):
+            if getattr(getattr(attn, norm, None), "weight", None) is not None:
+                out[f"model.layers.{i}.self_attn.{norm}.weight"] = attn.head_dim ** -0.25
+    return out
+
+
 def load_target(cfg: SwaFactoryConfig, dtype: torch.dtype, device: str):
-    """(model, config): random weights from `target_config` under ``torch.manual_seed(seed)``,
-    or ``from_pretrained(model.checkpoint, local_files_only=True)``; eager attention."""
+    """(model, post_init): random weights from `target_config` under ``torch.manual_seed(seed)``
+    then `post_init`, or ``from_pretrained(model.checkpoint, local_files_only=True)`` (no
+    post_init: {}); eager attention."""
     tf = require_transformers()
     if cfg.model.checkpoint:
         try:
@@ -121,7 +141,11 @@ def load_target(cfg: SwaFactoryConfig, dtype: torch.dtype, device: str):
         torch.manual_seed(cfg.workload.seed)
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                     dtype=dtype)
-    return model.to(device).eval(), model.config
+    recipe = {} if cfg.model.checkpoint else post_init(model, cfg.model.architecture)
+    with torch.no_grad():
+        for name, value in recipe.items():
+            model.get_parameter(name).fill_(value)
+    return model.to(device).eval(), recipe
 
 
 def attention_modules(model) -> list[torch.nn.Module]:

@@ -75,6 +75,9 @@ class GenerateReport(_Model):
     """``torch.manual_seed(seed)`` before ``from_config`` (random weights) and the prompt draws."""
     hf_config: dict[str, Any]
     """The target's transformers config (``config.to_dict()``)."""
+    post_init: dict[str, float] = {}
+    """Parameters set to a constant after ``from_config`` (`engine.models.post_init`): rebuild
+    with ``model.get_parameter(name).data.fill_(value)``."""
     serving_model: dict[str, Any]
     """The `ModelSpec` the backend served, read from the model's attention modules."""
     spec: str
@@ -88,7 +91,7 @@ class GenerateReport(_Model):
     logits_max_rel_err: float | None
     """max |logits - HF eager| / max |HF eager| over every generated position."""
     logits_tolerance: float
-    """The dtype's floor (1e-4 fp32, 5e-2 16-bit) or 4 × transformers' own eager error against
+    """The dtype's floor (1e-4 fp32, 1e-1 16-bit) or 4 × transformers' own eager error against
     the same weights in fp64, the larger."""
     logits_positions: int
     lossless: bool | None

@@ -84,7 +84,7 @@ def test_a_saved_checkpoint_generates_the_tokens_of_its_weights(tmp_path) -> Non
 
 
 def test_the_report_rebuilds_with_plain_transformers(tmp_path) -> None:
-    """report.json alone (config dict, seed, prompt ids) lets plain transformers re-derive the
+    """report.json alone (config dict, seed, post_init, prompt ids) lets plain transformers re-derive the
     generated tokens: greedy decoding with HF's own eager forward, no swafactory."""
     import torch
     import transformers
@@ -97,6 +97,9 @@ def test_the_report_rebuilds_with_plain_transformers(tmp_path) -> None:
     config = transformers.AutoConfig.for_model(**data["hf_config"])
     torch.manual_seed(data["seed"])
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, value in data["post_init"].items():
+            model.get_parameter(name).fill_(value)
     for q in data["requests"]:
         ids = list(q["prompt_ids"])
         with torch.no_grad():
