@@ -119,12 +119,17 @@ def render(args: argparse.Namespace) -> int:
         f"{first.get('transformers', '-')}, {first.get('dtype', '-')} weights and KV. "
         "Random weights (`torch.manual_seed(workload.seed)`), the model file's attention "
         "geometry (layer types, heads, head dims, window, sinks, scale) with `run.*` sizes "
-        "(hidden size, 6 layers, vocab 256). Each job: greedy generation through the backend, "
+        "(hidden size 64, the first 6 layers, vocab 256; Gemma 4's QK-norm weights at "
+        "head_dim^-1/4: report.json's `post_init`), `workload=smoke` (4 requests of W + 8…128 "
+        "prompt tokens and 6…12 new tokens, 2 running at once). Each job: greedy generation "
+        "through the backend, "
         "then transformers' own eager forward of every request's tokens (logits), spec=none on "
         "the same backend (lossless), and for frozen_kv_mtp / dflash the torch backend "
         "(acceptance step by step).",
         "",
-        "Command, one lane per backend on one GPU:",
+        "Commands (bench/gpu_generate.sh: one bench/gpu_generate.py lane per backend; each job is "
+        "`python -m swafactory run=generate backend=B model=M spec=S`, run in the lane's "
+        "process):",
         "",
         f"    {args.command}",
         "",
@@ -158,11 +163,13 @@ def render(args: argparse.Namespace) -> int:
         "",
         "tok/s: generated tokens over the main run's wall time, first-use kernel compiles and "
         "the HF model's per-layer Python included, at a scaled hidden size: an end-to-end "
-        "figure of this small generator, not a kernel throughput. The lanes shared one GPU.",
+        "figure of this small generator, not a kernel throughput. Lanes that ran at once "
+        "shared one GPU.",
         "accept len: tokens committed per spec step (the root plus the accepted drafts); ideal: "
         "a self-speculating copy's (num_steps + 1 for a chain, the verified greedy depth + 1 for "
         "a tree); frozen_kv_mtp and dflash have none and are compared with the torch backend.",
     ]
+    lines += [f"\n{n}" for n in args.note]
     failed = [r for r in rows.values() if r["status"] == "failed"]
     if failed:
         lines += ["", "## Failed checks", ""]
@@ -211,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("rows", nargs="+")
     d.add_argument("--commit", required=True)
     d.add_argument("--command", required=True)
+    d.add_argument("--note", action="append", default=[], help="a paragraph after the table")
     args = ap.parse_args(argv)
     return run_lane(args) if args.cmd == "run" else render(args)
 

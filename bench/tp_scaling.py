@@ -137,6 +137,19 @@ def _reason(job: Job) -> str:
     return f"{rep.get('passed', 0):,}/{rep.get('checks', 0):,} checks passed, no mismatch recorded"
 
 
+def commit_of(job: Path) -> str:
+    """The commit a job ran at: the nearest ``commit.txt`` above it (each call's run folder), or
+    its ``host.txt``'s ``commit:`` line."""
+    for d in (job, *job.parents):
+        if (d / "commit.txt").exists():
+            return (d / "commit.txt").read_text().strip() or "unknown"
+        if (d / "host.txt").exists():
+            for line in (d / "host.txt").read_text().splitlines():
+                if line.startswith("commit:"):
+                    return line.split(":", 1)[1].strip() or "unknown"
+    return "unknown"
+
+
 def row(key: Key, jobs: list[Job]) -> dict:
     """One row: the chosen attempt's status and, for a report, its per-step figures (ms)."""
     b, s, m, tp = key
@@ -146,7 +159,7 @@ def row(key: Key, jobs: list[Job]) -> dict:
     job = _chosen(jobs)
     rep = job.result.get("report") or {}
     r |= {"status": job.status, "reason": "" if job.status == "ok" else _reason(job),
-          "job": str(job.path)}
+          "job": str(job.path), "commit": commit_of(job.path)}
     if rep:
         r |= {"checks": rep["checks"], "mismatches": rep["checks"] - rep["passed"],
               "steps": rep.get("steps"), "wall_s": rep.get("wall_s"),
@@ -257,9 +270,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"the other process's kernels); {fair}. FlashInfer's JIT warm-up "
         "(`tests/backends/flashinfer_warm.py`) ran in the background during the first triton "
         "jobs: compiles on the host CPU and one tiny kernel per variant on GPU 0.",
-        f"- **Result**: {len(ok)} of {len(rows)} rows ok ("
-        + ", ".join(f"{n} {st}" for st, n in counts.items() if n and st != "ok")
-        + f"); {bad} mismatches in all.", "",
+        f"- **Result**: {len(ok)} of {len(rows)} rows ok"
+        + "".join(f", {n} {st}" for st, n in counts.items() if n and st != "ok")
+        + f"; {bad} mismatches in all. Where rows ran at more than one commit, the `commit` "
+        "column says which (its run folder's commit.txt).", "",
         "Times are ms per scheduler step, steady state: averaged over the steps with no "
         "first-use forward (how many: `steps (steady)`). The seconds spent in first-use forwards "
         f"(JIT compiles, autotuning, NCCL set-up) are the report's `{FIRST_USE}` (rank 0's), in "
@@ -274,8 +288,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "- *mismatches* = checks - passed (0 expected).", "",
         "| backend | spec | model | tp | status | mismatches | checks | attention per rank | "
         "gather | planning | step | step vs tp=1 | attention vs tp=1 | steps (steady) | "
-        "first use s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "first use s | wall s | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         status = f"**{r['status']}**" + (f": {_cell(r['reason'])}" if r.get("reason") else "")
         ranks = r.get("attention_ms_per_rank")
@@ -288,7 +302,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             _f(r.get("steps"), "{:,}") + (f" ({r['steady_steps']:,})"
                                           if r.get("steady_steps") is not None else ""),
             _f(r.get("first_use_s"), "{:.1f}"),
-            _f(r.get("wall_s"), "{:.0f}")]) + " |")
+            _f(r.get("wall_s"), "{:.0f}"), r.get("commit", "-")]) + " |")
     out += ["", "Multiruns (`bench/tp_scaling.sh`, each call's `commands.txt`):", "", "```",
             *(meta["commands"] or ["(no commands.txt found)"]), "```"]
     return "\n".join(out) + "\n"

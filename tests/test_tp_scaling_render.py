@@ -118,7 +118,7 @@ def test_rows_ratios_and_rows_that_did_not_run(tmp_path: Path, capsys) -> None:
             for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert len(rows) == 2 * 3 * 2  # every row of the narrowed grid, and only those
     cols = ["backend", "spec", "model", "tp", "status", "mismatches", "checks", "ranks", "gather",
-            "planning", "step", "vs1", "attn_vs1", "steps", "first", "wall"]
+            "planning", "step", "vs1", "attn_vs1", "steps", "first", "wall", "commit"]
     row = lambda b, s, tp: dict(zip(cols, _line(md, b, s, tp)))  # noqa: E731
 
     one, two = row("triton", "none", 1), row("triton", "none", 2)
@@ -128,6 +128,7 @@ def test_rows_ratios_and_rows_that_did_not_run(tmp_path: Path, capsys) -> None:
     assert (two["ranks"], two["gather"], two["planning"]) == ("5.50 / 6.00", "1.50", "2.50")
     assert (two["step"], two["vs1"]) == (f"{step2:.2f}", f"{step2 / step1:.2f}×")
     assert two["attn_vs1"] == f"{6.0 / 10.0:.2f}×" and two["wall"] == "33"
+    assert (one["commit"], two["commit"]) == ("abc1234", "unknown")  # host.txt, or none
     assert (two["first"], two["steps"], one["steps"]) == ("2.5", "40 (31)", "40 (0)")
     assert rows[("triton", "none", 2)]["step_vs_tp1"] == pytest.approx(step2 / step1)
 
@@ -156,7 +157,7 @@ def test_rows_ratios_and_rows_that_did_not_run(tmp_path: Path, capsys) -> None:
     assert "`abc1234`" in md and "2026-11-30T10:00:00Z" in md and "NVIDIA H200" in md
     assert "workload=serve parallel.tp=1,2" in md and "python3 -m swafactory -m x" in md
     assert "no two sweeps overlapped on a GPU" in md
-    assert ("3 of 12 rows ok (1 refused, 2 failed, 1 did not finish, 5 did not run); "
+    assert ("3 of 12 rows ok, 1 refused, 2 failed, 1 did not finish, 5 did not run; "
             "1 mismatches") in md
     assert "triton      none" in capsys.readouterr().out
 
