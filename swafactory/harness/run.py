@@ -42,14 +42,15 @@ def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     _, prompts, outs = _draws(cfg)
     pool_sizes(cfg, prompts, outs)  # a sizing refusal raises here, before any rank is spawned
     if cfg.parallel.tp > 1:
-        from swafactory.parallel import launch
+        from swafactory.harness.launch import launch
 
         return launch(cfg, dev.kind)
     return _run_local(cfg, dev, on_progress, None)
 
 
 def run_rank(cfg: SwaFactoryConfig, shard) -> Report:
-    """One tensor-parallel rank's run (called by `swafactory.parallel`; the config is validated)."""
+    """One tensor-parallel rank's run (called by `swafactory.harness.launch`; the config is
+    validated)."""
     dev = detect_device(cfg.workload.device)
     if dev.kind == "cuda":
         import dataclasses

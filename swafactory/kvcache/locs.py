@@ -169,7 +169,7 @@ def _gather(idx: torch.Tensor, table: torch.Tensor, page_size: int,
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if impl == "triton" or (impl == "auto" and idx.is_cuda and _triton_available()):
-        from swafactory.kernels.triton.translate import translate_triton
+        from swafactory.kvcache.translate_triton import translate_triton
         return translate_triton(idx, table, page_size, dtype)
     return gather_torch(idx, table, page_size, dtype)
 

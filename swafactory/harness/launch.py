@@ -1,0 +1,58 @@
+"""Launch a tensor-parallel conformance job: one process per rank (torch.multiprocessing), each
+running `swafactory.harness.run.run_rank` on its shard (`swafactory.parallel`), rank 0's report
+returned. gloo on CPU, NCCL on GPUs."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+
+from swafactory.config.schema import SwaFactoryConfig
+from swafactory.parallel import Shard
+
+__all__ = ["launch"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, tp: int, port: int, cfg_json: str, device_kind: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from swafactory.harness.run import run_rank  # run imports this module: import on use
+
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    dist.init_process_group("nccl" if device_kind == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    try:
+        report = run_rank(SwaFactoryConfig.model_validate_json(cfg_json), Shard(rank, tp))
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(report.model_dump_json())
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(cfg: SwaFactoryConfig, device_kind: str):
+    """Run the conformance job on ``cfg.parallel.tp`` ranks; returns rank 0's Report."""
+    import torch.multiprocessing as mp
+
+    from swafactory.harness.report_model import Report
+
+    tp = cfg.parallel.tp
+    if device_kind == "cuda" and torch.cuda.device_count() < tp:
+        raise RuntimeError(f"parallel.tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report.json")
+        mp.spawn(_rank_main, args=(tp, _free_port(), cfg.model_dump_json(), device_kind, out),
+                 nprocs=tp, join=True)
+        with open(out) as f:
+            return Report.model_validate_json(f.read())
