@@ -1,0 +1,304 @@
+"""The factory against raw FlashInfer on the same pools and indices, and both against the floor.
+
+For each (model, mode, batch size) it builds the model's real pools (every layer, bf16, the
+allocator's pages shuffled), opens ``bs`` requests of ``ctx`` tokens, evicts their out-of-window
+SWA slots, and fills the pools with random K/V. Then one step, three ways:
+
+* **factory cycle**: ``backend.init_forward_metadata(batch)`` + ``backend.forward(q, k, v, l)``
+  for every layer (the public API an engine calls; it writes each layer's new K/V);
+* **raw cycle**: FlashInfer wrappers an engine would hold, planned once per layer group from the
+  factory's own tables (the same indices; the same custom mask for verify), then per layer the
+  K/V write (``index_put``) and ``wrapper.run``; sinks by the same exact LSE epilogue;
+* **floor**: the K/V bytes the step must read (every group's index list, so an SWA layer counts
+  only its window, × its layers) over a device copy measured in the same run.
+
+Planning is the host wall time of ``init_forward_metadata`` alone. The outputs of the last layer
+must agree (max |factory - raw|, reported; bit-identical is expected where the calls are the
+same). Times are ``triton.testing.do_bench`` medians after warm-up.
+
+    python3 bench/bench_factory.py --out $OUT [--models gemma4,gpt_oss_20b] [--modes ...] [--bs ...]
+
+Writes OUT/factory-h200.md, .json and .png (step time against batch size: factory, raw, floor;
+planning time against batch size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+MODES = {"decode": 1, "verify_chain8": 8, "verify_tree8": 8}
+TREE8 = (-1, 0, 0, 1, 1, 2, 2, 3)
+LN2 = math.log(2.0)
+
+
+def copy_bandwidth(do_bench) -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    src = torch.empty(2**28, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0, backend_name: str =
+          "flashinfer", device: str = "cuda"):
+    """Config, pools, slots and backend with ``bs`` requests of ``ctx`` committed tokens (SWA
+    slots allocated 64 at a time and evicted as they leave the window: the SWA pool holds the
+    windows, not the contexts)."""
+    import swafactory
+    from swafactory.kvcache.factory import build_pools
+    from swafactory.kvcache.pool import ReqToToken
+    from swafactory.kvcache.requests import RequestSlots
+    from swafactory.kvcache.shares import size_pools
+
+    cfg = swafactory.validate(swafactory.compose(
+        [f"model={model}", f"backend={backend_name}", "spec=none", f"workload.device={device}"]))
+    W = cfg.model.sliding_window
+    chunk = 64
+    sizes = size_pools(cfg, bs, ctx + nodes, chunk=chunk)
+    pool, alloc = build_pools(cfg, sizes.full, sizes.swa, device)
+    alloc.shuffle(torch.Generator().manual_seed(seed))
+    slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, device))
+    split = bool(cfg.model.swa_layers and cfg.model.hybrid_pool)
+    for rid in range(bs):
+        slots.open(rid)
+        done = 0
+        while done < ctx + nodes:
+            n = min(chunk, ctx + nodes - done)
+            slots.extend(rid, n)
+            done += n
+            if split:
+                slots.evict_out_of_window(rid, min(done, ctx), W, 1)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for sub in pool.sub_pools:
+        for buf in (*sub.k_bufs, *sub.v_bufs):
+            buf.normal_(generator=g)
+    backend = swafactory.build_backend(cfg, pools=pool)
+    return cfg, pool, alloc, slots, backend
+
+
+def batch_of(mode: str, slots, alloc, bs: int, ctx: int):
+    from swafactory.metadata.batch import ForwardBatch, ReqForward
+
+    n = MODES[mode]
+    parents = TREE8 if mode == "verify_tree8" else None
+    reqs = [ReqForward(r, slots.reqs[r].row, ctx, n, parents=parents) for r in range(bs)]
+    kind = "decode" if n == 1 else "target_verify"
+    return ForwardBatch.of(kind, reqs, slots.req_to_token.table, alloc.full_id)
+
+
+class Raw:
+    """FlashInfer wrappers as an engine holds them: one per layer group, planned per step."""
+
+    def __init__(self, cfg, pool, plan, decode: bool) -> None:
+        import flashinfer
+
+        from swafactory.kernels.flashinfer import custom_mask
+
+        self.ws = torch.zeros(512 * 2**20, dtype=torch.uint8, device="cuda")
+        self.groups = {}
+        for key, gp in plan.groups.items():
+            t = gp.tables
+            w = (flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.ws, "NHD",
+                                                               use_tensor_cores=True)
+                 if decode else flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.ws, "NHD"))
+            self.groups[key] = dict(
+                w=w, window=gp.window, qo=t.qo_indptr.cpu().int(), kv=t.kv_indptr.cpu().int(),
+                idx=t.kv_indices.tensor.int(), last=torch.ones(t.qo_indptr.numel() - 1,
+                                                               dtype=torch.int32),
+                mask=None if decode else custom_mask(t, gp.window),
+                write=gp.write_locs.tensor.long())
+        self.cfg, self.pool, self.plan, self.decode = cfg, pool, plan, decode
+
+    def plan_all(self, hq: int) -> None:
+        m = self.cfg.model
+        for key, g in self.groups.items():
+            geo = m.swa if key.startswith("swa") else (m.full or m.swa)
+            scale = m.softmax_scale or geo.head_dim ** -0.5
+            common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                          sm_scale=scale, logits_soft_cap=m.logit_softcap)
+            wl = -1 if g["window"] is None else g["window"] - 1
+            if self.decode:
+                g["w"].plan(g["kv"], g["idx"], g["last"], hq, geo.num_kv_heads, geo.head_dim,
+                            1, window_left=wl, **common)
+            else:
+                g["w"].plan(g["qo"], g["kv"], g["idx"], g["last"], hq, geo.num_kv_heads,
+                            geo.head_dim, 1, custom_mask=g["mask"], window_left=-1, **common)
+
+    def layer(self, layer: int, q, k, v, sinks=None):
+        g = self.groups[self.plan.layer_groups[layer]]
+        k_buf, v_buf, _ = self.pool.get_kv(layer)
+        k_buf[g["write"]] = k
+        v_buf[g["write"]] = v
+        o, lse = g["w"].run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), return_lse=True)
+        if sinks is not None:
+            w = torch.sigmoid(lse * LN2 - sinks.view(1, -1))
+            o = (o.float() * w[..., None]).to(o.dtype)
+        return o
+
+
+def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> dict:
+    nodes = MODES[mode]
+    cfg, pool, alloc, slots, backend = setup(model, bs, ctx, nodes)
+    m = cfg.model
+    batch = batch_of(mode, slots, alloc, bs, ctx)
+    plan = backend.init_forward_metadata(batch)
+    L, T = m.num_layers, batch.total_q
+    g = torch.Generator(device="cuda").manual_seed(1)
+    qs, ks, vs = [], [], []
+    for layer in range(L):
+        sub = pool.sub_pool(layer)
+        qs.append(torch.randn(T, m.num_attention_heads, sub.head_dim, device="cuda",
+                              dtype=torch.bfloat16, generator=g))
+        ks.append(torch.randn(T, sub.num_kv_heads, sub.head_dim, device="cuda",
+                              dtype=torch.bfloat16, generator=g))
+        vs.append(torch.randn_like(ks[-1]))
+    sinks = (torch.randn(m.num_attention_heads, device="cuda") if m.attention_sinks else None)
+
+    def factory():
+        backend.init_forward_metadata(batch)
+        for layer in range(L):
+            out = backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
+        return out
+
+    raw = Raw(cfg, pool, plan, decode=nodes == 1)
+
+    def raw_cycle():
+        raw.plan_all(m.num_attention_heads)
+        for layer in range(L):
+            out = raw.layer(layer, qs[layer], ks[layer], vs[layer], sinks)
+        return out
+
+    diff = float((factory().float() - raw_cycle().float()).abs().max())
+    t_f = do_bench(factory, warmup=5, rep=40, return_mode="median")
+    t_r = do_bench(raw_cycle, warmup=5, rep=40, return_mode="median")
+    plans = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        backend.init_forward_metadata(batch)
+        torch.cuda.synchronize()
+        plans.append((time.perf_counter() - t0) * 1e3)
+    plans.sort()
+    kv_bytes = 0
+    for key, gp in plan.groups.items():
+        layers = [lay for lay, k in plan.layer_groups.items() if k == key]
+        sub = pool.sub_pool(layers[0])
+        row = 2 * sub.num_kv_heads * sub.head_dim * 2  # K and V, bf16
+        kv_bytes += gp.tables.kv_indices.tensor.numel() * row * len(layers)
+    floor = kv_bytes / bw * 1e3  # the step reads at most as fast as a copy moves bytes
+    del backend, pool, alloc, slots, raw, qs, ks, vs
+    torch.cuda.empty_cache()
+    return dict(model=model, mode=mode, bs=bs, ctx=ctx, layers=L, factory_ms=t_f, raw_ms=t_r,
+                ratio=t_f / t_r, planning_ms=plans[len(plans) // 2], floor_ms=floor,
+                kv_gb=kv_bytes / 1e9, factory_vs_floor=t_f / floor, max_abs_diff=diff)
+
+
+def render(rows: list[dict], meta: dict, out: Path) -> str:
+    lines = ["# The factory against raw FlashInfer (H200)", "",
+             f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}, flashinfer "
+             f"{meta['flashinfer']}; copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write). "
+             f"bf16, ctx {meta['ctx']}, every layer of the model; eager (no CUDA graphs).", "",
+             f"    {meta['command']}", "",
+             "| model | mode | bs | factory cycle ms | raw cycle ms | factory / raw | planning ms "
+             "| floor ms | factory / floor | K/V GB | max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | error: {r['error'][:120]} "
+                         "| | | | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r['factory_ms']:.2f} | "
+                     f"{r['raw_ms']:.2f} | {r['ratio']:.2f}× | {r['planning_ms']:.2f} | "
+                     f"{r['floor_ms']:.2f} | {r['factory_vs_floor']:.2f}× | {r['kv_gb']:.2f} | "
+                     f"{r['max_abs_diff']:.1e} |")
+    lines += ["", "factory cycle: `init_forward_metadata` + `forward` over every layer (K/V write "
+              "included); raw cycle: the FlashInfer wrappers' `plan` per layer group + per layer "
+              "the K/V write and `run`, on the same pools and indices; planning: host wall time "
+              "of `init_forward_metadata` alone (median of 10, synchronized); floor: the K/V "
+              "bytes the step reads over the copy bandwidth (bytes read + written per second "
+              "by a device copy)."]
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "factory-h200.md").write_text(text)
+    (out / "factory-h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    _plot(rows, out / "factory-h200.png")
+    return text
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [r for r in rows if "error" not in r]
+    keys = sorted({(r["model"], r["mode"]) for r in ok})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for model, mode in keys:
+        rs = sorted((r for r in ok if (r["model"], r["mode"]) == (model, mode)),
+                    key=lambda r: r["bs"])
+        bs = [r["bs"] for r in rs]
+        line, = axes[0].plot(bs, [r["factory_ms"] for r in rs], marker="o",
+                             label=f"{model} {mode} factory")
+        axes[0].plot(bs, [r["raw_ms"] for r in rs], ls="--", color=line.get_color(),
+                     label="raw")
+        axes[0].plot(bs, [r["floor_ms"] for r in rs], ls=":", color=line.get_color(),
+                     label="floor")
+        axes[1].plot(bs, [r["planning_ms"] for r in rs], marker="o", label=f"{model} {mode}")
+    for ax, title in zip(axes, ("step (all layers) ms", "planning ms (host)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_title(title)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="gemma4,gpt_oss_20b")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--bs", default="1,8,64")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--deadline", type=float, default=420.0, help="seconds: no case starts later")
+    a = ap.parse_args()
+    import flashinfer
+    from triton.testing import do_bench
+
+    t0 = time.perf_counter()
+    bw = copy_bandwidth(do_bench)
+    rows = []
+    for model in a.models.split(","):
+        for mode in a.modes.split(","):
+            for bs in (int(x) for x in a.bs.split(",")):
+                if time.perf_counter() - t0 > a.deadline:
+                    rows.append(dict(model=model, mode=mode, bs=bs, error="not run: deadline"))
+                    continue
+                try:
+                    r = one_case(model, mode, bs, a.ctx, do_bench, bw)
+                except Exception as exc:  # noqa: BLE001 - a case's failure is a row
+                    r = dict(model=model, mode=mode, bs=bs, error=f"{type(exc).__name__}: {exc}")
+                    torch.cuda.empty_cache()
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                flashinfer=flashinfer.__version__, python=platform.python_version(),
+                copy_tbs=bw / 1e12, ctx=a.ctx,
+                command=f"python3 bench/bench_factory.py --out $OUT --models {a.models} "
+                        f"--modes {a.modes} --bs {a.bs} --ctx {a.ctx}")
+    print(render(rows, meta, Path(a.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
