@@ -12,8 +12,8 @@ mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, because Flas
 its window from ``kv_len - q_len + i``, which is wrong for trimmed SWA lists and tree nodes at
 ``prefix + depth`` (DESIGN invariant 4).
 
-Planning. `plan(forward_plan, pool)` (once per forward) does the host work: host indptrs, int32
-indices, masks. The FlashInfer ``wrapper.plan`` call needs the query head count, dtypes, scale
+Planning. `plan(forward_plan, pool)` (once per forward) does the host work: the planner's host
+indptrs (never read back from the device), int32 indices, masks built on the device. The FlashInfer ``wrapper.plan`` call needs the query head count, dtypes, scale
 and soft-cap, which only the first layer's `run` knows; it happens there, once per pass per
 forward (all layers of a group share them), and again only if a later layer differs.
 
@@ -60,27 +60,40 @@ CAPABILITIES = Capabilities(
 )
 
 
+def _host_indptrs(tables) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' host indptrs (the planner's; read back only for tables built without them)."""
+    if tables.qo_host is not None and tables.kv_host is not None:
+        return tables.qo_host, tables.kv_host
+    return tables.qo_indptr.to("cpu", torch.int32), tables.kv_indptr.to("cpu", torch.int32)
+
+
 def custom_mask(tables, window: int | None) -> torch.Tensor:
     """The visibility mask FlashInfer's custom-mask prefill needs, flattened per request.
 
     tables: `metadata.AttnTables`. Returns bool ``[sum_b q_len_b * kv_len_b]`` on the tables'
-    device, request b's ``[q_len_b, kv_len_b]`` block row-major (FlashInfer's mask layout):
-    ``structure & (q_pos - kv_pos < W)``; with no structure mask, causal by position. Built on the
-    host (small per-request ops beat hundreds of tiny device launches), moved once.
+    device, request b's ``[q_len_b, kv_len_b]`` block row-major (FlashInfer's mask layout, and the
+    planner's structure mask's): ``structure & (q_pos - kv_pos < W)``; with no structure mask,
+    causal by position. Built on the device in one vectorized pass: element e of block b is
+    (i, j) = divmod(e - start_b, kv_len_b); only the host indptrs are read on the host.
     """
-    qo, kv = tables.qo_indptr.tolist(), tables.kv_indptr.tolist()
-    qp, kp = tables.q_pos.cpu().long(), tables.kv_pos.cpu().long()
-    structure = tables.mask.cpu().bool() if tables.mask is not None else None
-    mi = tables.mask_indptr.tolist() if structure is not None else None
-    blocks = []
-    for b in range(len(qo) - 1):
-        q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
-        d = qp[q0:q1, None] - kp[None, k0:k1]
-        vis = structure[mi[b]:mi[b + 1]].view(q1 - q0, k1 - k0) if structure is not None else d >= 0
-        if window is not None:
-            vis = vis & (d < window)
-        blocks.append(vis.reshape(-1))
-    return torch.cat(blocks).to(tables.qo_indptr.device)
+    qo_h, kv_h = _host_indptrs(tables)
+    q_lens, kv_lens = (qo_h[1:] - qo_h[:-1]).long(), (kv_h[1:] - kv_h[:-1]).long()
+    sizes = q_lens * kv_lens
+    starts = torch.cumsum(sizes, 0) - sizes
+    dev = tables.qo_indptr.device
+    B, total = q_lens.numel(), int(sizes.sum())
+    pack = torch.cat([sizes, starts, kv_lens, qo_h[:-1].long(), kv_h[:-1].long()])
+    pack = pack.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pack.to(dev)
+    sizes_d, starts_d, kvl_d, qo_d, kv_d = pack.view(5, B).unbind(0)
+    b = torch.repeat_interleave(torch.arange(B, device=dev), sizes_d, output_size=total)
+    o = torch.arange(total, device=dev) - starts_d[b]
+    i = torch.div(o, kvl_d[b], rounding_mode="floor")
+    qp = tables.q_pos.long()[qo_d[b] + i]
+    kp = tables.kv_pos.long()[kv_d[b] + o - i * kvl_d[b]]
+    vis = tables.mask.bool() if tables.mask is not None else qp >= kp
+    if window is not None:
+        vis = vis & (qp - kp < window)
+    return vis
 
 
 @dataclass(eq=False)
@@ -143,8 +156,7 @@ class Adapter:
 
     def _prepare(self, key: str, role: str, t, window: int | None) -> _Pass:
         dev = t.qo_indptr.device
-        qo_host = t.qo_indptr.to("cpu", torch.int32)
-        kv_host = t.kv_indptr.to("cpu", torch.int32)
+        qo_host, kv_host = _host_indptrs(t)
         q_lens = (qo_host[1:] - qo_host[:-1]).tolist()
         decode = t.mask is None and all(n == 1 for n in q_lens)
         indices = t.kv_indices.tensor.to(dev, torch.int32)

@@ -10,7 +10,7 @@ and their mask columns start there too (sglang #39160).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +40,11 @@ class AttnTables:
     mask_indptr: torch.Tensor | None = None
     max_q_len: int = 0
     """Longest request's query count (host-known: kernels need no device read for it)."""
+    qo_host: torch.Tensor | None = None
+    """[B+1] int32 on the host: ``qo_indptr`` built from the batch's host lengths. Kernel
+    libraries whose plan reads host indptrs (FlashInfer) take these: nothing is read back."""
+    kv_host: torch.Tensor | None = None
+    """[B+1] int32 on the host: ``kv_indptr``, likewise."""
 
     @property
     def batch_size(self) -> int:
@@ -131,25 +136,64 @@ def _i32(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: pinned, copied asynchronously."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    """[n+1] int32 host offsets of ``lens``."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    if lens:
+        torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
+    return out
+
+
 def _tables(kv: Locs, reqs: list[ReqForward], kv_lens: list[int], kv_pos: list[torch.Tensor],
             q_pos: torch.Tensor, masks: list[torch.Tensor] | None, device: torch.device) -> AttnTables:
-    qo = [0]
-    for r in reqs:
-        qo.append(qo[-1] + r.q_len)
-    kvp = [0]
-    for n in kv_lens:
-        kvp.append(kvp[-1] + n)
+    qo_host, kv_host = _indptr([r.q_len for r in reqs]), _indptr(kv_lens)
     mask = mask_indptr = None
     if masks is not None:
-        sizes = [0]
-        for m in masks:
-            sizes.append(sizes[-1] + m.numel())
-        mask = torch.cat([m.reshape(-1) for m in masks]).to(device)
-        mask_indptr = _i32(sizes).to(device)
-    return AttnTables(_i32(qo).to(device), _i32(kvp).to(device), kv,
-                      q_pos.to(device=device, dtype=torch.int32),
-                      torch.cat(kv_pos).to(device=device, dtype=torch.int32), mask, mask_indptr,
-                      max(r.q_len for r in reqs))
+        mask = _to(torch.cat([m.reshape(-1) for m in masks]), device)
+        mask_indptr = _to(_indptr([m.numel() for m in masks]), device)
+    return AttnTables(_to(qo_host, device), _to(kv_host, device), kv,
+                      _to(q_pos.to(torch.int32), device),
+                      _to(torch.cat(kv_pos).to(torch.int32), device), mask, mask_indptr,
+                      max(r.q_len for r in reqs), qo_host, kv_host)
+
+
+def _plan_causal(reqs: list[ReqForward], starts: list[int], table: torch.Tensor,
+                 writes: bool) -> tuple[torch.Tensor, torch.Tensor | None, AttnTables]:
+    """Tables of a batch whose every request is causal by position over slots (decode, extend,
+    chains), vectorized over requests: request b sees slots ``[start_b, kv_end_b)`` of its row,
+    queries and writes slots ``[prefix_b + query_from_b, prefix_b + nodes_b)``, and a slot's
+    index is its position. One host→device copy of the requests' lengths; no read back.
+    Returns (full-space key slots, full-space write slots or None, tables without kv_indices)."""
+    device = table.device
+    host = torch.tensor([[r.row, s, r.prefix_len + r.query_from] for r, s in zip(reqs, starts)],
+                        dtype=torch.int64)
+    kv_lens = [r.kv_end - s for r, s in zip(reqs, starts)]
+    q_lens = [r.q_len for r in reqs]
+    qo_host, kv_host = _indptr(q_lens), _indptr(kv_lens)
+    dev = _to(torch.cat([host.reshape(-1), qo_host.long(), kv_host.long()]), device)
+    B = len(reqs)
+    row, start, q0 = dev[:3 * B].view(B, 3).unbind(1)
+    qo, kvp = dev[3 * B:4 * B + 1], dev[4 * B + 1:]
+    ids = torch.arange(B, device=device)
+
+    def expand(first: torch.Tensor, indptr: torch.Tensor, total: int):
+        b = torch.repeat_interleave(ids, indptr[1:] - indptr[:-1], output_size=total)
+        return b, first[b] + torch.arange(total, device=device) - indptr[b]
+
+    bk, kcol = expand(start, kvp, int(kv_host[-1]))
+    bq, qcol = expand(q0, qo, int(qo_host[-1]))
+    slots = table[row[bk], kcol].long()
+    w = table[row[bq], qcol].long() if writes else None
+    tables = AttnTables(qo.int(), kvp.int(), None, qcol.int(), kcol.int(), None, None,
+                        max(q_lens), qo_host, kv_host)
+    return slots, w, tables
 
 
 def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch, source,
@@ -158,8 +202,12 @@ def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch
     table = batch.req_to_token
     device = table.device
     starts = [_start(r, window) for r in reqs]
-    slots, pre_len, kv_pos, q_pos, masks, w_slots = [], [], [], [], [], []
     need_mask = batch.needs_mask
+    if not need_mask:  # decode, extend, chains: vectorized, no per-request tensors
+        full, full_w, t = _plan_causal(reqs, starts, table, writes)
+        kv, w = _space(key, sub_pool, source, skip_translation, batch.full_id, full, full_w)
+        return GroupPlan(key, sub_pool, window, replace(t, kv_indices=kv), None, w)
+    slots, pre_len, kv_pos, q_pos, masks, w_slots = [], [], [], [], [], []
     for r, s in zip(reqs, starts):
         end = r.prefix_len + r.nodes
         slots.append(table[r.row, s:r.kv_end].long())
@@ -175,15 +223,8 @@ def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch
                 structure = torch.ones(r.nodes, r.nodes, dtype=torch.bool).tril()[r.query_from:]
             masks.append(torch.cat([torch.ones(r.q_len, r.prefix_len - s, dtype=torch.bool),
                                     structure], dim=1))
-    full_kv = Locs("full", batch.full_id, torch.cat(slots))
-    full_w = Locs("full", batch.full_id, torch.cat(w_slots)) if writes else None
-    if sub_pool == "swa" and not skip_translation:
-        if source is None:
-            raise SpaceError(f"layer group {key!r} reads an SWA sub-pool, but the resolver found "
-                             "no KV source to translate full slots against")
-        kv, w = source.translate(full_kv), (source.translate(full_w) if full_w is not None else None)
-    else:
-        kv, w = full_kv, full_w
+    kv, w = _space(key, sub_pool, source, skip_translation, batch.full_id, torch.cat(slots),
+                   torch.cat(w_slots) if writes else None)
     qp = torch.cat(q_pos)
     lens = [t.numel() for t in slots]
     tables = _tables(kv, reqs, lens, kv_pos, qp, masks if need_mask else None, device)
@@ -191,6 +232,19 @@ def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch
     if cascade and batch.has_tree:
         casc = _cascade(kv, reqs, lens, pre_len, kv_pos, qp, masks, device)
     return GroupPlan(key, sub_pool, window, tables, casc, w)
+
+
+def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str,
+           slots: torch.Tensor, writes: torch.Tensor | None) -> tuple[Locs, Locs | None]:
+    """Full slots → the group's index space: translated once, here, for an SWA group."""
+    full_kv = Locs("full", full_id, slots)
+    full_w = Locs("full", full_id, writes) if writes is not None else None
+    if sub_pool != "swa" or skip_translation:
+        return full_kv, full_w
+    if source is None:
+        raise SpaceError(f"layer group {key!r} reads an SWA sub-pool, but the resolver found "
+                         "no KV source to translate full slots against")
+    return source.translate(full_kv), (source.translate(full_w) if full_w is not None else None)
 
 
 def _cascade(kv: Locs, reqs, lens, pre_len, kv_pos, qp, masks, device):

@@ -1,0 +1,46 @@
+"""Planning a forward makes no host sync on CUDA: `init_forward_metadata` runs under
+``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call (a read back,
+a blocking copy). Modes whose planning is vectorized (decode, extend, chain verify) are covered;
+tree and DFlash-block planning still builds masks per request on the host (issue 16)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swafactory
+from swafactory.kvcache.factory import build_pools
+from swafactory.kvcache.pool import ReqToToken
+from swafactory.kvcache.requests import RequestSlots
+from swafactory.metadata.batch import ForwardBatch, ReqForward
+
+MODES = {"decode": ("decode", 1), "verify_chain8": ("target_verify", 8),
+         "extend": ("extend", 16)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", "torch"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_planning_makes_no_host_sync(mode: str, backend: str) -> None:
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    cfg = swafactory.validate(swafactory.compose(
+        [f"backend={backend}", "spec=none", "model=gpt_oss_20b", "workload.device=cuda"]))
+    kind, nodes = MODES[mode]
+    bs, ctx, W = 16, 300, cfg.model.sliding_window
+    pool, alloc = build_pools(cfg, bs * 512, bs * 512, "cuda")
+    slots = RequestSlots(alloc, ReqToToken(bs, 512, "cuda"))
+    for rid in range(bs):
+        slots.open(rid)
+        slots.extend(rid, ctx + nodes)
+        slots.evict_out_of_window(rid, ctx, W)
+    backend_ = swafactory.build_backend(cfg, pools=pool)
+    batch = ForwardBatch.of(kind, [ReqForward(r, slots.reqs[r].row, ctx, nodes)
+                                   for r in range(bs)], slots.req_to_token.table, alloc.full_id)
+    backend_.init_forward_metadata(batch)  # first use: lazy imports, allocator warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = backend_.init_forward_metadata(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert plan.group(0).tables.qo_host is not None  # host indptrs from host lengths
