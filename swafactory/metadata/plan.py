@@ -164,23 +164,53 @@ def _tables(kv: Locs, reqs: list[ReqForward], kv_lens: list[int], kv_pos: list[t
                       max(r.q_len for r in reqs), qo_host, kv_host)
 
 
-def _plan_causal(reqs: list[ReqForward], starts: list[int], table: torch.Tensor,
-                 writes: bool) -> tuple[torch.Tensor, torch.Tensor | None, AttnTables]:
-    """Tables of a batch whose every request is causal by position over slots (decode, extend,
-    chains), vectorized over requests: request b sees slots ``[start_b, kv_end_b)`` of its row,
-    queries and writes slots ``[prefix_b + query_from_b, prefix_b + nodes_b)``, and a slot's
-    index is its position. One host→device copy of the requests' lengths; no read back.
+def _shape(r: ReqForward, need_mask: bool) -> tuple:
+    return (r.nodes, r.query_from, r.parents, r.block, r.prefix_only, need_mask)
+
+
+def _plan_vector(reqs: list[ReqForward], starts: list[int], table: torch.Tensor, writes: bool,
+                 need_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None, AttnTables]:
+    """Every table of one group, vectorized over requests (no per-request tensors).
+
+    Request b sees slots ``[start_b, kv_end_b)`` of its row and queries and writes slots
+    ``[prefix_b + query_from_b, prefix_b + nodes_b)``. A prefix slot's position is its index; a
+    node's is ``prefix + depth``. Requests of one step shape (nodes, query_from, parents, block,
+    prefix_only) share one depth list and one node-structure block, computed once on the host;
+    the mask (``need_mask``) is ``[prefix part: all visible | structure]`` per request, built on
+    the device. One host→device copy of the per-request numbers; nothing is read back.
     Returns (full-space key slots, full-space write slots or None, tables without kv_indices)."""
     device = table.device
-    host = torch.tensor([[r.row, s, r.prefix_len + r.query_from] for r, s in zip(reqs, starts)],
-                        dtype=torch.int64)
-    kv_lens = [r.kv_end - s for r, s in zip(reqs, starts)]
+    shapes: dict[tuple, int] = {}
+    depth_parts, struct_parts, d_off, s_off = [], [], 0, 0
+    meta = []  # per request: row, start, prefix, query_from, nodes kv, depth off, structure off
+    for r, st in zip(reqs, starts):
+        key = _shape(r, need_mask)
+        if key not in shapes:
+            shapes[key] = len(depth_parts)
+            depth_parts.append(torch.tensor(r.depths, dtype=torch.int64))
+            if need_mask:
+                sm = r.node_structure()
+                if sm is None:  # a chain inside a masked batch: causal by node order
+                    sm = torch.ones(r.nodes, r.nodes, dtype=torch.bool).tril()[r.query_from:]
+                struct_parts.append(sm.reshape(-1))
+        k = shapes[key]
+        meta.append((r.row, st, r.prefix_len, r.query_from, r.kv_end - r.prefix_len, k, k))
+    d_offs = torch.tensor([0, *[t.numel() for t in depth_parts]]).cumsum(0)[:-1]
+    s_offs = (torch.tensor([0, *[t.numel() for t in struct_parts]]).cumsum(0)[:-1]
+              if need_mask else None)
+    host = torch.tensor(meta, dtype=torch.int64)
+    host[:, 5] = d_offs[host[:, 5]]
+    if need_mask:
+        host[:, 6] = s_offs[host[:, 6]]
+    kv_lens = [r.kv_end - st for r, st in zip(reqs, starts)]
     q_lens = [r.q_len for r in reqs]
     qo_host, kv_host = _indptr(q_lens), _indptr(kv_lens)
-    dev = _to(torch.cat([host.reshape(-1), qo_host.long(), kv_host.long()]), device)
     B = len(reqs)
-    row, start, q0 = dev[:3 * B].view(B, 3).unbind(1)
-    qo, kvp = dev[3 * B:4 * B + 1], dev[4 * B + 1:]
+    parts = [host.reshape(-1), qo_host.long(), kv_host.long(), torch.cat(depth_parts)]
+    dev = _to(torch.cat(parts), device)
+    row, start, prefix, qf, nkv, doff, soff = dev[:7 * B].view(B, 7).unbind(1)
+    qo, kvp = dev[7 * B:8 * B + 1], dev[8 * B + 1:9 * B + 2]
+    depth = dev[9 * B + 2:]
     ids = torch.arange(B, device=device)
 
     def expand(first: torch.Tensor, indptr: torch.Tensor, total: int):
@@ -188,10 +218,31 @@ def _plan_causal(reqs: list[ReqForward], starts: list[int], table: torch.Tensor,
         return b, first[b] + torch.arange(total, device=device) - indptr[b]
 
     bk, kcol = expand(start, kvp, int(kv_host[-1]))
-    bq, qcol = expand(q0, qo, int(qo_host[-1]))
+    bq, qcol = expand(prefix + qf, qo, int(qo_host[-1]))
     slots = table[row[bk], kcol].long()
     w = table[row[bq], qcol].long() if writes else None
-    tables = AttnTables(qo.int(), kvp.int(), None, qcol.int(), kcol.int(), None, None,
+    node = (kcol - prefix[bk]).clamp_min(0)  # a key's node index (prefix keys: clamped, unused)
+    kv_pos = torch.where(kcol < prefix[bk], kcol, prefix[bk] + depth[doff[bk] + node])
+    q_pos = prefix[bq] + depth[doff[bq] + qcol - prefix[bq]]
+    mask = mask_indptr = None
+    if need_mask:
+        pre = [r.prefix_len - st for r, st in zip(reqs, starts)]
+        sizes = [q * k for q, k in zip(q_lens, kv_lens)]
+        m_host = _indptr(sizes)
+        extra = _to(torch.cat([m_host.long(), torch.tensor(pre, dtype=torch.int64),
+                               torch.tensor(kv_lens, dtype=torch.int64),
+                               torch.cat(struct_parts).long()]), device)
+        m_ptr, pre_d, kvl = extra[:B + 1], extra[B + 1:2 * B + 1], extra[2 * B + 1:3 * B + 1]
+        struct = extra[3 * B + 1:].bool()
+        bm, o = expand(torch.zeros(B, dtype=torch.int64, device=device), m_ptr, int(m_host[-1]))
+        i = torch.div(o, kvl[bm], rounding_mode="floor")
+        j = o - i * kvl[bm] - pre_d[bm]  # the key's node index; < 0 for prefix keys
+        nk = nkv[bm]
+        sidx = soff[bm] + i * nk + j.clamp(min=0)
+        mask = (j < 0) | struct[sidx.clamp(max=max(struct.numel() - 1, 0))] \
+            if struct.numel() else (j < 0)
+        mask_indptr = m_ptr.int()
+    tables = AttnTables(qo.int(), kvp.int(), None, q_pos.int(), kv_pos.int(), mask, mask_indptr,
                         max(q_lens), qo_host, kv_host)
     return slots, w, tables
 
@@ -203,8 +254,8 @@ def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch
     device = table.device
     starts = [_start(r, window) for r in reqs]
     need_mask = batch.needs_mask
-    if not need_mask:  # decode, extend, chains: vectorized, no per-request tensors
-        full, full_w, t = _plan_causal(reqs, starts, table, writes)
+    if not (cascade and batch.has_tree):  # every table vectorized; the cascade split is not yet
+        full, full_w, t = _plan_vector(reqs, starts, table, writes, need_mask)
         kv, w = _space(key, sub_pool, source, skip_translation, batch.full_id, full, full_w)
         return GroupPlan(key, sub_pool, window, replace(t, kv_indices=kv), None, w)
     slots, pre_len, kv_pos, q_pos, masks, w_slots = [], [], [], [], [], []

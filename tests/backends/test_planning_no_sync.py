@@ -1,7 +1,7 @@
 """Planning a forward makes no host sync on CUDA: `init_forward_metadata` runs under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call (a read back,
-a blocking copy). Modes whose planning is vectorized (decode, extend, chain verify) are covered;
-tree and DFlash-block planning still builds masks per request on the host (issue 16)."""
+a blocking copy). Every mode's planning is vectorized over requests: decode, extend, chain and
+tree verify, a DFlash block. (The cascade strategy's prefix/expand split is not yet.)"""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +13,10 @@ from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.metadata.batch import ForwardBatch, ReqForward
 
-MODES = {"decode": ("decode", 1), "verify_chain8": ("target_verify", 8),
-         "extend": ("extend", 16)}
+TREE8 = (-1, 0, 0, 1, 1, 2, 2, 3)
+MODES = {"decode": ("decode", 1, {}), "verify_chain8": ("target_verify", 8, {}),
+         "extend": ("extend", 16, {}), "verify_tree8": ("target_verify", 8, {"parents": TREE8}),
+         "dflash_block": ("draft_decode", 8, {"block": True})}
 
 
 @pytest.mark.gpu
@@ -25,7 +27,7 @@ def test_planning_makes_no_host_sync(mode: str, backend: str) -> None:
         pytest.importorskip("flashinfer")
     cfg = swafactory.validate(swafactory.compose(
         [f"backend={backend}", "spec=none", "model=gpt_oss_20b", "workload.device=cuda"]))
-    kind, nodes = MODES[mode]
+    kind, nodes, shape = MODES[mode]
     bs, ctx, W = 16, 300, cfg.model.sliding_window
     pool, alloc = build_pools(cfg, bs * 512, bs * 512, "cuda")
     slots = RequestSlots(alloc, ReqToToken(bs, 512, "cuda"))
@@ -34,7 +36,7 @@ def test_planning_makes_no_host_sync(mode: str, backend: str) -> None:
         slots.extend(rid, ctx + nodes)
         slots.evict_out_of_window(rid, ctx, W)
     backend_ = swafactory.build_backend(cfg, pools=pool)
-    batch = ForwardBatch.of(kind, [ReqForward(r, slots.reqs[r].row, ctx, nodes)
+    batch = ForwardBatch.of(kind, [ReqForward(r, slots.reqs[r].row, ctx, nodes, **shape)
                                    for r in range(bs)], slots.req_to_token.table, alloc.full_id)
     backend_.init_forward_metadata(batch)  # first use: lazy imports, allocator warm-up
     torch.cuda.synchronize()
