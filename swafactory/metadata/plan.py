@@ -221,9 +221,12 @@ def _plan_vector(reqs: list[ReqForward], starts: list[int], table: torch.Tensor,
     bq, qcol = expand(prefix + qf, qo, int(qo_host[-1]))
     slots = table[row[bk], kcol].long()
     w = table[row[bq], qcol].long() if writes else None
-    node = (kcol - prefix[bk]).clamp_min(0)  # a key's node index (prefix keys: clamped, unused)
-    kv_pos = torch.where(kcol < prefix[bk], kcol, prefix[bk] + depth[doff[bk] + node])
-    q_pos = prefix[bq] + depth[doff[bq] + qcol - prefix[bq]]
+    if all(k[2] is None for k in shapes):  # no tree: a node's depth is its index, position = slot
+        kv_pos, q_pos = kcol, qcol
+    else:
+        node = (kcol - prefix[bk]).clamp_min(0)  # a key's node index (prefix keys: unused)
+        kv_pos = torch.where(kcol < prefix[bk], kcol, prefix[bk] + depth[doff[bk] + node])
+        q_pos = prefix[bq] + depth[doff[bq] + qcol - prefix[bq]]
     mask = mask_indptr = None
     if need_mask:
         pre = [r.prefix_len - st for r, st in zip(reqs, starts)]
