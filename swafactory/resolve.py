@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 from swafactory.errors import SpaceError
 from swafactory.kvcache.locs import Locs, SlotMapping, translate
 
-__all__ = ["Role", "Policy", "POLICIES", "KVPoolLike", "RunnerView", "KVSource",
+__all__ = ["Role", "Policy", "POLICIES", "KVPoolLike", "RunnerView", "DraftView", "KVSource",
            "resolve_kv_source"]
 
 Role = Literal["target", "draft_own_pool", "draft_reads_target"]
@@ -68,6 +68,16 @@ class RunnerView(Protocol):
     @property
     def spec_algorithm(self) -> str:
         """Spec algorithm key (``none``, ``eagle``, ``frozen_kv_mtp``, …)."""
+
+
+class DraftView:
+    """A concrete `RunnerView` for a draft runner: the driver (the harness, the generator, an
+    engine) swaps ``active_pool`` around each forward of a FROZEN_KV draft; the other facts are
+    fixed."""
+
+    def __init__(self, active_pool, allocator_pool, role: Role, spec_algorithm: str) -> None:
+        self.active_pool, self.allocator_pool = active_pool, allocator_pool
+        self.role, self.spec_algorithm = role, spec_algorithm
 
 
 @dataclass(frozen=True, eq=False)

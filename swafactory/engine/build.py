@@ -31,6 +31,7 @@ from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import size_pools
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.layout import frozen_draft_binding
+from swafactory.resolve import DraftView
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.select import validate
 
@@ -38,14 +39,6 @@ __all__ = ["Parts", "build", "serving_config", "model_dtype", "OWN_COPY"]
 
 OWN_COPY = ("eagle", "eagle3", "nextn", "standalone")
 """Families whose draft is a copy of the target's weights with its own pool."""
-
-
-class _View:
-    """A `RunnerView` the engine owns (a FROZEN_KV draft's active pool is swapped per forward)."""
-
-    def __init__(self, active_pool, allocator_pool, role: str, spec_algorithm: str) -> None:
-        self.active_pool, self.allocator_pool = active_pool, allocator_pool
-        self.role, self.spec_algorithm = role, spec_algorithm
 
 
 @dataclass
@@ -114,7 +107,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
                                    check_mode=guards)
         for sub in dpool.sub_pools:
             alloc.attach(sub)
-        view = _View(dpool, pool, "draft_own_pool", s.algorithm)
+        view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
         # the copy has the target's layers: their windows, stated (an own pool is full
         # attention by default, which a copy of a sliding model is not)
         backend = build_backend(scfg, view=view, windows=model_windows(scfg), guards=guards)
@@ -128,7 +121,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         geo = m.full or m.swa
         dummy = own_draft_pool(alloc.full_size, P, len(binding), geo.num_kv_heads, geo.head_dim,
                                pool.sub_pools[0].dtype, dev, check_mode=guards)
-        view = _View(dummy, pool, "draft_reads_target", s.algorithm)
+        view = DraftView(dummy, pool, "draft_reads_target", s.algorithm)
         backend = build_backend(scfg, view=view, guards=guards)
         parts.draft = Runner("draft", draft_copy(model), backend, writes=False,
                              swap=(view, frozen, dummy), guards=guards)
@@ -139,7 +132,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         k = s.draft_num_layers
         dtypes = list(m.layer_types[-k:]) if dpool.is_split else ["full_attention"] * k
         sources = _sources(types, m, dtypes)
-        view = _View(dpool, pool, "draft_own_pool", s.algorithm)
+        view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
         backend = build_backend(scfg, view=view, guards=guards)
         model_d = draft_from_layers(model, sources, dtypes,
                                     m.sliding_window if dpool.is_split else None)

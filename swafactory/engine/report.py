@@ -3,7 +3,6 @@ report.png (accept length per step). Rendering only; `engine.run` measures."""
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import TextIO
 
@@ -12,6 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from swafactory.engine.report_model import GenerateReport
+from swafactory.report_files import write_report_files
 
 __all__ = ["GenProgress", "render_generate", "write_generate"]
 
@@ -123,15 +123,4 @@ def _plot(r: GenerateReport, path: Path) -> None:
 
 def write_generate(r: GenerateReport, out_dir: Path) -> list[Path]:
     """report.json and (with matplotlib) report.png; returns the paths written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    js = out_dir / "report.json"
-    js.write_text(r.model_dump_json(indent=1))
-    try:
-        import matplotlib  # noqa: F401 - only to learn whether the `plot` extra is installed
-    except ImportError:
-        warnings.warn("matplotlib is not installed, so report.png was skipped; "
-                      "pip install 'swafactory[plot]' to get it", stacklevel=2)
-        return [js]
-    png = out_dir / "report.png"
-    _plot(r, png)
-    return [js, png]
+    return write_report_files(r, out_dir, _plot, indent=1)

@@ -6,7 +6,6 @@ still writes report.json and warns that the picture was skipped.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from swafactory.harness.report_model import Report, Tick
+from swafactory.report_files import write_report_files
 
 __all__ = ["render_summary", "write_report", "progress", "RunProgress", "LogProgress", "layer_ranges"]
 
@@ -185,18 +185,7 @@ def _plot(report: Report, path: Path) -> None:
 
 def write_report(report: Report, out_dir: Path) -> list[Path]:
     """Write `report.json` and, when matplotlib is installed, `report.png`; returns the paths written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    js = out_dir / "report.json"
-    js.write_text(report.model_dump_json(indent=2))
-    try:
-        import matplotlib  # noqa: F401 - only to learn whether the `plot` extra is installed
-    except ImportError:
-        warnings.warn("matplotlib is not installed, so report.png was skipped; "
-                      "pip install 'swafactory[plot]' to get it", stacklevel=2)
-        return [js]
-    png = out_dir / "report.png"
-    _plot(report, png)
-    return [js, png]
+    return write_report_files(report, out_dir, _plot)
 
 
 class RunProgress:

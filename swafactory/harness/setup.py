@@ -17,10 +17,11 @@ from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import size_pools
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.layout import frozen_draft_binding
+from swafactory.resolve import DraftView
 from swafactory.metadata.plan import group_key
 from swafactory.parallel import Shard, shard_config
 
-__all__ = ["Sizes", "pool_sizes", "draft_nodes", "Parts", "build_parts", "DraftView"]
+__all__ = ["Sizes", "pool_sizes", "draft_nodes", "Parts", "build_parts"]
 
 
 def draft_nodes(cfg: SwaFactoryConfig) -> int:
@@ -51,14 +52,6 @@ def pool_sizes(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> Si
                    chunk=T + (W + T) // 16)
     return Sizes(s.full, s.swa, s.full_per_request // P, s.swa_per_request // P,
                  s.full_per_request)
-
-
-class DraftView:
-    """A draft runner's view (`swafactory.resolve.RunnerView`); the harness swaps `active_pool`."""
-
-    def __init__(self, active_pool, allocator_pool, role: str, spec_algorithm: str) -> None:
-        self.active_pool, self.allocator_pool = active_pool, allocator_pool
-        self.role, self.spec_algorithm = role, spec_algorithm
 
 
 @dataclass
