@@ -169,19 +169,15 @@ class AttentionBackend:
         g = self.plan.group(layer_id)
         if g.write_locs is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
-        if self.guards:
-            self._pool.write(layer_id, g.write_locs, k, v)
-            return
-        # unguarded: store at whatever rows the plan says, as an engine with bare kernels would
-        k_buf, v_buf, sub = self._pool.get_kv(layer_id)
-        idx = g.write_locs.tensor.reshape(-1).long()
-        k_buf[idx] = k.to(sub.dtype)
-        v_buf[idx] = v.to(sub.dtype)
+        self._pool.write(layer_id, g.write_locs, k, v, checked=self.guards)
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
         head_dim^-0.5 of the buffers it reads (a frozen draft layer reads a target layer)."""
-        return self.cfg.model.softmax_scale or self._pool.get_kv(layer_id)[2].head_dim ** -0.5
+        return self._scale(self._pool.sub_pool(layer_id))
+
+    def _scale(self, sub) -> float:
+        return self.cfg.model.softmax_scale or sub.head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer_id: int, batch: ForwardBatch | None = None, save_kv: bool = True,
@@ -207,7 +203,7 @@ class AttentionBackend:
                              f"plan holds {g.tables.kv_indices.space}-space locations of "
                              f"{g.tables.kv_indices.pool_id!r}")
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
-        scale = self.layer_scale(layer_id)
+        scale = self._scale(sub)
         kw = dict(window=g.window, scale=scale, softcap=self.softcap)
         if g.cascade is not None:
             pre, exp = g.cascade

@@ -33,8 +33,9 @@ from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.metadata.batch import ForwardMode, ReqForward
 
-__all__ = ["SpecHooks", "SpecStep", "FrozenQuery", "alloc_upto", "draft_nodes", "level_bounds",
-           "seeded_tree", "seeded_accept", "greedy_path", "children", "eviction_floor"]
+__all__ = ["SpecHooks", "SpecStep", "FrozenQuery", "req_forward", "alloc_upto", "level_bounds",
+           "seeded_tree", "seeded_accept", "greedy_path", "children",
+           "eviction_floor"]
 
 FrozenQuery = Literal["reread", "mtp"]
 """How a FROZEN_KV draft step queries the target's K/V: ``reread`` re-reads position L - 1 (the
@@ -66,11 +67,6 @@ class SpecHooks(Protocol):
 
     def on_commit(self, rid: Hashable, committed: int, path: list[int]) -> None:
         """Bookkeeping after ``path`` was moved to positions ``committed…`` and the rest freed."""
-
-
-def draft_nodes(spec) -> int:
-    """Slots one request takes beyond its committed tokens in one decode or spec step."""
-    return step_nodes(spec)
 
 
 def level_bounds(topk: int, level: int) -> tuple[int, int]:
@@ -125,6 +121,12 @@ def eviction_floor(committed: int, prefilling: bool, frozen: bool) -> int:
     return max(0, committed - 1 if frozen and not prefilling else committed)
 
 
+def req_forward(slots: RequestSlots, rid: Hashable, prefix: int, nodes: int,
+                **kw) -> ReqForward:
+    """``rid``'s `ReqForward` at its `ReqToToken` row (every driver's one way to build one)."""
+    return ReqForward(rid, slots.reqs[rid].row, prefix, nodes, **kw)
+
+
 def alloc_upto(slots: RequestSlots, rid: Hashable, upto: int) -> None:
     """Allocate ``rid``'s positions up to ``upto`` (nothing when they are)."""
     need = upto - slots.reqs[rid].kv_len
@@ -154,7 +156,7 @@ class SpecStep:
         self.leak = leak_rejected_draft_slots
 
     def _rf(self, r: _Req, prefix: int, nodes: int, **kw) -> ReqForward:
-        return ReqForward(r.rid, self.slots.reqs[r.rid].row, prefix, nodes, **kw)
+        return req_forward(self.slots, r.rid, prefix, nodes, **kw)
 
     def truncate(self, rid: Hashable, new_len: int) -> None:
         """Free the rejected draft slots past ``new_len``."""
@@ -165,7 +167,7 @@ class SpecStep:
         (committed tokens: the root plus the accepted drafts). ``committed`` is not updated."""
         s = self.spec
         for r in reqs:
-            alloc_upto(self.slots, r.rid, r.committed + draft_nodes(s))
+            alloc_upto(self.slots, r.rid, r.committed + step_nodes(s))
         parents: dict[Hashable, tuple[int, ...] | None] = {r.rid: None for r in reqs}
         if s.algorithm == "dflash":
             verify_n = s.block_size

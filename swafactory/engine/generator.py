@@ -22,9 +22,10 @@ import torch
 
 from swafactory.engine.build import Parts, model_dtype
 from swafactory.engine.report_model import GenStep
+from swafactory.kvcache.allocator import pool_use
 from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, greedy_path,
-                                    level_bounds)
+                                    level_bounds, req_forward)
 
 __all__ = ["GenReq", "Generator", "MASK_TOKEN", "tie_tolerance"]
 
@@ -69,11 +70,6 @@ class GenReq:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
-
-
-def _use(alloc, space: str) -> float:
-    sub = getattr(alloc, space, alloc)  # an SWAAllocator has .full/.swa; a TokenAllocator is one
-    return sub.used_size() / sub.size
 
 
 def _argmax(row: torch.Tensor, tie: float) -> tuple[int, bool]:
@@ -136,7 +132,7 @@ class Generator:
             for r, a in zip(self.running, accepts):
                 r.committed += a
                 r.accepts.append(a)
-        use = {sp: _use(self.p.alloc, sp) for sp in ("swa", "full")}  # after the forwards
+        use = {sp: pool_use(self.p.alloc, sp) for sp in ("swa", "full")}  # after the forwards
         for r in list(self.running):
             if len(r.generated) >= r.out:
                 self.p.slots.finish(r.rid)
@@ -182,7 +178,7 @@ class Generator:
             r.committed += 1
 
     def _rf(self, r: GenReq, prefix: int, nodes: int, **kw) -> ReqForward:
-        return ReqForward(r.rid, self.p.slots.reqs[r.rid].row, prefix, nodes, **kw)
+        return req_forward(self.p.slots, r.rid, prefix, nodes, **kw)
 
     def _take(self, r: GenReq, row: torch.Tensor, pos: int) -> None:
         """The target's logits at ``pos`` give the next token."""

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from swafactory.errors import CapacityError
 from swafactory.harness.setup import Parts
 from swafactory.harness.workers import Check, History, Worker
+from swafactory.kvcache.allocator import pool_use
 from swafactory.metadata.batch import ForwardMode, ReqForward
-from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, seeded_accept,
-                                    seeded_tree)
+from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, req_forward,
+                                    seeded_accept, seeded_tree)
 
-__all__ = ["Req", "Loop", "Mismatched", "pool_use"]
+__all__ = ["Req", "Loop", "Mismatched"]
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Loop:
 
     # ------------------------------------------------------------------ plumbing
     def _rf(self, r: Req, prefix: int, nodes: int, **kw) -> ReqForward:
-        return ReqForward(r.rid, self.p.slots.reqs[r.rid].row, prefix, nodes, **kw)
+        return req_forward(self.p.slots, r.rid, prefix, nodes, **kw)
 
     def _alloc(self, r: Req, upto: int) -> None:
         alloc_upto(self.p.slots, r.rid, upto)
@@ -230,9 +231,3 @@ class Loop:
         self.p.hist_t[rid].truncate(committed + len(path))
         if rid in self.p.hist_d:  # the draft extend rewrites the accepted tokens' draft KV
             self.p.hist_d[rid].truncate(committed)
-
-
-def pool_use(alloc, space: str) -> float:
-    """Used / total slots of one space (`swa` or `full`) of an allocator."""
-    sub = getattr(alloc, space, alloc)  # an SWAAllocator has .full/.swa; a TokenAllocator is one
-    return sub.used_size() / sub.size

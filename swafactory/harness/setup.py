@@ -21,12 +21,7 @@ from swafactory.resolve import DraftView
 from swafactory.metadata.plan import group_key
 from swafactory.parallel import Shard, shard_config
 
-__all__ = ["Sizes", "pool_sizes", "draft_nodes", "Parts", "build_parts"]
-
-
-def draft_nodes(cfg: SwaFactoryConfig) -> int:
-    """Slots one request takes beyond its committed tokens in one decode or spec step."""
-    return step_nodes(cfg.spec)
+__all__ = ["Sizes", "pool_sizes", "Parts", "build_parts"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ def pool_sizes(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> Si
     the SWA share), and two spare pages widen each request's full share. Raises `ConfigError`
     when ``workload.swa_full_tokens_ratio`` leaves a request less than its SWA need."""
     m, P = cfg.model, cfg.backend.page_size
-    T, W = draft_nodes(cfg), m.sliding_window or 0
+    T, W = step_nodes(cfg.spec), m.sliding_window or 0
     longest = max(p + o for p, o in zip(prompts, outs))
     s = size_pools(cfg, cfg.workload.max_running_requests, longest + 2 * P,
                    chunk=T + (W + T) // 16)

@@ -60,13 +60,6 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _host_indptrs(tables) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tables' host indptrs (the planner's; read back only for tables built without them)."""
-    if tables.qo_host is not None and tables.kv_host is not None:
-        return tables.qo_host, tables.kv_host
-    return tables.qo_indptr.to("cpu", torch.int32), tables.kv_indptr.to("cpu", torch.int32)
-
-
 def custom_mask(tables, window: int | None) -> torch.Tensor:
     """The visibility mask FlashInfer's custom-mask prefill needs, flattened per request.
 
@@ -76,7 +69,7 @@ def custom_mask(tables, window: int | None) -> torch.Tensor:
     causal by position. Built on the device in one vectorized pass: element e of block b is
     (i, j) = divmod(e - start_b, kv_len_b); only the host indptrs are read on the host.
     """
-    qo_h, kv_h = _host_indptrs(tables)
+    qo_h, kv_h = tables.qo_host, tables.kv_host  # the planner's host copies: nothing read back
     q_lens, kv_lens = (qo_h[1:] - qo_h[:-1]).long(), (kv_h[1:] - kv_h[:-1]).long()
     sizes = q_lens * kv_lens
     starts = torch.cumsum(sizes, 0) - sizes
@@ -156,7 +149,7 @@ class Adapter:
 
     def _prepare(self, key: str, role: str, t, window: int | None) -> _Pass:
         dev = t.qo_indptr.device
-        qo_host, kv_host = _host_indptrs(t)
+        qo_host, kv_host = t.qo_host, t.kv_host
         q_lens = (qo_host[1:] - qo_host[:-1]).tolist()
         decode = t.mask is None and all(n == 1 for n in q_lens)
         indices = t.kv_indices.tensor.to(dev, torch.int32)

@@ -22,7 +22,7 @@ import torch
 from swafactory.kvcache.locs import SlotMapping
 from swafactory.kvcache.pool import CapacityError, KVPool
 
-__all__ = ["TokenAllocator", "SWAAllocator", "page_rows"]
+__all__ = ["TokenAllocator", "SWAAllocator", "page_rows", "pool_use"]
 
 
 def page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -358,3 +358,10 @@ class SWAAllocator(_PagedSlots):
         """Free the SWA pages behind the full ``slots`` (``[n]`` int64); whole pages when P > 1."""
         slots = slots.reshape(-1)
         self.free_swa_pages(torch.unique(slots[slots > 0] // self.page_size))
+
+
+def pool_use(alloc, space: str) -> float:
+    """Used / total slots of one space (``swa`` or ``full``) of an allocator (an `SWAAllocator`
+    has ``.full`` and ``.swa``; a `TokenAllocator` is one space)."""
+    sub = getattr(alloc, space, alloc)
+    return sub.used_size() / sub.size

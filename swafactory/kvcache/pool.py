@@ -219,13 +219,17 @@ class HybridSWAPool:
                                 f"{pool.rows} rows (max {int(t.max())})")
         self._in_bounds[pool.pool_id] = (t, t._version)
 
-    def write(self, layer_id: int, locs: Locs, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer_id: int, locs: Locs, k: torch.Tensor, v: torch.Tensor, *,
+              checked: bool = True) -> None:
         """Store K/V of ``len(locs)`` tokens. ``locs``: ``[n]`` slots in the layer's sub-pool
-        space; ``k``, ``v``: ``[n, kv_heads, head_dim]``, cast to the sub-pool's dtype."""
+        space; ``k``, ``v``: ``[n, kv_heads, head_dim]``, cast to the sub-pool's dtype.
+        ``checked=False`` skips the typed-space and bounds checks (stores at whatever rows
+        ``locs`` holds), as an engine that embedded only the kernels would."""
         if self.read_only:
             raise SpaceError(f"pool {self.name!r} is a read-only view; layer {layer_id} "
                              "cannot be written")
-        k_buf, v_buf, pool = self._checked(layer_id, locs)
+        k_buf, v_buf, pool = (self._checked(layer_id, locs) if checked
+                              else self.get_kv(layer_id))
         idx = locs.tensor.reshape(-1).long()
         want = (idx.numel(), pool.num_kv_heads, pool.head_dim)
         if tuple(k.shape) != want or tuple(v.shape) != want:

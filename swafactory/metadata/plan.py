@@ -41,8 +41,9 @@ class AttnTables:
     max_q_len: int = 0
     """Longest request's query count (host-known: kernels need no device read for it)."""
     qo_host: torch.Tensor | None = None
-    """[B+1] int32 on the host: ``qo_indptr`` built from the batch's host lengths. Kernel
-    libraries whose plan reads host indptrs (FlashInfer) take these: nothing is read back."""
+    """[B+1] int32 on the host: ``qo_indptr`` built from the batch's host lengths (the planner
+    always sets it). Kernel libraries whose plan reads host indptrs (FlashInfer) take these:
+    nothing is read back."""
     kv_host: torch.Tensor | None = None
     """[B+1] int32 on the host: ``kv_indptr``, likewise."""
 
@@ -132,10 +133,6 @@ def _start(r: ReqForward, window: int | None) -> int:
     return min(r.prefix_len, max(0, first_q - window + 1))
 
 
-def _i32(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
-
-
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without a host sync: pinned, copied asynchronously."""
     if device.type != "cuda":
@@ -180,48 +177,48 @@ def _plan_vector(reqs: list[ReqForward], starts: list[int], table: torch.Tensor,
     the device. One host→device copy of the per-request numbers; nothing is read back.
     Returns (full-space key slots, full-space write slots or None, tables without kv_indices)."""
     device = table.device
-    shapes: dict[tuple, int] = {}
+    offsets: dict[tuple, tuple[int, int]] = {}  # step shape → (depth offset, structure offset)
     depth_parts, struct_parts, d_off, s_off = [], [], 0, 0
     meta = []  # per request: row, start, prefix, query_from, nodes kv, depth off, structure off
     for r, st in zip(reqs, starts):
         key = _shape(r, need_mask)
-        if key not in shapes:
-            shapes[key] = len(depth_parts)
+        if key not in offsets:
+            offsets[key] = (d_off, s_off)
             depth_parts.append(torch.tensor(r.depths, dtype=torch.int64))
+            d_off += r.nodes
             if need_mask:
                 sm = r.node_structure()
                 if sm is None:  # a chain inside a masked batch: causal by node order
                     sm = torch.ones(r.nodes, r.nodes, dtype=torch.bool).tril()[r.query_from:]
                 struct_parts.append(sm.reshape(-1))
-        k = shapes[key]
-        meta.append((r.row, st, r.prefix_len, r.query_from, r.kv_end - r.prefix_len, k, k))
-    d_offs = torch.tensor([0, *[t.numel() for t in depth_parts]]).cumsum(0)[:-1]
-    s_offs = (torch.tensor([0, *[t.numel() for t in struct_parts]]).cumsum(0)[:-1]
-              if need_mask else None)
-    host = torch.tensor(meta, dtype=torch.int64)
-    host[:, 5] = d_offs[host[:, 5]]
-    if need_mask:
-        host[:, 6] = s_offs[host[:, 6]]
+                s_off += sm.numel()
+        meta.append((r.row, st, r.prefix_len, r.query_from, r.kv_end - r.prefix_len,
+                     *offsets[key]))
     kv_lens = [r.kv_end - st for r, st in zip(reqs, starts)]
     q_lens = [r.q_len for r in reqs]
     qo_host, kv_host = _indptr(q_lens), _indptr(kv_lens)
     B = len(reqs)
-    parts = [host.reshape(-1), qo_host.long(), kv_host.long(), torch.cat(depth_parts)]
+    parts = [torch.tensor(meta, dtype=torch.int64).reshape(-1), qo_host.long(), kv_host.long(),
+             torch.cat(depth_parts)]
     dev = _to(torch.cat(parts), device)
     row, start, prefix, qf, nkv, doff, soff = dev[:7 * B].view(B, 7).unbind(1)
     qo, kvp = dev[7 * B:8 * B + 1], dev[8 * B + 1:9 * B + 2]
     depth = dev[9 * B + 2:]
     ids = torch.arange(B, device=device)
 
-    def expand(first: torch.Tensor, indptr: torch.Tensor, total: int):
+    def expand(indptr: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request of each element, its offset in the request) for ``total`` elements: a
+        host-known count, so nothing is read back."""
         b = torch.repeat_interleave(ids, indptr[1:] - indptr[:-1], output_size=total)
-        return b, first[b] + torch.arange(total, device=device) - indptr[b]
+        return b, torch.arange(total, device=device) - indptr[b]
 
-    bk, kcol = expand(start, kvp, int(kv_host[-1]))
-    bq, qcol = expand(prefix + qf, qo, int(qo_host[-1]))
+    bk, kcol = expand(kvp, sum(kv_lens))
+    kcol = kcol + start[bk]
+    bq, qcol = expand(qo, sum(q_lens))
+    qcol = qcol + prefix[bq] + qf[bq]
     slots = table[row[bk], kcol].long()
     w = table[row[bq], qcol].long() if writes else None
-    if all(k[2] is None for k in shapes):  # no tree: a node's depth is its index, position = slot
+    if all(k[2] is None for k in offsets):  # no tree: a node's depth is its index, position = slot
         kv_pos, q_pos = kcol, qcol
     else:
         node = (kcol - prefix[bk]).clamp_min(0)  # a key's node index (prefix keys: unused)
@@ -231,13 +228,12 @@ def _plan_vector(reqs: list[ReqForward], starts: list[int], table: torch.Tensor,
     if need_mask:
         pre = [r.prefix_len - st for r, st in zip(reqs, starts)]
         sizes = [q * k for q, k in zip(q_lens, kv_lens)]
-        m_host = _indptr(sizes)
-        extra = _to(torch.cat([m_host.long(), torch.tensor(pre, dtype=torch.int64),
+        extra = _to(torch.cat([_indptr(sizes).long(), torch.tensor(pre, dtype=torch.int64),
                                torch.tensor(kv_lens, dtype=torch.int64),
                                torch.cat(struct_parts).long()]), device)
         m_ptr, pre_d, kvl = extra[:B + 1], extra[B + 1:2 * B + 1], extra[2 * B + 1:3 * B + 1]
         struct = extra[3 * B + 1:].bool()
-        bm, o = expand(torch.zeros(B, dtype=torch.int64, device=device), m_ptr, int(m_host[-1]))
+        bm, o = expand(m_ptr, sum(sizes))
         i = torch.div(o, kvl[bm], rounding_mode="floor")
         j = o - i * kvl[bm] - pre_d[bm]  # the key's node index; < 0 for prefix keys
         nk = nkv[bm]
