@@ -131,15 +131,16 @@ class Raw:
                             geo.head_dim, 1, custom_mask=g["mask"], window_left=-1, **common)
 
     def layer(self, layer: int, q, k, v, sinks=None):
+        from swafactory.kernels.triton.sinks import sink_epilogue
+
         g = self.groups[self.plan.layer_groups[layer]]
         k_buf, v_buf, _ = self.pool.get_kv(layer)
         k_buf[g["write"]] = k
         v_buf[g["write"]] = v
+        if sinks is None:
+            return g["w"].run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)))
         o, lse = g["w"].run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), return_lse=True)
-        if sinks is not None:
-            w = torch.sigmoid(lse * LN2 - sinks.view(1, -1))
-            o = (o.float() * w[..., None]).to(o.dtype)
-        return o
+        return sink_epilogue(o, lse, sinks, lse_scale=LN2)  # the same one-kernel epilogue
 
 
 def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> dict:
@@ -177,6 +178,7 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> d
     diff = float((factory().float() - raw_cycle().float()).abs().max())
     t_f = do_bench(factory, warmup=5, rep=40, return_mode="median")
     t_r = do_bench(raw_cycle, warmup=5, rep=40, return_mode="median")
+    graph = graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench)
     plans = []
     for _ in range(10):
         torch.cuda.synchronize()
@@ -196,33 +198,81 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> d
     torch.cuda.empty_cache()
     return dict(model=model, mode=mode, bs=bs, ctx=ctx, layers=L, factory_ms=t_f, raw_ms=t_r,
                 ratio=t_f / t_r, planning_ms=plans[len(plans) // 2], floor_ms=floor,
-                kv_gb=kv_bytes / 1e9, factory_vs_floor=t_f / floor, max_abs_diff=diff)
+                kv_gb=kv_bytes / 1e9, factory_vs_floor=t_f / floor, max_abs_diff=diff,
+                **graph, graph_vs_floor=graph.get("replay_ms", math.nan) / floor)
+
+
+def graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench) -> dict:
+    """The same step captured as an engine captures its own (K/V writes and attention of every
+    layer inside one CUDA graph, through the backend's graph contract): replay time alone, and
+    the graph cycle (`init_forward_metadata_replay` + replay)."""
+    bs, tokens = batch.batch_size, max(r.q_len for r in batch.reqs)
+    L = len(qs)
+
+    def step():
+        for layer in range(L):
+            out = backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
+        return out
+
+    try:
+        backend.init_cuda_graph_state(bs, tokens)
+        backend.init_forward_metadata_capture(bs, tokens, batch.mode)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        backend.init_forward_metadata_replay(batch, bs, tokens)
+        g.replay()
+        diff = float((out.float() - factory().float()).abs().max())
+
+        def cycle():
+            backend.init_forward_metadata_replay(batch, bs, tokens)
+            g.replay()
+
+        backend.init_forward_metadata_replay(batch, bs, tokens)
+        t_rep = do_bench(g.replay, warmup=5, rep=40, return_mode="median")
+        t_cyc = do_bench(cycle, warmup=5, rep=40, return_mode="median")
+        del g
+        return dict(replay_ms=t_rep, graph_cycle_ms=t_cyc, graph_diff=diff)
+    except Exception as e:  # noqa: BLE001 - a bench row records what failed
+        return dict(graph_error=f"{type(e).__name__}: {e}"[:200])
 
 
 def render(rows: list[dict], meta: dict, out: Path) -> str:
     lines = ["# The factory against raw FlashInfer (H200)", "",
              f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}, flashinfer "
              f"{meta['flashinfer']}; copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write). "
-             f"bf16, ctx {meta['ctx']}, every layer of the model; eager (no CUDA graphs).", "",
+             f"bf16, ctx {meta['ctx']}, every layer of the model.", "",
              f"    {meta['command']}", "",
              "| model | mode | bs | factory cycle ms | raw cycle ms | factory / raw | planning ms "
-             "| floor ms | factory / floor | K/V GB | max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| floor ms | factory / floor | graph replay ms | replay / floor | graph cycle ms "
+             "| K/V GB | max abs diff (eager, graph) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | error: {r['error'][:120]} "
-                         "| | | | | | | |")
+                         "| | | | | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r['factory_ms']:.2f} | "
                      f"{r['raw_ms']:.2f} | {r['ratio']:.2f}× | {r['planning_ms']:.2f} | "
-                     f"{r['floor_ms']:.2f} | {r['factory_vs_floor']:.2f}× | {r['kv_gb']:.2f} | "
-                     f"{r['max_abs_diff']:.1e} |")
+                     f"{r['floor_ms']:.2f} | {r['factory_vs_floor']:.2f}× | "
+                     + (f"{r['replay_ms']:.2f} | {r['graph_vs_floor']:.2f}× | "
+                        f"{r['graph_cycle_ms']:.2f} | " if "replay_ms" in r else
+                        f"graph: {r.get('graph_error', '-')[:80]} | | | ")
+                     + f"{r['kv_gb']:.2f} | {r['max_abs_diff']:.1e}, "
+                     f"{r.get('graph_diff', math.nan):.1e} |")
     lines += ["", "factory cycle: `init_forward_metadata` + `forward` over every layer (K/V write "
               "included); raw cycle: the FlashInfer wrappers' `plan` per layer group + per layer "
               "the K/V write and `run`, on the same pools and indices; planning: host wall time "
               "of `init_forward_metadata` alone (median of 10, synchronized); floor: the K/V "
               "bytes the step reads over the copy bandwidth (bytes read + written per second "
-              "by a device copy)."]
+              "by a device copy); graph replay: the whole step (every layer's K/V write and "
+              "attention) captured once through `init_forward_metadata_capture`, replayed after "
+              "`init_forward_metadata_replay` (graph cycle: both)."]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "factory-h200.md").write_text(text)

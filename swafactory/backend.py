@@ -11,7 +11,8 @@ forward (`swafactory.resolve.RunnerView`):
 
 Per forward the engine calls `init_forward_metadata(batch)` once (the only place the resolver
 runs and the only host work), then `forward(q, k, v, layer_id)` once per layer. Adapters wire the
-plan's tables to a kernel and hold no pool logic.
+plan's tables to a kernel and hold no pool logic. CUDA graphs: `init_cuda_graph_state`,
+`init_forward_metadata_capture` and `init_forward_metadata_replay` (`swafactory.graph_state`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
 from swafactory.layout import frozen_draft_binding
-from swafactory.metadata.batch import ForwardBatch
+from swafactory.graph_state import GraphState, bucket_writes, capture_plan
+from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata.plan import ForwardPlan, plan
 from swafactory.registry.capabilities import Capabilities
 from swafactory.registry.device import detect_device
@@ -128,6 +130,12 @@ class AttentionBackend:
         self.faults = cfg.faults
         self._plan: ForwardPlan | None = None
         self._pool = None
+        self.q_heads = cfg.model.num_attention_heads // cfg.parallel.tp
+        """Query heads of this runner's layers on this rank: kernel libraries plan with it in
+        `init_forward_metadata` (set it when the engine's model differs from the config)."""
+        self._sig_cache: dict[tuple, dict[str, tuple]] = {}
+        self._graph: GraphState | None = None
+        self._graphed = False  # the current plan is a graph bucket's (writes unchecked inside)
         self._frozen = None
         if self.faults.pool_cached_at_init:  # FAULT: what the view says at construction
             self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
@@ -145,7 +153,13 @@ class AttentionBackend:
         return self._plan
 
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardPlan:
-        """Resolve the KV source from the view *now* and plan the forward (host work, once)."""
+        """Resolve the KV source from the view *now* and plan the forward (host work, once:
+        the planner's tables and the kernel library's own planning)."""
+        self._graphed = False
+        self._plan = self._plan_forward(batch, None)
+        return self._plan
+
+    def _plan_forward(self, batch: ForwardBatch, graph: tuple[int, int] | None) -> ForwardPlan:
         f = self.faults
         if self._frozen is not None:
             pool, source = self._frozen  # FAULT pool_cached_at_init (sglang #26957)
@@ -156,12 +170,104 @@ class AttentionBackend:
         lmap = pool.layers_mapping
         if f.allocator_pool_for_own_pool_draft and source is not None and source.pool is not pool:
             lmap = {j: source.pool.layers_mapping[j] for j in lmap}  # FAULT: reads keyed on it
-        self._plan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
-                          writes=not pool.read_only,
-                          skip_spec_translation=f.skip_spec_translation)
+        fplan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
+                     writes=not pool.read_only,
+                     skip_spec_translation=f.skip_spec_translation)
         self._pool = pool
-        if hasattr(self.adapter, "plan"):  # kernels with host-side planning (FlashInfer): once here
-            self.adapter.plan(self._plan, pool)
+        if hasattr(self.adapter, "plan"):  # kernels with host-side planning (FlashInfer): here
+            self.adapter.plan(fplan, pool, sigs=self._sigs(pool, fplan), graph=graph)
+        return fplan
+
+    def _sigs(self, pool, fplan: ForwardPlan) -> dict[str, tuple]:
+        """Group key → (q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap), what a
+        kernel library's host plan needs besides the tables (cached per pool and group set)."""
+        key = (id(pool), tuple(fplan.groups), self.q_heads)
+        sigs = self._sig_cache.get(key)
+        if sigs is None:
+            sigs = {}
+            for layer, g in fplan.layer_groups.items():
+                if g not in sigs:
+                    sub = pool.sub_pool(layer)
+                    sigs[g] = (self.q_heads, sub.num_kv_heads, sub.head_dim, sub.dtype,
+                               sub.dtype, self._scale(sub), self.softcap)
+            self._sig_cache[key] = sigs
+        return sigs
+
+    # --- the CUDA-graph contract (swafactory.graph_state says how an engine uses it) -----------
+
+    @property
+    def cuda_graph_state(self) -> GraphState | None:
+        """The graphs' static state (None before `init_cuda_graph_state`)."""
+        return self._graph
+
+    def init_cuda_graph_state(self, max_bs: int, max_tokens: int) -> None:
+        """Ready graphs of up to ``max_bs`` requests × ``max_tokens`` query rows each. Calling
+        it again with other limits keeps the buckets already captured."""
+        if not self.capabilities.cuda_graph:
+            raise ConfigError([Reason("backend", "backend.cuda_graph",
+                                      f"{self.capabilities.name} has no CUDA-graph path",
+                                      "backend.cuda_graph=false, or backend=flashinfer",
+                                      rule="cuda_graph")])
+        if self.cascade:
+            raise ConfigError([Reason("backend", "backend.tree_mask",
+                                      "a cascade's prefix/expand split depends on the batch, so "
+                                      "a captured graph cannot replay it",
+                                      "backend.tree_mask=custom_mask", rule="cuda_graph")])
+        if max_bs < 1 or max_tokens < 1:
+            raise ValueError(f"init_cuda_graph_state needs max_bs >= 1 and max_tokens >= 1, got "
+                             f"{max_bs}, {max_tokens}")
+        if self._graph is not None:
+            self._graph.max_bs, self._graph.max_tokens = max_bs, max_tokens
+            return
+        dev = self.view.active_pool.sub_pools[0].device
+        self._graph = GraphState(max_bs, max_tokens, torch.device(dev))
+
+    def _graph_state(self) -> GraphState:
+        if self._graph is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs, max_tokens) first")
+        return self._graph
+
+    def init_forward_metadata_capture(self, bs: int, tokens: int,
+                                      mode: ForwardMode) -> ForwardPlan:
+        """Plan the shapes of bucket (``bs`` requests × ``tokens`` queries) for a capture: every
+        request reads and writes the dummy row. The engine then warms up and captures its step,
+        calling `forward` per layer inside."""
+        st = self._graph_state()
+        st.check(bs, tokens)
+        if mode == "decode" and tokens != 1:
+            raise ValueError(f"a decode bucket has 1 token per request, got tokens={tokens}")
+        pool = self.view.active_pool if self._frozen is None else self._frozen[0]
+        fplan = capture_plan(st, pool, pool.layers_mapping, self.windows, bs=bs, tokens=tokens,
+                             mode=mode, writes=not pool.read_only)
+        self.adapter.plan(fplan, pool, sigs=self._sigs(pool, fplan), graph=(bs, tokens))
+        st.captured[(bs, tokens)] = pool
+        self._pool, self._plan, self._graphed = pool, fplan, True
+        return fplan
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, bs: int,
+                                     tokens: int) -> ForwardPlan:
+        """Plan ``batch`` for the captured bucket (``bs``, ``tokens``) and refill the buffers its
+        graph reads, in place; the engine then copies its inputs and replays. The batch has at
+        most ``bs`` requests of at most ``tokens`` queries each."""
+        st = self._graph_state()
+        captured = st.captured.get((bs, tokens))
+        if captured is None:
+            raise ValueError(f"no graph was captured for {bs} requests × {tokens} tokens; "
+                             f"captured: {sorted(st.captured)}")
+        if batch.batch_size > bs:
+            raise ValueError(f"{batch.batch_size} requests do not fit the graph bucket of {bs}")
+        fplan = self._plan_forward(batch, (bs, tokens))
+        if self._pool is not captured:  # the graph holds the captured pool's buffer addresses
+            raise ValueError("the runner's active pool is not the one this graph was captured "
+                             "against; capture per pool (a FROZEN_KV draft's frozen view)")
+        if self.guards:  # the captured writes are unchecked: check the real slots once here
+            seen: set[str] = set()
+            for layer, key in fplan.layer_groups.items():
+                g = fplan.groups[key]
+                if g.write_locs is not None and key not in seen:
+                    seen.add(key)
+                    self._pool.check(layer, g.write_locs)
+        self._plan, self._graphed = bucket_writes(st, fplan, bs, tokens), True
         return self._plan
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -169,7 +275,8 @@ class AttentionBackend:
         g = self.plan.group(layer_id)
         if g.write_locs is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
-        self._pool.write(layer_id, g.write_locs, k, v, checked=self.guards)
+        # a graph's writes were checked at replay planning (a check inside a capture would sync)
+        self._pool.write(layer_id, g.write_locs, k, v, checked=self.guards and not self._graphed)
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
@@ -210,7 +317,7 @@ class AttentionBackend:
             o1, l1 = self.adapter.run(pre, q, k_buf, v_buf, **kw)
             o2, l2 = self.adapter.run(exp, q, k_buf, v_buf, **kw)
             return self.adapter.merge(o1, l1, o2, l2, sinks)
-        o, _ = self.adapter.run(g.tables, q, k_buf, v_buf, sinks=sinks, **kw)
+        o, _ = self.adapter.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, **kw)
         return o
 
 

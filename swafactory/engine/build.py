@@ -81,6 +81,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     loaded target (the reference runs share its weights)."""
     dev = "cuda" if device.kind == "cuda" else "cpu"
     guards = cfg.run.guards
+    graphs = cfg.backend.cuda_graph  # every forward but a prefill replays a captured model call
     if model is None:
         model, _ = load_target(cfg, model_dtype(cfg), dev)
     scfg = serving_config(cfg, model, device)
@@ -91,7 +92,8 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     pool, alloc = build_pools(scfg, sizes.full, sizes.swa, dev, check_mode=guards)
     alloc.shuffle(torch.Generator().manual_seed(scfg.workload.seed))  # pages in random order
     slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, dev))
-    target = Runner("target", model, build_backend(scfg, pools=pool, guards=guards), guards=guards)
+    target = Runner("target", model, build_backend(scfg, pools=pool, guards=guards),
+                    guards=guards, graphs=graphs)
     parts = Parts(scfg, target, None, pool, alloc, None, slots, model.config.to_dict(), "-")
     if s.algorithm == "none":
         return parts
@@ -111,7 +113,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         # the copy has the target's layers: their windows, stated (an own pool is full
         # attention by default, which a copy of a sliding model is not)
         backend = build_backend(scfg, view=view, windows=model_windows(scfg), guards=guards)
-        parts.draft = Runner("draft", draft_copy(model), backend, guards=guards)
+        parts.draft = Runner("draft", draft_copy(model), backend, guards=guards, graphs=graphs)
         parts.draft_pool = dpool
         parts.draft_desc = (f"a copy of the target's {n} layers, own "
                             f"{'split ' if dpool.is_split else ''}pool")
@@ -124,7 +126,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         view = DraftView(dummy, pool, "draft_reads_target", s.algorithm)
         backend = build_backend(scfg, view=view, guards=guards)
         parts.draft = Runner("draft", draft_copy(model), backend, writes=False,
-                             swap=(view, frozen, dummy), guards=guards)
+                             swap=(view, frozen, dummy), guards=guards, graphs=graphs)
         parts.draft_desc = (f"the target's {len(binding)} layers reading its frozen K/V (writes "
                             "none); step k queries position L+k over keys < L")
     else:  # dflash
@@ -136,7 +138,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         backend = build_backend(scfg, view=view, guards=guards)
         model_d = draft_from_layers(model, sources, dtypes,
                                     m.sliding_window if dpool.is_split else None)
-        parts.draft = Runner("draft", model_d, backend, guards=guards)
+        parts.draft = Runner("draft", model_d, backend, guards=guards, graphs=graphs)
         parts.draft_pool = dpool
         parts.draft_desc = (f"{k} {'target-typed' if dpool.is_split else 'full-attention'} "
                             f"layers (weights of target layers {sources}), own "

@@ -112,3 +112,6 @@ class GenerateReport(_Model):
     tokens_per_s: float
     reference_s: float
     """Wall time of the reference runs (spec=none, the torch backend) and the eager forwards."""
+    cuda_graphs: dict[str, dict[str, int]] | None = None
+    """``backend.cuda_graph=true``: per runner, graphs captured, forwards replayed, forwards run
+    eagerly (prefills, and batches past the largest bucket)."""

@@ -328,4 +328,6 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
               f"(at step {gen.step if gen else 0}, {gen.current[0]} {gen.current[1]})"
               if gen else f"{type(main.error).__name__}: {main.error}",
         wall_s=main.wall, tokens_per_s=tokens / main.wall if main.wall else 0.0,
-        reference_s=ref_s)
+        reference_s=ref_s,
+        cuda_graphs={r.name: dict(r.graph_use) for r in (main.parts.target, main.parts.draft)
+                     if r is not None} if cfg.backend.cuda_graph and main.parts else None)

@@ -4,6 +4,11 @@ A forward packs the batch's query tokens into one sequence ``[1, T]`` with per-t
 ``position_ids`` (tree nodes at ``prefix + depth``), plans it once
 (``backend.init_forward_metadata``), then calls the model with ``use_cache=False`` inside
 `routing(backend)`: every attention module attends through the backend, which holds the K/V.
+
+With ``graphs=True`` (``backend.cuda_graph=true``) every forward but a prefill (``extend``)
+replays a CUDA graph of the whole model call, captured per bucket (requests rounded up to
+`BUCKETS`, queries per request to a power of two) through the backend's graph contract
+(`swafactory.graph_state`): the engine's own step, each layer's q from the layer before.
 """
 from __future__ import annotations
 
@@ -16,7 +21,12 @@ from swafactory.errors import SpaceError
 from swafactory.integrations.transformers import ATTENTION, register, routing
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
-__all__ = ["Runner", "NonFinite", "attn_implementation"]
+__all__ = ["Runner", "NonFinite", "attn_implementation", "BUCKETS"]
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+"""Requests per captured graph; a larger batch runs eagerly."""
+MAX_GRAPH_TOKENS = 16
+"""Queries per request a graph holds at most (verify, draft steps); more run eagerly."""
 
 
 class NonFinite(SpaceError):
@@ -45,13 +55,18 @@ class Runner:
     """
 
     def __init__(self, name: str, model, backend, *, writes: bool = True, swap=None,
-                 guards: bool = True) -> None:
+                 guards: bool = True, graphs: bool = False) -> None:
         register()
         self.name, self.model, self.backend = name, model, backend
         self.writes, self.swap, self.guards = writes, swap, guards
         self.model.set_attn_implementation(ATTENTION)
         self.device = next(model.parameters()).device
         self.forwards = 0
+        self.graphs = graphs
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (bs, tokens) → graph, ids, pos, logits
+        self.graph_use = {"captures": 0, "replays": 0, "eager": 0}
+        if graphs:
+            backend.init_cuda_graph_state(BUCKETS[-1], MAX_GRAPH_TOKENS)
 
     @torch.no_grad()
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], tokens: Sequence[int],
@@ -66,17 +81,69 @@ class Runner:
             view, frozen, _ = self.swap
             view.active_pool = frozen  # the engine swaps the target's frozen view in
         try:
-            self.backend.init_forward_metadata(batch)
             ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
             pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
-            with routing(self.backend, writes=self.writes):
-                out = self.model(input_ids=ids, position_ids=pos, use_cache=False)
+            bucket = self._bucket(batch)
+            if bucket is None:
+                self.backend.init_forward_metadata(batch)
+                with routing(self.backend, writes=self.writes):
+                    logits = self.model(input_ids=ids, position_ids=pos,
+                                        use_cache=False).logits[0]
+                self.graph_use["eager"] += 1
+            else:
+                logits = self._replay(batch, bucket, ids, pos)
         finally:
             if self.swap is not None:
                 view.active_pool = self.swap[2]
         self.forwards += 1
-        logits = out.logits[0].float()
+        logits = logits.float()
         if self.guards and not bool(torch.isfinite(logits).all()):
             raise NonFinite(f"{self.name} {mode}: non-finite logits (a poisoned, freed or dummy "
                             "slot was read)")
         return logits
+
+    def _bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """(requests, queries per request) of the graph that serves ``batch``, or None (eager)."""
+        if not self.graphs or batch.mode == "extend":
+            return None
+        q = max(r.q_len for r in batch.reqs)
+        # a masked batch needs the prefill kernel: 2 rows per request at least
+        tokens = 1 << (max(q, 2 if batch.needs_mask else 1) - 1).bit_length()
+        bs = next((n for n in BUCKETS if n >= batch.batch_size), None)
+        if bs is None or tokens > MAX_GRAPH_TOKENS:
+            return None
+        return bs, tokens
+
+    def _replay(self, batch: ForwardBatch, bucket: tuple[int, int], ids: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+        """Capture ``bucket``'s graph on first use, then plan, copy the inputs and replay;
+        returns the batch's logits rows [T, vocab]."""
+        st = self._graphs.get(bucket)
+        if st is None:
+            st = self._graphs[bucket] = self._capture(batch.mode, *bucket)
+        graph, s_ids, s_pos, s_logits = st
+        rows = batch.total_q
+        self.backend.init_forward_metadata_replay(batch, *bucket)
+        s_ids[0, :rows].copy_(ids[0])
+        s_pos[0, :rows].copy_(pos[0])
+        graph.replay()
+        self.graph_use["replays"] += 1
+        return s_logits[0, :rows].clone()  # the static buffer is the next replay's
+
+    def _capture(self, mode: ForwardMode, bs: int, tokens: int) -> tuple:
+        ids = torch.zeros(1, bs * tokens, dtype=torch.long, device=self.device)
+        pos = torch.zeros_like(ids)
+        self.backend.init_forward_metadata_capture(bs, tokens, mode)
+        call = lambda: self.model(input_ids=ids, position_ids=pos,  # noqa: E731
+                                  use_cache=False).logits
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side), routing(self.backend, writes=self.writes):
+            call()  # warm-up: kernel JIT and library set-up, outside the capture
+        cur.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), routing(self.backend, writes=self.writes):
+            logits = call()
+        self.graph_use["captures"] += 1
+        return graph, ids, pos, logits

@@ -132,16 +132,18 @@ class Adapter:
     def __init__(self) -> None:
         self._passes: PassCache = PassCache("flash_attn")
 
-    def plan(self, forward_plan, pool) -> None:
+    def plan(self, forward_plan, pool, *, sigs=None, graph=None) -> None:
         """FA4 arguments for every pass of ``forward_plan`` (once per forward)."""
-        del pool
+        del pool, sigs, graph  # no host-planned kernel signature; no graph path
         self._passes.clear()
         for g in forward_plan.groups.values():
             for _, t in g.passes:
                 self._passes.put(t, plan_pass(t, g.window))
 
-    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
-        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log).
+    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
+            lse: bool = True):
+        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log;
+        computed whatever ``lse`` says).
 
         q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16); sinks: [Hq] or None.
         """

@@ -12,16 +12,25 @@ mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, because Flas
 its window from ``kv_len - q_len + i``, which is wrong for trimmed SWA lists and tree nodes at
 ``prefix + depth`` (DESIGN invariant 4).
 
-Planning. `plan(forward_plan, pool)` (once per forward) does the host work: the planner's host
-indptrs (never read back from the device), int32 indices, masks built on the device. The FlashInfer ``wrapper.plan`` call needs the query head count, dtypes, scale
-and soft-cap, which only the first layer's `run` knows; it happens there, once per pass per
-forward (all layers of a group share them), and again only if a later layer differs.
+Planning. `plan(forward_plan, pool, sigs=…)` (once per forward, from
+`AttentionBackend.init_forward_metadata`) does all the host work: the planner's host indptrs
+(never read back from the device), int32 indices, masks built on the device, and FlashInfer's
+``wrapper.plan`` with each group's signature (query heads, dtypes, scale, soft-cap: the backend
+knows them from the config and the pool). A layer whose `run` brings another signature re-plans
+its pass there (eagerly; inside a CUDA-graph capture that is an error).
+
+CUDA graphs (`plan(…, graph=(bucket, tokens))`): passes are padded to ``bucket`` requests
+(padding requests have ``tokens`` query rows and read one key, the pool's dummy row 0) and run
+through ``use_cuda_graph`` wrappers, one per (group, pass, bucket, tokens), whose fixed buffers the
+captured kernels read; `plan` refills them in place for every replay. Requests may have fewer
+queries than ``tokens`` (draft extend): the rows past the batch's are padding.
 
 Sinks are served by an exact epilogue on the returned LSE (``o · σ(lse - sink)``): FlashInfer
 0.6.18's FA2/FA3 paged runs accept ``sinks=`` but drop it (only trtllm-gen, SM100+, reads it).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -55,7 +64,7 @@ CAPABILITIES = Capabilities(
                "adapter applies them exactly after the kernel from the LSE, o·σ(lse − sink) "
                "(checked against the oracle on the H200)",
     softcap=True,
-    cuda_graph=True,  # decode and verify (uniform query counts) through swafactory.graphs
+    cuda_graph=True,  # every mode, through AttentionBackend.init_forward_metadata_capture/replay
     kv_dtypes=frozenset({"float16", "bfloat16"}),
 )
 
@@ -89,6 +98,16 @@ def custom_mask(tables, window: int | None) -> torch.Tensor:
     return vis
 
 
+@functools.cache
+def _fused_sinks() -> bool:
+    """Triton is there for the one-kernel sink epilogue (FlashInfer's own JIT pulls it in)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 @dataclass(eq=False)
 class _Pass:
     """One planned pass (a group's tables, or a cascade half) in this forward."""
@@ -113,17 +132,17 @@ class _Pass:
     """(bucket, tokens per request) when planned for a CUDA-graph bucket, else None."""
 
 
+Signature = tuple
+"""(q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap): what ``wrapper.plan`` needs
+beyond the tables; the same for every layer of a group."""
+
+
 class Adapter:
     """Wires planner tables to FlashInfer wrappers; holds no pool logic.
 
-    Wrappers are kept per (group, pass role, decode/prefill) and re-planned every forward; the
-    float workspace is one buffer shared by all of them (they run one after another on a stream).
-
-    Graph mode (`swafactory.graphs.GraphedAttention` sets ``graph = (bucket, tokens)`` around
-    its plan call): passes are padded to ``bucket`` requests of ``tokens`` queries (padding
-    requests read one key, the pool's dummy row 0), and run through ``use_cuda_graph`` wrappers
-    whose fixed buffers the captured kernels read. A captured wrapper is re-planned here, at plan
-    time, with the signature it was captured with, because replays call no `run`.
+    Wrappers are kept per (group, pass role, decode/prefill, graph bucket) and re-planned every
+    forward; the float workspace is one buffer shared by all of them (they run one after another
+    on a stream, and graphs replay one at a time).
     """
 
     capabilities = CAPABILITIES
@@ -132,34 +151,44 @@ class Adapter:
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple, object] = {}
         self._passes: PassCache = PassCache("flashinfer")
-        self.graph: tuple[int, int] | None = None
-        self._graph_sigs: dict[tuple, tuple] = {}
         self._max_rows = 0
+        self.replans = 0
+        """Passes re-planned inside `run` because a layer's signature differed from the one
+        given to `plan` (0 in an engine whose config matches its model)."""
 
-    def plan(self, forward_plan, pool) -> None:
-        """Host work for every pass of ``forward_plan`` (once per forward)."""
+    def plan(self, forward_plan, pool, *, sigs: dict[str, Signature] | None = None,
+             graph: tuple[int, int] | None = None) -> None:
+        """Host work for every pass of ``forward_plan`` (once per forward).
+
+        sigs: group key → `Signature`; a group without one is planned by its first `run`.
+        graph: (bucket, tokens per request) to pad for and plan a captured bucket's wrappers.
+        """
         self._passes.clear()
         self._max_rows = max(sp.rows for sp in pool.sub_pools)
         for key, g in forward_plan.groups.items():
+            sig = (sigs or {}).get(key)
             for role, t in g.passes:
-                p = self._passes.put(t, self._prepare(key, role, t, g.window))
-                sig = self._graph_sigs.get(self._key(p))
-                if sig is not None:  # a captured wrapper: replays run no `run` to plan it
+                p = self._passes.put(t, self._prepare(key, role, t, g.window, graph))
+                if sig is not None:
                     self._plan_wrapper(p, sig, t.qo_indptr.device)
 
-    def _prepare(self, key: str, role: str, t, window: int | None) -> _Pass:
-        dev = t.qo_indptr.device
+    def _prepare(self, key: str, role: str, t, window: int | None,
+                 graph: tuple[int, int] | None) -> _Pass:
         qo_host, kv_host = t.qo_host, t.kv_host
-        q_lens = (qo_host[1:] - qo_host[:-1]).tolist()
-        decode = t.mask is None and all(n == 1 for n in q_lens)
-        indices = t.kv_indices.tensor.to(dev, torch.int32)
+        B = qo_host.numel() - 1
+        # a graph's kernel is fixed at capture by the bucket alone: decode for 1-token buckets
+        decode = t.mask is None and t.max_q_len == 1 if graph is None else graph[1] == 1
+        if decode and t.mask is not None:
+            raise ValueError("a 1-token graph bucket runs FlashInfer's decode kernel, which takes "
+                             "no structure mask: capture tokens >= 2 for masked batches")
+        indices = t.kv_indices.tensor.to(torch.int32)
         mask = None if decode else custom_mask(t, window)
-        if self.graph is not None:
-            n, tokens = self.graph
-            if len(q_lens) > n or any(x != tokens for x in q_lens):
+        if graph is not None:
+            n, tokens = graph
+            if B > n or t.max_q_len > tokens:
                 raise ValueError(f"a graph bucket of {n} requests × {tokens} queries cannot hold "
-                                 f"query counts {q_lens}")
-            pad = n - len(q_lens)
+                                 f"{B} requests of up to {t.max_q_len} queries")
+            pad = n - B
             step = torch.arange(1, pad + 1, dtype=torch.int32)
             qo_host = torch.cat([qo_host, qo_host[-1] + tokens * step])
             kv_host = torch.cat([kv_host, kv_host[-1] + step])  # one key each: dummy row 0
@@ -167,12 +196,7 @@ class Adapter:
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(pad * tokens)])
         return _Pass(key, role, window, decode, qo_host, kv_host, indices,
-                     torch.ones(qo_host.numel() - 1, dtype=torch.int32), mask,
-                     graph=self.graph)
-
-    @staticmethod
-    def _key(p: _Pass) -> tuple:
-        return (p.group, p.role, p.decode, p.graph)
+                     torch.ones(qo_host.numel() - 1, dtype=torch.int32), mask, graph=graph)
 
     def _wrapper(self, p: _Pass, device: torch.device):
         import flashinfer
@@ -180,8 +204,7 @@ class Adapter:
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._wrappers.clear()
-            self._graph_sigs.clear()
-        k = self._key(p)
+        k = (p.group, p.role, p.decode, p.graph)
         if k in self._wrappers:
             return self._wrappers[k]
         kw = {}
@@ -210,7 +233,7 @@ class Adapter:
         self._wrappers[k] = w
         return w
 
-    def _plan_wrapper(self, p: _Pass, sig: tuple, device: torch.device) -> None:
+    def _plan_wrapper(self, p: _Pass, sig: Signature, device: torch.device) -> None:
         hq, hkv, d, q_dtype, kv_dtype, scale, softcap = sig
         w = self._wrapper(p, device)
         common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale,
@@ -222,11 +245,11 @@ class Adapter:
             w.plan(p.qo_host, p.kv_host, p.indices, p.last, hq, hkv, d, 1,
                    custom_mask=p.mask, window_left=-1, **common)
         p.wrapper, p.planned_for = w, sig
-        if p.graph is not None:
-            self._graph_sigs[self._key(p)] = sig
 
-    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
-        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log).
+    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
+            lse: bool = True):
+        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32 natural log, or
+        None when ``lse`` is False and no sink needs it: the kernel then writes none).
 
         q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16); sinks: [Hq] or None.
         """
@@ -236,12 +259,26 @@ class Adapter:
                              f"{window}")
         sig = (q.shape[1], k_buf.shape[1], q.shape[2], q.dtype, k_buf.dtype, scale, softcap)
         if p.planned_for != sig:
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"group {p.group!r} was planned for {p.planned_for} (q heads, "
+                                 f"KV heads, head_dim, dtypes, scale, soft-cap) but a layer runs "
+                                 f"{sig} inside a CUDA-graph capture; set the backend's q_heads "
+                                 "to the model's heads on this rank")
             self._plan_wrapper(p, sig, q.device)
-        o, lse = p.wrapper.run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), return_lse=True)
-        lse = lse * _LN2  # FlashInfer's LSE is base 2 (m·log2e + log2 d in its kernels)
+            self.replans += 1
+        want = lse or sinks is not None
+        out = p.wrapper.run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), return_lse=want)
+        if not want:
+            return out, None
+        o, l2 = out
+        if sinks is not None and not lse and _fused_sinks():  # one launch, not seven
+            from swafactory.kernels.triton.sinks import sink_epilogue
+
+            return sink_epilogue(o, l2, sinks, lse_scale=_LN2), None
+        ln = l2 * _LN2  # FlashInfer's LSE is base 2 (m·log2e + log2 d in its kernels)
         if sinks is not None:
-            o, lse = apply_sinks(o, lse, sinks)
-        return o, lse
+            o, ln = apply_sinks(o, ln, sinks)
+        return o, ln
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""

@@ -158,17 +158,19 @@ class Adapter:
     def __init__(self) -> None:
         self._passes: PassCache = PassCache("flex")
 
-    def plan(self, forward_plan, pool) -> None:
+    def plan(self, forward_plan, pool, *, sigs=None, graph=None) -> None:
         """Padded layouts and block masks for every pass of ``forward_plan`` (once per forward)."""
-        del pool
+        del pool, sigs, graph  # no host-planned kernel signature; no graph path
         self._passes.clear()
         for g in forward_plan.groups.values():
             for _, t in g.passes:
                 p = self._passes.put(t, padded_pass(t, g.window))
                 p.block_mask = _block_mask(p)
 
-    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
-        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log).
+    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
+            lse: bool = True):
+        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log;
+        computed whatever ``lse`` says).
 
         q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D]; sinks: [Hq] or None.
         """

@@ -178,8 +178,9 @@ class Adapter:
 
     capabilities = CAPABILITIES
 
-    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None):
-        """One pass → (o, lse)."""
+    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
+            lse: bool = True):
+        """One pass → (o, lse); the kernel computes the LSE either way (``lse`` is a hint)."""
         return attend(tables, q, k_buf, v_buf, window=window, scale=scale, softcap=softcap,
                       sinks=sinks)
 

@@ -98,15 +98,15 @@ class _PagedSlots:
             return None
         pages = self.alloc_pages(total) if total else torch.empty(0, dtype=torch.int64)
         assert pages is not None  # admission checked above
+        device = pages.device
+        host_pages = pages.cpu()  # one read for the whole batch, not one per request
         out, cursor = [], 0
         for last, n, t, k in zip(lasts, lens, take, need):
             if t:
                 out.append(torch.arange(last + 1, last + 1 + t, dtype=torch.int64))
             if k:
-                fresh = page_rows(pages[cursor:cursor + k].cpu(), P)[:n - t]
-                out.append(fresh)
+                out.append(page_rows(host_pages[cursor:cursor + k], P)[:n - t])
                 cursor += k
-        device = pages.device
         return torch.cat(out).to(device) if out else torch.empty(0, dtype=torch.int64,
                                                                  device=device)
 
@@ -221,10 +221,15 @@ class TokenAllocator(_PagedSlots):
         pages = pages.reshape(-1).to(self.device, torch.int64)
         if pages.numel() == 0:
             return
-        if torch.unique(pages).numel() != pages.numel():
+        # Both checks in one read back (a sync on a GPU), not one per check.
+        srt = pages.sort().values
+        owned = self._owned[pages.clamp(0, self.num_pages)]
+        twice, stray = torch.stack([
+            (srt[1:] == srt[:-1]).any(),
+            ((pages < 1) | (pages > self.num_pages) | ~owned).any()]).tolist()
+        if twice:
             raise ValueError(f"{self.space_id!r}: the same page is freed twice in one call")
-        if bool((pages < 1).any()) or bool((pages > self.num_pages).any()) or \
-                not bool(self._owned[pages].all()):
+        if stray:
             raise ValueError(f"{self.space_id!r}: freeing pages that are not allocated "
                              "(double free, the dummy page, or out of range)")
         self._owned[pages] = False

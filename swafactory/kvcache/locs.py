@@ -84,6 +84,26 @@ class Locs:
     def _derive(self, tensor: torch.Tensor, page_size: int) -> Locs:
         return Locs(self.space, self.pool_id, tensor, page_size, self._origin)
 
+    @classmethod
+    def dummy(cls, space: Space, pool_id: str, n: int, device: torch.device | str) -> Locs:
+        """``[n]`` int64 locations all at slot 0, the dummy slot of every space (what a CUDA
+        graph's padding rows read and write)."""
+        return cls(space, pool_id, torch.zeros(n, dtype=torch.int64, device=device),
+                   _origin=_TRANSLATED)
+
+    def copy_into(self, buffer: torch.Tensor) -> Locs:
+        """These ``[n]`` slot ids copied into ``buffer[:n]`` (the rest set to the dummy slot 0),
+        as Locs of the same space over ``buffer``: a CUDA graph's static write slots, refilled
+        in place. buffer: ``[m ≥ n]`` int64 on the same device."""
+        n = len(self)
+        if buffer.dim() != 1 or buffer.numel() < n or buffer.dtype != torch.int64:
+            raise ValueError(f"copy_into needs an int64 [m >= {n}] buffer, got "
+                             f"{buffer.dtype} {list(buffer.shape)}")
+        buffer[:n].copy_(self.tensor.reshape(-1), non_blocking=True)
+        if n < buffer.numel():
+            buffer[n:].zero_()
+        return self._derive(buffer, self.page_size)
+
 
 @dataclass(frozen=True, eq=False)
 class SlotMapping:
@@ -176,10 +196,13 @@ def _gather(idx: torch.Tensor, table: torch.Tensor, page_size: int,
 
 def gather_torch(idx: torch.Tensor, table: torch.Tensor, page_size: int,
                  dtype: torch.dtype) -> torch.Tensor:
-    """Reference gather: ``table[idx] // page_size``, ids outside ``table`` → 0."""
-    ok = (idx >= 0) & (idx < table.numel())
-    vals = table[torch.where(ok, idx, 0).long()]
-    vals = torch.where(ok, vals, 0)
+    """Reference gather: ``table[idx] // page_size``, ids outside ``table`` → 0.
+
+    idx: any shape, int32/int64; table: ``[n]`` int64. Four ops (the planner's hot path): an id
+    is in range exactly when clamping leaves it unchanged."""
+    safe = idx.clamp(0, max(table.numel() - 1, 0))
+    vals = table.index_select(0, safe.reshape(-1)).view(idx.shape)
+    vals = vals.masked_fill_(safe != idx, 0)
     return (vals // page_size if page_size > 1 else vals).to(dtype)
 
 

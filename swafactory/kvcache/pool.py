@@ -196,6 +196,11 @@ class HybridSWAPool:
         local = self.layers_mapping[layer_id][1]
         return pool.k_bufs[local], pool.v_bufs[local], pool
 
+    def check(self, layer_id: int, locs: Locs) -> None:
+        """The checks of a checked `write` (typed space; bounds in check mode), without writing:
+        an engine that writes inside a CUDA graph checks each replay's slots here, outside it."""
+        self._checked(layer_id, locs)
+
     def _checked(self, layer_id: int, locs: Locs) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
         k_buf, v_buf, pool = self.get_kv(layer_id)
         if not pool.accepts(locs):

@@ -91,16 +91,25 @@ class RequestSlots:
                 raise ValueError(f"request {r!r}: {s.kv_len} + {n} tokens exceed max_context "
                                  f"{self.req_to_token.max_context}")
         table = self.req_to_token.table
-        last = torch.tensor([int(table[s.row, s.kv_len - 1]) if s.kv_len else 0 for s in states],
-                            dtype=torch.int64)
+        # Every request's last slot in one gather (a request with none reads its own slot 0,
+        # the dummy, which `alloc_extend` takes as "start a fresh page"), read back once.
+        rows = torch.tensor([s.row for s in states], dtype=torch.int64)
+        cols = torch.tensor([max(s.kv_len - 1, 0) for s in states], dtype=torch.int64)
+        has = torch.tensor([s.kv_len > 0 for s in states])
+        last = torch.where(has, table[rows.to(table.device), cols.to(table.device)].cpu().long(),
+                           0)
         slots = self.allocator.alloc_extend(last, lens)
         if slots is None:
             raise self._short(rids, lens, self.allocator.pages_needed(last, lens))
-        cursor = 0
+        # One scatter for the whole batch: (row, position) of every new slot, request-major.
+        n_new = torch.tensor(lens, dtype=torch.int64)
+        at_row = torch.repeat_interleave(rows, n_new)
+        first = torch.cumsum(n_new, 0) - n_new
+        kv_len = cols + has.long()
+        at_col = torch.arange(int(n_new.sum())) - torch.repeat_interleave(first - kv_len, n_new)
+        table[at_row.to(table.device), at_col.to(table.device)] = slots.to(table.dtype)
         for s, n in zip(states, lens):
-            table[s.row, s.kv_len:s.kv_len + n] = slots[cursor:cursor + n].to(table.dtype)
             s.kv_len += n
-            cursor += n
         return Locs("full", self.allocator.full_id, slots)
 
     def _short(self, rids: list[Hashable], lens: list[int], pages: int) -> CapacityError:
@@ -182,15 +191,29 @@ class RequestSlots:
         """Space id → ``[k]`` int64 page ids the open requests hold: the full pages of positions
         ``[0, kv_len)`` and, on a split pool, the SWA pages of ``[swa_evicted, kv_len)``."""
         P, table = self.page_size, self.req_to_token.table
-        firsts = [table[s.row, 0:s.kv_len:P].long() for s in self.reqs.values()]
-        full = torch.cat(firsts) if firsts else torch.empty(0, dtype=torch.int64)
+        states = list(self.reqs.values())
+        full = self._page_firsts(states, [0] * len(states))
         out = {self.allocator.full_id: full // P}
         if isinstance(self.allocator, SWAAllocator):
-            kept = [table[s.row, s.swa_evicted:s.kv_len:P].long() for s in self.reqs.values()]
-            swa = (self.allocator.full_to_swa[torch.cat(kept)] if kept
-                   else torch.empty(0, dtype=torch.int64))
+            kept = self._page_firsts(states, [s.swa_evicted for s in states])
+            swa = self.allocator.full_to_swa[kept]
             out[self.allocator.swa.space_id] = swa[swa > 0] // P
         return out
+
+    def _page_firsts(self, states: list[ReqState], starts: list[int]) -> torch.Tensor:
+        """[k] int64 full slots at positions ``start, start + P, … < kv_len`` of each request
+        (the first slot of each page it holds from ``start`` on): one gather for all of them."""
+        P, table = self.page_size, self.req_to_token.table
+        st = torch.tensor(starts, dtype=torch.int64)
+        n = (torch.tensor([s.kv_len for s in states], dtype=torch.int64) - st + P - 1) // P
+        n = n.clamp_(min=0)  # pages per request
+        total = int(n.sum())
+        if not total:
+            return torch.empty(0, dtype=torch.int64, device=table.device)
+        rows = torch.repeat_interleave(torch.tensor([s.row for s in states]), n)
+        k = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        cols = k * P + torch.repeat_interleave(st, n)
+        return table[rows.to(table.device), cols.to(table.device)].long()
 
     def leaks(self) -> dict[str, int]:
         """What the books hold that no open request accounts for (everything, once every

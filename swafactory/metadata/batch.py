@@ -11,15 +11,56 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from typing import Literal
 
 import torch
 
-__all__ = ["ForwardMode", "MODES", "ReqForward", "ForwardBatch"]
+__all__ = ["ForwardMode", "MODES", "StepShape", "step_shape", "ReqForward", "ForwardBatch"]
 
 ForwardMode = Literal["extend", "decode", "target_verify", "draft_decode", "draft_extend"]
 MODES: tuple[ForwardMode, ...] = ("extend", "decode", "target_verify", "draft_decode",
                                   "draft_extend")
+
+
+@dataclass(frozen=True, eq=False)
+class StepShape:
+    """What a request's step looks like apart from where it is (its row and prefix length):
+    requests of one shape share every per-node fact. Built by `step_shape`, which hands out one
+    object per shape, so the planner groups requests by identity instead of hashing parents."""
+
+    nodes: int
+    query_from: int
+    parents: tuple[int, ...] | None
+    block: bool
+    prefix_only: bool
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Depth of each node: its index for a chain or block, its tree depth otherwise."""
+        if self.parents is None:
+            return tuple(range(self.nodes))
+        d: list[int] = []
+        for p in self.parents:
+            d.append(0 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    @cached_property
+    def first_query_depth(self) -> int:
+        """Smallest depth among the queries (where the earliest query's window starts from)."""
+        return min(self.depths[self.query_from:])
+
+    @property
+    def kv_nodes(self) -> int:
+        """Nodes that are keys of this step (none for `prefix_only` queries)."""
+        return 0 if self.prefix_only else self.nodes
+
+
+@lru_cache(maxsize=4096)  # bounded: an engine has a handful of shapes, a fuzzer many
+def step_shape(nodes: int, query_from: int, parents: tuple[int, ...] | None, block: bool,
+               prefix_only: bool) -> StepShape:
+    """The one `StepShape` of these facts (while it stays in the cache)."""
+    return StepShape(nodes, query_from, parents, block, prefix_only)
 
 
 @dataclass(frozen=True)
@@ -61,6 +102,15 @@ class ReqForward:
         if self.prefix_only and (self.parents is not None or self.block):
             raise ValueError(f"request {self.rid!r}: prefix_only queries see no node, so they "
                              "take no tree or block structure")
+        # Not a field: equality, hashing and repr stay those of the fields.
+        parents = None if self.parents is None else tuple(self.parents)
+        object.__setattr__(self, "_step", step_shape(self.nodes, self.query_from, parents,
+                                                     self.block, self.prefix_only))
+
+    @property
+    def step(self) -> StepShape:
+        """This request's `StepShape` (shared with every request of the same shape)."""
+        return self._step
 
     @property
     def q_len(self) -> int:
@@ -70,12 +120,7 @@ class ReqForward:
     @property
     def depths(self) -> tuple[int, ...]:
         """Depth of each node: its index for a chain or block, its tree depth otherwise."""
-        if self.parents is None:
-            return tuple(range(self.nodes))
-        d: list[int] = []
-        for p in self.parents:
-            d.append(0 if p < 0 else d[p] + 1)
-        return tuple(d)
+        return self._step.depths
 
     def node_positions(self) -> torch.Tensor:
         """[nodes] int64: token positions of the step's nodes."""
@@ -133,18 +178,24 @@ class ForwardBatch:
         """Requests in the forward."""
         return len(self.reqs)
 
-    @property
+    # Cached: the batch is frozen, and the planner asks once per layer group.
+    @cached_property
     def total_q(self) -> int:
         """Query rows of the forward (rows of q, k, v)."""
         return sum(r.q_len for r in self.reqs)
 
-    @property
+    @cached_property
+    def step_shapes(self) -> tuple[StepShape, ...]:
+        """The requests' distinct `StepShape`s, first seen first (one pass over the requests)."""
+        return tuple(dict.fromkeys([r._step for r in self.reqs]))
+
+    @cached_property
     def has_tree(self) -> bool:
         """Some request verifies or drafts a tree."""
-        return any(r.parents is not None for r in self.reqs)
+        return any(s.parents is not None for s in self.step_shapes)
 
-    @property
+    @cached_property
     def needs_mask(self) -> bool:
         """Some request's visibility is not causal by position over keys ending at its queries
         (a tree, a DFlash block, prefix-only queries): kernels get the structure mask."""
-        return self.has_tree or any(r.block or r.prefix_only for r in self.reqs)
+        return self.has_tree or any(s.block or s.prefix_only for s in self.step_shapes)

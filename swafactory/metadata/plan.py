@@ -6,17 +6,23 @@ position, the structure mask (trees, DFlash blocks), cascade tables, and write l
 Full slots are translated to SWA slots here, once, *before* any split or reorder (DESIGN
 invariant 1); SWA key lists are trimmed to start at ``first query position - W + 1`` (not at 0),
 and their mask columns start there too (sglang #39160).
+
+The per-request host work is done once per forward and shared by every group (`_Host`); all
+host numbers reach the device in one copy (`_Pack`), and each key list is one running sum over
+increments (`_key_tables`): a few device ops per group whatever the batch size, none read back.
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from swafactory.errors import SpaceError
 from swafactory.kvcache.locs import Locs
-from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
+from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward, StepShape
 
 __all__ = ["AttnTables", "GroupPlan", "ForwardPlan", "PassCache", "plan", "group_key"]
 
@@ -161,102 +167,257 @@ def _tables(kv: Locs, reqs: list[ReqForward], kv_lens: list[int], kv_pos: list[t
                       max(r.q_len for r in reqs), qo_host, kv_host)
 
 
-def _shape(r: ReqForward, need_mask: bool) -> tuple:
-    return (r.nodes, r.query_from, r.parents, r.block, r.prefix_only, need_mask)
+_I32, _I64 = torch.int32, torch.int64
 
 
-def _plan_vector(reqs: list[ReqForward], starts: list[int], table: torch.Tensor, writes: bool,
-                 need_mask: bool) -> tuple[torch.Tensor, torch.Tensor | None, AttnTables]:
-    """Every table of one group, vectorized over requests (no per-request tensors).
+class _Pack:
+    """Host numbers of a whole forward, shipped to the device in one copy.
 
-    Request b sees slots ``[start_b, kv_end_b)`` of its row and queries and writes slots
-    ``[prefix_b + query_from_b, prefix_b + nodes_b)``. A prefix slot's position is its index; a
-    node's is ``prefix + depth``. Requests of one step shape (nodes, query_from, parents, block,
-    prefix_only) share one depth list and one node-structure block, computed once on the host;
-    the mask (``need_mask``) is ``[prefix part: all visible | structure]`` per request, built on
-    the device. One host→device copy of the per-request numbers; nothing is read back.
-    Returns (full-space key slots, full-space write slots or None, tables without kv_indices)."""
-    device = table.device
-    offsets: dict[tuple, tuple[int, int]] = {}  # step shape → (depth offset, structure offset)
-    depth_parts, struct_parts, d_off, s_off = [], [], 0, 0
-    meta = []  # per request: row, start, prefix, query_from, nodes kv, depth off, structure off
-    for r, st in zip(reqs, starts):
-        key = _shape(r, need_mask)
-        if key not in offsets:
-            offsets[key] = (d_off, s_off)
-            depth_parts.append(torch.tensor(r.depths, dtype=torch.int64))
-            d_off += r.nodes
-            if need_mask:
-                sm = r.node_structure()
-                if sm is None:  # a chain inside a masked batch: causal by node order
-                    sm = torch.ones(r.nodes, r.nodes, dtype=torch.bool).tril()[r.query_from:]
-                struct_parts.append(sm.reshape(-1))
-                s_off += sm.numel()
-        meta.append((r.row, st, r.prefix_len, r.query_from, r.kv_end - r.prefix_len,
-                     *offsets[key]))
-    kv_lens = [r.kv_end - st for r, st in zip(reqs, starts)]
-    q_lens = [r.q_len for r in reqs]
-    qo_host, kv_host = _indptr(q_lens), _indptr(kv_lens)
-    B = len(reqs)
-    parts = [torch.tensor(meta, dtype=torch.int64).reshape(-1), qo_host.long(), kv_host.long(),
-             torch.cat(depth_parts)]
-    dev = _to(torch.cat(parts), device)
-    row, start, prefix, qf, nkv, doff, soff = dev[:7 * B].view(B, 7).unbind(1)
-    qo, kvp = dev[7 * B:8 * B + 1], dev[8 * B + 1:9 * B + 2]
-    depth = dev[9 * B + 2:]
-    ids = torch.arange(B, device=device)
+    ``int32`` pieces are what the tables hold as int32 (indptrs, query positions): they need no
+    cast on the device. ``int64`` pieces are indices. `add` returns a handle; after `ship`,
+    `host` and `dev` give the piece as a view of one buffer on either side."""
 
-    def expand(indptr: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(request of each element, its offset in the request) for ``total`` elements: a
-        host-known count, so nothing is read back."""
-        b = torch.repeat_interleave(ids, indptr[1:] - indptr[:-1], output_size=total)
-        return b, torch.arange(total, device=device) - indptr[b]
+    def __init__(self) -> None:
+        self._parts: dict[torch.dtype, list[torch.Tensor]] = {_I32: [], _I64: []}
+        self._n = {_I32: 0, _I64: 0}
 
-    bk, kcol = expand(kvp, sum(kv_lens))
-    kcol = kcol + start[bk]
-    bq, qcol = expand(qo, sum(q_lens))
-    qcol = qcol + prefix[bq] + qf[bq]
-    slots = table[row[bk], kcol].long()
-    w = table[row[bq], qcol].long() if writes else None
-    if all(k[2] is None for k in offsets):  # no tree: a node's depth is its index, position = slot
-        kv_pos, q_pos = kcol, qcol
-    else:
-        node = (kcol - prefix[bk]).clamp_min(0)  # a key's node index (prefix keys: unused)
-        kv_pos = torch.where(kcol < prefix[bk], kcol, prefix[bk] + depth[doff[bk] + node])
-        q_pos = prefix[bq] + depth[doff[bq] + qcol - prefix[bq]]
+    def add(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
+        """Queue ``t`` (host int64, any shape) to travel as ``dtype`` (int32 or int64)."""
+        at = self._n[dtype]
+        self._parts[dtype].append(t.reshape(-1))
+        self._n[dtype] += t.numel()
+        return dtype, at, at + t.numel()
+
+    def ship(self, device: torch.device) -> None:
+        """One host buffer, one copy; int32 pieces are cast once, together."""
+        p32 = self._parts[_I32]
+        if self._n[_I32] % 2:  # int32 pieces travel as int64 pairs
+            p32.append(torch.zeros(1, dtype=_I64))
+        k = (self._n[_I32] + 1) // 2
+        h32 = torch.cat(p32).to(_I32) if p32 else torch.empty(0, dtype=_I32)
+        host = torch.cat([h32.view(_I64), *self._parts[_I64]])
+        dev = _to(host, device)
+        self._h = {_I32: host[:k].view(_I32), _I64: host[k:]}
+        self._d = {_I32: dev[:k].view(_I32), _I64: dev[k:]}
+
+    def host(self, h: tuple[torch.dtype, int, int]) -> torch.Tensor:
+        return self._h[h[0]][h[1]:h[2]]
+
+    def dev(self, h: tuple[torch.dtype, int, int]) -> torch.Tensor:
+        return self._d[h[0]][h[1]:h[2]]
+
+
+@dataclass(frozen=True, eq=False)
+class _ShapeTables:
+    """Per-node facts of one `StepShape` as host int64 tables, built once per shape."""
+
+    queries: torch.Tensor
+    """[q_len, 2]: (node index, depth) of each query."""
+    fixes: torch.Tensor
+    """[f, 2]: (node, increment - 1) of each key node whose position is not the previous key's
+    + 1 (tree nodes): positions are a running sum of increments."""
+    last_fix: int
+    """Sum of ``fixes[:, 1]``: the last key's position minus its slot index."""
+    holes: torch.Tensor
+    """[h, 2]: (query row, node) of each node the query does not see (mask batches)."""
+
+
+@lru_cache(maxsize=4096)
+def _shape_tables(s: StepShape) -> _ShapeTables:
+    d = s.depths
+    queries = torch.tensor([(i, d[i]) for i in range(s.query_from, s.nodes)], dtype=_I64)
+    inc = [d[0] + 1] + [d[i] - d[i - 1] for i in range(1, s.kv_nodes)] if s.kv_nodes else []
+    fixes = torch.tensor([(i, v - 1) for i, v in enumerate(inc) if v != 1],
+                         dtype=_I64).reshape(-1, 2)
+    sm = ReqForward(0, 0, 0, s.nodes, s.query_from, s.parents, s.block,
+                    s.prefix_only).node_structure()
+    if sm is None:  # a chain inside a masked batch: causal by node order
+        sm = torch.ones(s.nodes, s.nodes, dtype=torch.bool).tril()[s.query_from:]
+    holes = torch.nonzero(~sm).to(_I64).reshape(-1, 2)
+    return _ShapeTables(queries, fixes, int(fixes[:, 1].sum()), holes)
+
+
+class _Items:
+    """A per-shape item table (a `_ShapeTables` field) laid out request by request: ``i`` and
+    ``j`` are the items' two columns, ``at(col)`` puts a per-request column beside each item.
+    With one shape they broadcast ([B, 1] against [n]); with several they are gathered ([T]);
+    ``n`` counts the items either way."""
+
+    def __init__(self, h: _Host, pick) -> None:
+        ts = [pick(t) for t in h.tables]
+        if h.of is None:
+            self.n, self.b, t = ts[0].shape[0] * h.B, None, ts[0]
+        else:
+            sizes = torch.tensor([t.shape[0] for t in ts], dtype=_I64)
+            per_req = sizes[h.of]
+            self.b = torch.repeat_interleave(per_req)  # request of each item
+            self.n = self.b.numel()
+            first = torch.cumsum(sizes, 0) - sizes  # each shape's offset in the joined tables
+            t = torch.cat(ts)[torch.arange(self.n) - (torch.cumsum(per_req, 0) - per_req)[self.b]
+                              + first[h.of][self.b]]
+        self.i, self.j = t[:, 0], t[:, 1]
+
+    def at(self, col: int | torch.Tensor) -> int | torch.Tensor:
+        if not isinstance(col, torch.Tensor):
+            return col
+        return col[:, None] if self.b is None else col[self.b]
+
+
+class _Host:
+    """A forward's per-request numbers as host tensors: one pass over the requests, shared by
+    every layer group (they see the same requests; only window starts differ)."""
+
+    def __init__(self, batch: ForwardBatch, need_mask: bool) -> None:
+        reqs, table = batch.reqs, batch.req_to_token
+        self.B = B = len(reqs)
+        self.C = C = table.shape[1]
+        rows = [r.row for r in reqs]
+        if min(rows) < 0 or max(rows) >= table.shape[0]:
+            bad = next(r for r in reqs if not 0 <= r.row < table.shape[0])
+            raise IndexError(f"request {bad.rid!r}: row {bad.row} is outside req_to_token's "
+                             f"{table.shape[0]} rows")
+        buf = array("q", rows)  # an array fills a tensor at C speed; torch.tensor does not
+        buf.extend([r.prefix_len for r in reqs])
+        host = torch.frombuffer(buf, dtype=_I64)
+        self.row_c, self.pre = host[:B] * C, host[B:]
+        self.shapes = batch.step_shapes
+        self.tables = [_shape_tables(s) for s in self.shapes]
+        self.of = None  # shape index of each request, when there are several
+        if len(self.shapes) > 1:
+            index = {s: k for k, s in enumerate(self.shapes)}
+            self.of = torch.tensor([index[r.step] for r in reqs], dtype=_I64)
+        self.q_len = self._col([s.nodes - s.query_from for s in self.shapes])
+        self.kvn = self._col([s.kv_nodes for s in self.shapes])
+        self.fqd = self._col([s.first_query_depth for s in self.shapes])
+        self.last_fix = self._col([t.last_fix for t in self.tables])
+        self.kv_end = self.pre + self.kvn
+        if int(self.kv_end.max()) > C:
+            bad = next(r for r in reqs if r.kv_end > C)
+            raise IndexError(f"request {bad.rid!r}: keys up to slot {bad.kv_end} but "
+                             f"req_to_token holds {C} per row")
+        self.max_q = max(s.nodes - s.query_from for s in self.shapes)
+        self.total_q = B * self.q_len if self.of is None else int(self.q_len.sum())
+        self.zeros = torch.zeros(B, dtype=_I64)
+        self.queries = _Items(self, lambda t: t.queries)
+        fixes = _Items(self, lambda t: t.fixes)
+        self.fixes = fixes if fixes.n else None
+        holes = _Items(self, lambda t: t.holes) if need_mask else None
+        self.holes = holes if holes is not None and holes.n else None
+        # Flat table indices fit int32 (almost always): the running sums are then int32, and
+        # their position row is kv_pos as it is.
+        self.idx_dtype = _I32 if table.numel() < 2**31 else _I64
+
+    def _col(self, per_shape: list[int]) -> int | torch.Tensor:
+        """A per-request column: a plain int when every request has one shape."""
+        return per_shape[0] if self.of is None else torch.tensor(per_shape, dtype=_I64)[self.of]
+
+    def starts(self, window: int | None) -> torch.Tensor:
+        """[B] int64: each request's first key slot: ``first query position - W + 1``, never
+        past its prefix (queries see the step's nodes from the prefix on)."""
+        if window is None:
+            return self.zeros
+        return torch.minimum((self.pre + self.fqd - (window - 1)).clamp_(min=0), self.pre)
+
+
+def _key_pieces(h: _Host, start: torch.Tensor, pack: _Pack) -> dict:
+    """Host numbers of one start set (one or more layer groups): indptrs, and the increments
+    whose running sum gives every key's flat table index (row 0) and position (row 1)."""
+    kvl = h.kv_end - start
+    kvptr = torch.zeros(h.B + 1, dtype=_I64)
+    torch.cumsum(kvl, 0, out=kvptr[1:])
+    n = int(kvptr[-1])
+    first = torch.stack([h.row_c + start, start])  # [2, B]: first key's (flat index, position)
+    ends = first + kvl
+    if h.fixes is not None:
+        ends[1] += h.last_fix
+    steps = first - torch.cat([torch.ones(2, 1, dtype=_I64), ends[:, :-1]], 1)
+    idx, vals = [kvptr[:-1], kvptr[:-1] + (n + 1)], [steps.reshape(-1)]
+    if h.fixes is not None:  # tree nodes: a key node's position is prefix + depth
+        f = h.fixes
+        idx.append((f.at(kvptr[1:] - h.kvn + (n + 1)) + f.i).reshape(-1))
+        vals.append((f.j + h.zeros[:, None] if f.b is None else f.j).reshape(-1))
+    out = dict(n=n, kv_host=pack.add(kvptr, _I32), idx=pack.add(torch.cat(idx), _I64),
+               vals=pack.add(torch.cat(vals), h.idx_dtype), mask=None)
+    return out
+
+
+def _mask_pieces(h: _Host, start: torch.Tensor, pack: _Pack) -> tuple:
+    """(elements, indptr handle, hidden elements handle or None) of one start set's mask:
+    request b's [q_len, kv_len] block is all visible but for the structure's holes."""
+    kvl = h.kv_end - start
+    mptr = torch.zeros(h.B + 1, dtype=_I64)
+    torch.cumsum(h.q_len * kvl, 0, out=mptr[1:])
+    holes = None
+    if h.holes is not None:  # a hidden node's element: row start + prefix keys + node
+        o = h.holes
+        holes = pack.add(o.at(mptr[:-1] + kvl - h.kvn) + o.i * o.at(kvl) + o.j, _I64)
+    return int(mptr[-1]), pack.add(mptr, _I32), holes
+
+
+def _key_tables(p: dict, pack: _Pack, flat_table: torch.Tensor, dtype: torch.dtype):
+    """(full-space key slots [n] int64, kv_pos [n] int32, mask, mask_indptr) on the device:
+    one running sum gives both the flat table index and the position of every key."""
+    n, device = p["n"], flat_table.device
+    x = torch.ones(2 * (n + 1), dtype=dtype, device=device)
+    x.index_add_(0, pack.dev(p["idx"]), pack.dev(p["vals"]))
+    run = x.view(2, n + 1).cumsum_(1)
+    slots = flat_table.index_select(0, run[0, :n])
     mask = mask_indptr = None
-    if need_mask:
-        pre = [r.prefix_len - st for r, st in zip(reqs, starts)]
-        sizes = [q * k for q, k in zip(q_lens, kv_lens)]
-        extra = _to(torch.cat([_indptr(sizes).long(), torch.tensor(pre, dtype=torch.int64),
-                               torch.tensor(kv_lens, dtype=torch.int64),
-                               torch.cat(struct_parts).long()]), device)
-        m_ptr, pre_d, kvl = extra[:B + 1], extra[B + 1:2 * B + 1], extra[2 * B + 1:3 * B + 1]
-        struct = extra[3 * B + 1:].bool()
-        bm, o = expand(m_ptr, sum(sizes))
-        i = torch.div(o, kvl[bm], rounding_mode="floor")
-        j = o - i * kvl[bm] - pre_d[bm]  # the key's node index; < 0 for prefix keys
-        nk = nkv[bm]
-        sidx = soff[bm] + i * nk + j.clamp(min=0)
-        mask = (j < 0) | struct[sidx.clamp(max=max(struct.numel() - 1, 0))] \
-            if struct.numel() else (j < 0)
-        mask_indptr = m_ptr.int()
-    tables = AttnTables(qo.int(), kvp.int(), None, q_pos.int(), kv_pos.int(), mask, mask_indptr,
-                        max(q_lens), qo_host, kv_host)
-    return slots, w, tables
+    if p["mask"] is not None:
+        total, mptr, holes = p["mask"]
+        mask = torch.ones(total, dtype=torch.bool, device=device)  # prefix keys: all visible
+        if holes is not None:
+            mask.index_fill_(0, pack.dev(holes), False)
+        mask_indptr = pack.dev(mptr)
+    return slots.long(), run[1, :n].to(_I32), mask, mask_indptr
 
 
-def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch, source,
-                cascade: bool, writes: bool, skip_translation: bool) -> GroupPlan:
+def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]], source,
+                 writes: bool, skip_translation: bool) -> dict[str, GroupPlan]:
+    """Every group's tables, vectorized over requests. The per-request host numbers of all
+    groups travel in one host→device copy; groups with the same window starts share one key
+    list (e.g. an SWA window longer than every context); nothing is read back."""
+    table, need_mask = batch.req_to_token, batch.needs_mask
+    h, pack = _Host(batch, need_mask), _Pack()
+    qo = torch.zeros(h.B + 1, dtype=_I64)
+    torch.cumsum(h.q_len + h.zeros, 0, out=qo[1:])
+    q = h.queries  # (node, depth) of each query
+    qo_h, q_pos = pack.add(qo, _I32), pack.add(q.at(h.pre) + q.j, _I32)
+    w_at = pack.add(q.at(h.row_c + h.pre) + q.i, _I64) if writes else None
+    sets: list[tuple[torch.Tensor, dict]] = []  # distinct start sets, first seen first
+    group_set = {}
+    for key, (_, window) in groups.items():
+        st = h.starts(window)
+        k = next((i for i, (s, _) in enumerate(sets) if s is st or torch.equal(s, st)), None)
+        if k is None:
+            k = len(sets)
+            sets.append((st, _key_pieces(h, st, pack)))
+            if need_mask:
+                sets[k][1]["mask"] = _mask_pieces(h, st, pack)
+        group_set[key] = k
+    pack.ship(table.device)
+    flat = table.view(-1) if table.is_contiguous() else table.reshape(-1)
+    built = [_key_tables(p, pack, flat, h.idx_dtype) for _, p in sets]
+    w_full = flat.index_select(0, pack.dev(w_at)).long() if writes else None
+    memo: dict[int, Locs] = {}  # one translation per full-slot tensor
+    out = {}
+    for key, (sub, window) in groups.items():
+        p, (slots, kv_pos, mask, mask_indptr) = sets[group_set[key]][1], built[group_set[key]]
+        kv, w = _space(key, sub, source, skip_translation, batch.full_id, slots, w_full, memo)
+        t = AttnTables(pack.dev(qo_h), pack.dev(p["kv_host"]), kv, pack.dev(q_pos), kv_pos,
+                       mask, mask_indptr, h.max_q, pack.host(qo_h), pack.host(p["kv_host"]))
+        out[key] = GroupPlan(key, sub, window, t, None, w)
+    return out, h.total_q
+
+
+def _plan_cascade(key: str, sub_pool: str, window: int | None, batch: ForwardBatch, source,
+                  writes: bool, skip_translation: bool) -> GroupPlan:
+    """One group of a cascade tree forward, request by request (not vectorized yet)."""
     reqs = list(batch.reqs)
     table = batch.req_to_token
     device = table.device
     starts = [_start(r, window) for r in reqs]
     need_mask = batch.needs_mask
-    if not (cascade and batch.has_tree):  # every table vectorized; the cascade split is not yet
-        full, full_w, t = _plan_vector(reqs, starts, table, writes, need_mask)
-        kv, w = _space(key, sub_pool, source, skip_translation, batch.full_id, full, full_w)
-        return GroupPlan(key, sub_pool, window, replace(t, kv_indices=kv), None, w)
     slots, pre_len, kv_pos, q_pos, masks, w_slots = [], [], [], [], [], []
     for r, s in zip(reqs, starts):
         end = r.prefix_len + r.nodes
@@ -278,15 +439,17 @@ def _plan_group(key: str, sub_pool: str, window: int | None, batch: ForwardBatch
     qp = torch.cat(q_pos)
     lens = [t.numel() for t in slots]
     tables = _tables(kv, reqs, lens, kv_pos, qp, masks if need_mask else None, device)
-    casc = None
-    if cascade and batch.has_tree:
-        casc = _cascade(kv, reqs, lens, pre_len, kv_pos, qp, masks, device)
+    casc = _cascade(kv, reqs, lens, pre_len, kv_pos, qp, masks, device)
     return GroupPlan(key, sub_pool, window, tables, casc, w)
 
 
 def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str,
-           slots: torch.Tensor, writes: torch.Tensor | None) -> tuple[Locs, Locs | None]:
-    """Full slots → the group's index space: translated once, here, for an SWA group."""
+           slots: torch.Tensor, writes: torch.Tensor | None,
+           memo: dict[int, Locs] | None = None) -> tuple[Locs, Locs | None]:
+    """Full slots → the group's index space: translated once, here, for an SWA group.
+
+    slots: [n] int64 full slots; writes: [total_q] int64 or None. ``memo`` (id of a full-slot
+    tensor → its translation) lets groups that share a key list share its translation."""
     full_kv = Locs("full", full_id, slots)
     full_w = Locs("full", full_id, writes) if writes is not None else None
     if sub_pool != "swa" or skip_translation:
@@ -294,7 +457,13 @@ def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str
     if source is None:
         raise SpaceError(f"layer group {key!r} reads an SWA sub-pool, but the resolver found "
                          "no KV source to translate full slots against")
-    return source.translate(full_kv), (source.translate(full_w) if full_w is not None else None)
+    memo = {} if memo is None else memo
+
+    def tr(locs: Locs) -> Locs:
+        if id(locs.tensor) not in memo:
+            memo[id(locs.tensor)] = source.translate(locs)
+        return memo[id(locs.tensor)]
+    return tr(full_kv), (tr(full_w) if full_w is not None else None)
 
 
 def _cascade(kv: Locs, reqs, lens, pre_len, kv_pos, qp, masks, device):
@@ -334,8 +503,12 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
         k = group_key(sub, windows[layer])
         keys[k] = (sub, windows[layer])
         layer_groups[layer] = k
-    groups = {k: _plan_group(k, sub, w, batch, source, cascade, writes,
-                             skip_spec_translation and batch.has_tree)
-              for k, (sub, w) in keys.items()}
+    skip = skip_spec_translation and batch.has_tree
+    if cascade and batch.has_tree:
+        groups = {k: _plan_cascade(k, sub, w, batch, source, writes, skip)
+                  for k, (sub, w) in keys.items()}
+        total_q = batch.total_q
+    else:
+        groups, total_q = _plan_vector(batch, keys, source, writes, skip)
     return ForwardPlan(batch.mode, groups, layer_groups,
-                       source.rule if source is not None else "none", batch.total_q)
+                       source.rule if source is not None else "none", total_q)

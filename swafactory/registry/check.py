@@ -158,6 +158,9 @@ def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> I
     elif dev.kind != "cuda":
         yield _r("backend.cuda_graph", f"CUDA graphs need a CUDA device; this device is {dev.kind}",
                  "backend.cuda_graph=false")
+    if cfg.backend.tree_mask == "cascade":
+        yield _r("backend.tree_mask", "a cascade's prefix/expand split depends on each batch, so "
+                 "a captured graph cannot replay it", "backend.tree_mask=custom_mask")
 
 
 def _resolver(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:

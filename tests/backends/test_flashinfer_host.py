@@ -108,3 +108,36 @@ def test_one_wrapper_plan_per_pass_per_forward(fake) -> None:
     assert all(w.plans == 1 for w in ad._wrappers.values())
     world.forward("decode", [world.req(0, 12, 1)], [0, 1, 2, 5, 11])
     assert sorted(w.plans for w in ad._wrappers.values()) == [1, 1, 1, 1]  # decode wrappers new
+
+
+def test_wrappers_are_planned_in_init_forward_metadata_and_no_lse_is_asked(fake) -> None:
+    """FlashInfer's ``plan`` runs in `init_forward_metadata` (the backend knows each group's
+    heads, dtypes and scale); `forward` only runs, and asks for no LSE without sinks."""
+    world, cfg = adapter_world("gemma4", 1, ["model.sliding_window=8", "model.num_layers=6"])
+    world.open(0)
+    world.forward("extend", [world.req(0, 0, 12)], list(range(6)))
+    backend, ad = world.backend, world.backend.adapter
+    world.slots.extend(0, 1)
+    batch = ForwardBatch.of("decode", [world.req(0, 12, 1)], world.slots.req_to_token.table,
+                            world.alloc.full_id)
+    backend.init_forward_metadata(batch)
+    planned = {k: w.plans for k, w in ad._wrappers.items()}
+    assert {k[0] for k in planned if k[2]} == {"swa/w8", "full"}  # decode wrappers, planned now
+    asked = []
+    for w in ad._wrappers.values():
+        run = w.run
+        w.run = lambda q, kv, return_lse=False, run=run: (asked.append(return_lse),
+                                                          run(q, kv, return_lse))[1]
+    m = cfg.model
+    for layer in range(6):
+        sub = world.pool.sub_pool(layer)
+        q = torch.randn(1, m.num_attention_heads, sub.head_dim)
+        k = torch.randn(1, sub.num_kv_heads, sub.head_dim)
+        out = backend.forward(q, k, k.clone(), layer)
+        assert out.shape == q.shape
+    assert {k: w.plans for k, w in ad._wrappers.items()} == planned and ad.replans == 0
+    assert asked == [False] * 6
+    backend.q_heads = m.num_attention_heads // 2  # an engine whose heads differ: re-planned
+    backend.init_forward_metadata(batch)
+    backend.forward(q, k, k.clone(), 5)
+    assert ad.replans == 1

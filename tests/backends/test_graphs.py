@@ -40,30 +40,54 @@ def test_padding_to_the_bucket_reads_the_dummy_row(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
     world, _ = adapter_world("tiny", 1, ["model.sliding_window=5"])
     _open(world, [7, 4, 9])
-    ad = world.backend.adapter
+    backend, ad = world.backend, world.backend.adapter
     reqs = [world.req(r, n, 3) for r, n in enumerate([7, 4, 9])]
     for r in reqs:
         world.slots.extend(r.rid, 3)
     batch = ForwardBatch.of("target_verify", reqs, world.slots.req_to_token.table,
                             world.alloc.full_id)
-    eager = world.backend.init_forward_metadata(batch).group(0).tables
+    eager_plan = backend.init_forward_metadata(batch)
+    eager = eager_plan.group(0).tables
     k, v, _ = world.pool.get_kv(0)
     k.nan_to_num_(0.0), v.nan_to_num_(0.0)  # the fake multiplies every row: no poisoned slots
     q = torch.randn(9, 8, k.shape[-1])
     o_eager, _ = ad.run(eager, q, k, v, window=5, scale=0.25)
-    ad.graph = (8, 3)
-    padded = world.backend.init_forward_metadata(batch).group(0).tables
-    ad.graph = None
+    backend.init_cuda_graph_state(8, 4)
+    with pytest.raises(ValueError, match="no graph was captured"):
+        backend.init_forward_metadata_replay(batch, 8, 3)
+    cap = backend.init_forward_metadata_capture(8, 3, "target_verify")
+    assert cap.total_q == 24 and cap.group(0).tables.qo_host.tolist() == list(range(0, 27, 3))
+    static = {key: g.write_locs.tensor for key, g in cap.groups.items()}
+    assert all(t.tolist() == [0] * 24 for t in static.values())  # capture: the dummy row only
+    plan = backend.init_forward_metadata_replay(batch, 8, 3)
+    for key, g in plan.groups.items():  # refilled in place: the captured writes see real slots
+        assert g.write_locs.tensor.data_ptr() == static[key].data_ptr()
+        real = eager_plan.groups[key].write_locs.tensor.tolist()
+        assert g.write_locs.tensor.tolist() == real + [0] * 15
+    padded = plan.group(0).tables
     p = ad._passes[id(padded)]
     assert p.qo_host.tolist()[-6:] == [9 + 3 * i for i in range(6)]  # 5 padding requests × 3
     assert p.kv_host.numel() == 9 and p.indices[-5:].tolist() == [0] * 5
     qp = torch.cat([q, torch.zeros(15, 8, k.shape[-1])])
     o_graph, _ = ad.run(padded, qp, k, v, window=5, scale=0.25)
     torch.testing.assert_close(o_graph[:9], o_eager)
-    with pytest.raises(ValueError, match="cannot hold"):
-        ad.graph = (2, 3)
-        world.backend.init_forward_metadata(batch)
-    ad.graph = None
+    backend.init_forward_metadata_capture(2, 3, "target_verify")
+    with pytest.raises(ValueError, match="do not fit"):
+        backend.init_forward_metadata_replay(batch, 2, 3)
+    with pytest.raises(ValueError, match="outside init_cuda_graph_state"):
+        backend.init_forward_metadata_capture(16, 3, "target_verify")
+    with pytest.raises(ValueError, match="1 token per request"):
+        backend.init_forward_metadata_capture(8, 3, "decode")
+
+
+def test_graph_contract_refusals(monkeypatch) -> None:
+    world, _ = make_world("tiny", 1)
+    with pytest.raises(ConfigError, match="backend.cuda_graph"):
+        world.backend.init_cuda_graph_state(8, 1)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5", "backend.tree_mask=cascade"])
+    with pytest.raises(ConfigError, match="backend.tree_mask=custom_mask"):
+        world.backend.init_cuda_graph_state(8, 1)
 
 
 # --- on the GPU -------------------------------------------------------------------------------
@@ -129,7 +153,7 @@ def test_graph_replay_equals_eager_as_batches_shrink(model, layers, extra, mode)
             assert diff < 1e-2, f"bs={bs} layer {l}: replay vs eager {diff:.2e}"
             err = (out[l].float() - exact.float()).abs().max() / exact.float().abs().max()
             assert err < 2e-2, f"bs={bs} layer {l}: replay vs fp32 reference {err:.2e}"
-    assert graphed.captures == 3 and graphed.replays == 3
+    assert graphed.captures == 3 and graphed.replays == 6  # every forward replays, the first too
 
 
 def _open_all(world, layers) -> None:

@@ -125,3 +125,28 @@ def test_prefill_with_a_cached_prefix(geom):
     batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=16,
                        device="cuda", seed=4)
     _compare(extend_attention, batch, window, _sinks(hq, with_sinks))
+
+
+@pytest.mark.parametrize("geom", ["gemma4_swa", "gemma4_full"])
+def test_verify_with_holes_in_the_prefix_and_shuffled_positions(geom):
+    # the dense run (keys every query sees) is cut by holes in the structure, by the window edge
+    # and by out-of-order positions: the rest must take the general tiles, exactly
+    from swafactory.kernels.triton.extend import extend_attention
+
+    hq, hkv, d, window, with_sinks = GEOMS[geom]
+    g = torch.Generator().manual_seed(5)
+    reqs = []
+    for i, n in enumerate(_lens(8, 3000, seed=7)):
+        kv_pos = list(range(n + 8))
+        if i % 2:
+            head = torch.randperm(n, generator=g).tolist()
+            kv_pos = [kv_pos[j] for j in head] + kv_pos[n:]
+        st = torch.ones(8, n + 8, dtype=torch.bool)
+        st[:, n:] = torch.tril(torch.ones(8, 8, dtype=torch.bool)) & (torch.rand(8, 8, generator=g) < 0.7)
+        st[:, n:] |= torch.eye(8, dtype=torch.bool)
+        for c in torch.randint(0, n, (4,), generator=g).tolist():
+            st[torch.randint(0, 8, (1,), generator=g), c] = False
+        reqs.append(Req(kv_pos=kv_pos, q_pos=list(range(n, n + 8)), structure=st))
+    batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=1,
+                       device="cuda", seed=6)
+    _compare(extend_attention, batch, window, _sinks(hq, with_sinks), max_q_len=8)

@@ -262,3 +262,49 @@ def test_untrimmed_lists_much_longer_than_the_window_take_the_tile_skipping_path
         [Req(kv_pos=list(range(200)), q_pos=list(range(195, 200)))]
     batch = make_batch(reqs, hq=4, hkv=2, d=D, page_size=16, seed=17)
     _check(fn, batch, window=8, num_splits=2)
+
+
+# ---------------------------------------------------------------------- dense run (fast path)
+def _holey_req(prefix, nodes, seed, *, shuffle_pos=False):
+    """A verify-like request whose structure has holes in the prefix (so the dense run stops
+    early and starts late) and, optionally, key positions out of order."""
+    g = torch.Generator().manual_seed(seed)
+    n = prefix + nodes
+    kv_pos = list(range(n))
+    if shuffle_pos:
+        perm = torch.randperm(prefix, generator=g).tolist()
+        kv_pos = [kv_pos[i] for i in perm] + kv_pos[prefix:]
+    st = torch.ones(nodes, n, dtype=torch.bool)
+    st[:, prefix:] = torch.rand(nodes, nodes, generator=g) < 0.5
+    st[:, prefix:] |= torch.eye(nodes, dtype=torch.bool)
+    for c in torch.randint(0, prefix, (3,), generator=g).tolist():  # a few holes in the prefix
+        st[torch.randint(0, nodes, (1,), generator=g), c] = False
+    return Req(kv_pos=kv_pos, q_pos=list(range(prefix, prefix + nodes)), structure=st)
+
+
+@pytest.mark.parametrize("window,config", [(None, None), (11, (16, 16, 4, 2, 0))])
+def test_dense_run_with_holes_and_shuffled_positions_matches_the_general_path(window, config):
+    # the dense run is only where every query sees every key; holes, a window edge and
+    # out-of-order positions push keys back to the general tiles, splits cut the run
+    reqs = [_holey_req(29, 5, seed=1), _holey_req(40, 3, seed=2, shuffle_pos=True),
+            _holey_req(7, 6, seed=3)]
+    batch = make_batch(reqs, hq=8, hkv=2, d=D, page_size=4, seed=21)
+    sinks = torch.linspace(-1, 1, 8)
+    for splits in (1, 3):
+        o, lse = _check(extend_attention, batch, window=window, sinks=sinks, num_splits=splits,
+                        config=config)
+        o2, lse2 = extend_attention(*batch.args(), **batch.masks(), window=window, scale=D ** -0.5,
+                                    sinks=sinks, num_splits=splits, config=config, dense=False)
+        torch.testing.assert_close(o, o2, **tol(torch.float32))
+        torch.testing.assert_close(lse, lse2, **tol(torch.float32))
+
+
+def test_a_partly_nan_row_in_the_dense_run_poisons_whole_rows_of_the_queries_that_see_it():
+    # a NaN in one column of a V row every query sees: whole output rows NaN, as the reference
+    batch = make_batch([Req(kv_pos=list(range(40)), q_pos=[38, 39]),
+                        Req(kv_pos=list(range(20)), q_pos=[19])], hq=4, hkv=1, d=D, seed=22)
+    batch.v_buf[int(batch.kv_indices[5]), 0, 3] = math.nan
+    o, _ = extend_attention(*batch.args(), scale=0.25, max_q_len=2)
+    ro, _ = attention_reference(*batch.args(), scale=0.25)
+    assert torch.isnan(o[:2]).all() and torch.isnan(ro[:2]).all()
+    torch.testing.assert_close(o[2:], ro[2:], **tol(torch.float32))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["merge_attention_states", "combine_splits", "plan_splits", "interpreting"]
+__all__ = ["merge_attention_states", "combine_splits", "plan_splits", "interpreting", "sm_count"]
 
 
 def interpreting() -> bool:
@@ -32,6 +32,11 @@ def _sm_count(device: str) -> int:
     if device.startswith("cuda"):
         return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
     return 4  # interpreter: a few splits keep the stage-2 path exercised without slowing tests
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (4 off a GPU), cached."""
+    return _sm_count(str(device))
 
 
 def plan_splits(programs: int, total_kv: int, batch: int, block_n: int, device: torch.device) -> int:

@@ -1,0 +1,107 @@
+"""The CUDA-graph contract's state: what an engine's captured step reads, refilled in place.
+
+sglang's shape (`AttentionBackend` exposes it):
+
+    backend.init_cuda_graph_state(max_bs, max_tokens)
+    for bs in buckets:                                   # once per bucket, at start-up
+        backend.init_forward_metadata_capture(bs, tokens, mode)
+        step(static_inputs)                              # eager warm-up (JIT, wrapper set-up)
+        with torch.cuda.graph(graphs[bs]):
+            step(static_inputs)                          # backend.forward(q, k, v, layer) inside
+    ...
+    backend.init_forward_metadata_replay(batch, bs, tokens)   # every step: plan, refill
+    static_inputs[:rows].copy_(inputs); graphs[bs].replay()
+
+The engine captures its *own* step: layer l's q may come from layer l − 1's output. A bucket
+holds up to ``bs`` requests of up to ``tokens`` query rows each (rows ``bs · tokens``); the
+batch's rows come first, padding rows after them. Padding rows write their K/V to, and padding
+requests read, the pool's dummy row 0, which no request owns. Captured kernels read buffers that
+replay planning refills in place: the write locations here (one static tensor per layer group)
+and the kernel adapter's own (FlashInfer's ``use_cuda_graph`` wrappers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from swafactory.kvcache.locs import Locs
+from swafactory.metadata.batch import ForwardMode
+from swafactory.metadata.plan import AttnTables, ForwardPlan, GroupPlan, group_key
+
+__all__ = ["GraphState", "capture_plan", "bucket_writes"]
+
+
+@dataclass
+class GraphState:
+    """Static buffers of one backend's graphs (`AttentionBackend.init_cuda_graph_state`)."""
+
+    max_bs: int
+    max_tokens: int
+    device: torch.device
+    writes: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+    """(group key, bs, tokens) → ``[bs · tokens]`` int64 write slots of that bucket's graph;
+    rows past a batch's hold 0, the dummy row."""
+    captured: dict[tuple[int, int], object] = field(default_factory=dict)
+    """(bs, tokens) → the pool the bucket was captured against (its buffers are in the graph)."""
+
+    def check(self, bs: int, tokens: int) -> None:
+        """ValueError naming the limit when a bucket exceeds `init_cuda_graph_state`'s."""
+        if not 1 <= bs <= self.max_bs or not 1 <= tokens <= self.max_tokens:
+            raise ValueError(f"a graph bucket of {bs} requests × {tokens} tokens is outside "
+                             f"init_cuda_graph_state(max_bs={self.max_bs}, "
+                             f"max_tokens={self.max_tokens})")
+
+    def write_buffer(self, key: str, bs: int, tokens: int) -> torch.Tensor:
+        """The static write slots of group ``key`` in bucket (bs, tokens)."""
+        buf = self.writes.get((key, bs, tokens))
+        if buf is None:
+            buf = self.writes[(key, bs, tokens)] = torch.zeros(bs * tokens, dtype=torch.int64,
+                                                               device=self.device)
+        return buf
+
+
+def capture_plan(state: GraphState, pool, layers_mapping, windows, *, bs: int, tokens: int,
+                 mode: ForwardMode, writes: bool) -> ForwardPlan:
+    """A plan of ``bs`` requests × ``tokens`` queries that read one key each and write, all at
+    the dummy row 0 of each group's space: the shapes of the bucket, no request's data.
+
+    layers_mapping: the pool's ``layer -> (sub_pool, local_id)``; windows: ``layer -> W | None``.
+    """
+    dev = state.device
+    i32 = dict(dtype=torch.int32)
+    qo_host = torch.arange(0, (bs + 1) * tokens, tokens, **i32)
+    kv_host = torch.arange(bs + 1, **i32)
+    groups: dict[str, GroupPlan] = {}
+    layer_groups: dict[int, str] = {}
+    for layer, (sub_name, _) in sorted(layers_mapping.items()):
+        key = group_key(sub_name, windows[layer])
+        layer_groups[layer] = key
+        if key in groups:
+            continue
+        sub = pool.sub_pool(layer)
+        tables = AttnTables(qo_host.to(dev), kv_host.to(dev),
+                            Locs.dummy(sub.space, sub.indexed_by, bs, dev),
+                            torch.zeros(bs * tokens, device=dev, **i32),
+                            torch.zeros(bs, device=dev, **i32), max_q_len=tokens,
+                            qo_host=qo_host, kv_host=kv_host)
+        w = None
+        if writes:
+            w = Locs.dummy(sub.space, sub.indexed_by, 0, dev).copy_into(
+                state.write_buffer(key, bs, tokens))
+        groups[key] = GroupPlan(key, sub_name, windows[layer], tables, None, w)
+    return ForwardPlan(mode, groups, layer_groups, "graph capture", bs * tokens)
+
+
+def bucket_writes(state: GraphState, plan: ForwardPlan, bs: int, tokens: int) -> ForwardPlan:
+    """``plan`` with each group's write slots copied into its static buffer (rows past the
+    batch's set to the dummy row 0): the tensors the captured writes index."""
+    rows = bs * tokens
+    groups = {}
+    for key, g in plan.groups.items():
+        if g.write_locs is None:
+            groups[key] = g
+            continue
+        groups[key] = replace(g, write_locs=g.write_locs.copy_into(
+            state.write_buffer(key, bs, tokens)))
+    return replace(plan, groups=groups, total_q=rows)

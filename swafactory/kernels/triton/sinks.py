@@ -1,0 +1,58 @@
+"""The attention-sink epilogue in one kernel: ``o · σ(lse − sink)`` per (row, head).
+
+A kernel library that returns (o, lse) without reading sinks (FlashInfer's FA2/FA3 paths on
+SM90) is made sink-exact after the fact (`torch_ref.apply_sinks` says why it is exact). In torch
+that epilogue is seven small kernels per layer; at decode batch sizes, under a CUDA graph, those
+launches cost more than the attention of an SWA layer. This is one launch, in place.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["sink_epilogue"]
+
+_ROWS = 16  # (row, head) pairs per program
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sink_scale(o_ptr, lse_ptr, sink_ptr, n_rows, H, lse_scale,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = r < n_rows
+        lse = tl.load(lse_ptr + r, mask=live, other=0.0) * lse_scale
+        sink = tl.load(sink_ptr + r % H, mask=live, other=0.0)
+        w = 1.0 / (1.0 + tl.exp(sink - lse))  # σ(lse − sink); lse = −inf (no key) gives 0
+        d = tl.arange(0, BLOCK_D)
+        m = live[:, None] & (d[None, :] < D)
+        ptr = o_ptr + r.to(tl.int64)[:, None] * D + d[None, :]
+        o = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+        tl.store(ptr, (o * w[:, None]).to(o_ptr.dtype.element_ty), mask=m)
+
+    return sink_scale
+
+
+def sink_epilogue(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
+                  lse_scale: float = 1.0) -> torch.Tensor:
+    """Scale ``o`` in place by ``σ(lse · lse_scale − sink)`` and return it.
+
+    o: [n, H, D] contiguous, bf16/fp16/fp32 on CUDA; lse: [n, H] fp32 contiguous (its log base is
+    undone by ``lse_scale``: ln 2 for FlashInfer's base-2 LSE); sinks: [H] fp32.
+    """
+    n, h, d = o.shape
+    if not o.is_contiguous() or not lse.is_contiguous() or lse.shape != (n, h):
+        raise ValueError(f"sink_epilogue needs contiguous o [n, H, D] and lse [n, H]; got "
+                         f"{list(o.shape)} / {list(lse.shape)}")
+    rows = n * h
+    if rows:
+        grid = (-(-rows // _ROWS),)
+        _kernel()[grid](o, lse, sinks.float().contiguous(), rows, h, lse_scale, D=d,
+                        BLOCK_D=1 << (d - 1).bit_length(), ROWS=_ROWS)
+    return o
