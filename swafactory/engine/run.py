@@ -148,8 +148,8 @@ def _variant(cfg: SwaFactoryConfig, device: DeviceInfo, *, spec=None, torch_back
     upd: dict = {"faults": FaultsSpec(), "run": cfg.run.model_copy(update={"guards": True})}
     if spec is not None:
         upd["spec"] = spec
-    if torch_backend:
-        upd["backend"] = cfg.backend.model_copy(update={"name": "torch"})
+    if torch_backend:  # the reference runs eagerly: torch has no graph path
+        upd["backend"] = cfg.backend.model_copy(update={"name": "torch", "cuda_graph": False})
     return validate(cfg.model_copy(update=upd), device)
 
 

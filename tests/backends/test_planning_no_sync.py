@@ -1,7 +1,12 @@
 """Planning a forward makes no host sync on CUDA: `init_forward_metadata` runs under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call (a read back,
 a blocking copy). Every mode's planning is vectorized over requests: decode, extend, chain and
-tree verify, a DFlash block. (The cascade strategy's prefix/expand split is not yet.)"""
+tree verify, a DFlash block. (The cascade strategy's prefix/expand split is not yet.)
+
+FlashInfer's own ``plan`` runs here too. For its custom-mask prefill passes (every mode but
+decode) FlashInfer 0.6.18 packs the mask with ``segment_packbits``, which reads the packed size
+back (``indptr_new[-1].item()``): those cases are strict xfails until the adapter packs the mask
+itself from the host lengths it already has."""
 from __future__ import annotations
 
 import pytest
@@ -22,9 +27,13 @@ MODES = {"decode": ("decode", 1, {}), "verify_chain8": ("target_verify", 8, {}),
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flashinfer", "triton", "torch"])
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_planning_makes_no_host_sync(mode: str, backend: str) -> None:
+def test_planning_makes_no_host_sync(mode: str, backend: str, request) -> None:
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
+        if mode != "decode":
+            request.applymarker(pytest.mark.xfail(
+                strict=True, raises=RuntimeError,
+                reason="FlashInfer 0.6.18 segment_packbits reads the packed mask size back"))
     cfg = swafactory.validate(swafactory.compose(
         [f"backend={backend}", "spec=none", "model=gpt_oss_20b", "workload.device=cuda"]))
     kind, nodes, shape = MODES[mode]
