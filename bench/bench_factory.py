@@ -46,10 +46,10 @@ def copy_bandwidth(do_bench) -> float:
 
 
 def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0, backend_name: str =
-          "flashinfer", device: str = "cuda"):
-    """Config, pools, slots and backend with ``bs`` requests of ``ctx`` committed tokens (SWA
-    slots allocated 64 at a time and evicted as they leave the window: the SWA pool holds the
-    windows, not the contexts)."""
+          "flashinfer", device: str = "cuda", overrides: tuple[str, ...] = ()):
+    """Config, pools, slots and backend with ``bs`` requests of ``ctx`` committed tokens plus
+    ``nodes`` step tokens (SWA slots allocated 64 at a time and evicted as they leave the window:
+    the SWA pool holds the windows, not the contexts). overrides: more compose overrides."""
     import swafactory
     from swafactory.kvcache.factory import build_pools
     from swafactory.kvcache.pool import ReqToToken
@@ -57,7 +57,8 @@ def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0, backend_name
     from swafactory.kvcache.shares import size_pools
 
     cfg = swafactory.validate(swafactory.compose(
-        [f"model={model}", f"backend={backend_name}", "spec=none", f"workload.device={device}"]))
+        [f"model={model}", f"backend={backend_name}", "spec=none", f"workload.device={device}",
+         *overrides]))
     W = cfg.model.sliding_window
     chunk = 64
     sizes = size_pools(cfg, bs, ctx + nodes, chunk=chunk)

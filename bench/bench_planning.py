@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MODES = {"decode": 1, "verify_chain8": 8, "verify_tree8": 8}
-TREE8 = (-1, 0, 0, 1, 1, 2, 2, 3)
-GEOMETRY = ["model.swa.num_kv_heads=1", "model.swa.head_dim=8", "model.full.num_kv_heads=1",
-            "model.full.head_dim=8"]
+import bench_factory
+from bench_factory import MODES, batch_of
+
+GEOMETRY = ("model.swa.num_kv_heads=1", "model.swa.head_dim=8", "model.full.num_kv_heads=1",
+            "model.full.head_dim=8")
 # Ops that make no kernel launch on a GPU: views and metadata.
 _VIEWS = {"view", "_unsafe_view", "slice", "select", "unbind", "alias", "detach", "lift_fresh",
           "as_strided", "expand", "unsqueeze", "squeeze", "reshape", "t", "split",
@@ -64,44 +65,9 @@ class OpCounter(TorchDispatchMode):
 
 
 def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0):
-    """Config, pools, slots and torch backend with ``bs`` requests of ``ctx`` committed tokens
-    plus ``nodes`` step tokens (SWA slots allocated 64 at a time, evicted as they leave the
-    window)."""
-    import swafactory
-    from swafactory.kvcache.factory import build_pools
-    from swafactory.kvcache.pool import ReqToToken
-    from swafactory.kvcache.requests import RequestSlots
-    from swafactory.kvcache.shares import size_pools
-
-    cfg = swafactory.validate(swafactory.compose(
-        [f"model={model}", "backend=torch", "spec=none", "workload.device=cpu", *GEOMETRY]))
-    W, chunk = cfg.model.sliding_window, 64
-    sizes = size_pools(cfg, bs, ctx + nodes, chunk=chunk)
-    pool, alloc = build_pools(cfg, sizes.full, sizes.swa, "cpu")
-    alloc.shuffle(torch.Generator().manual_seed(seed))
-    slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, "cpu"))
-    split = bool(cfg.model.swa_layers and cfg.model.hybrid_pool)
-    for rid in range(bs):
-        slots.open(rid)
-        done = 0
-        while done < ctx + nodes:
-            n = min(chunk, ctx + nodes - done)
-            slots.extend(rid, n)
-            done += n
-            if split:
-                slots.evict_out_of_window(rid, min(done, ctx), W, 1)
-    backend = swafactory.build_backend(cfg, pools=pool)
-    return cfg, pool, alloc, slots, backend
-
-
-def batch_of(mode: str, slots, alloc, bs: int, ctx: int):
-    from swafactory.metadata.batch import ForwardBatch, ReqForward
-
-    n = MODES[mode]
-    parents = TREE8 if mode == "verify_tree8" else None
-    reqs = [ReqForward(r, slots.reqs[r].row, ctx, n, parents=parents) for r in range(bs)]
-    return ForwardBatch.of("decode" if n == 1 else "target_verify", reqs,
-                           slots.req_to_token.table, alloc.full_id)
+    """bench_factory's set-up on CPU with the torch backend and the small geometry."""
+    return bench_factory.setup(model, bs, ctx, nodes, seed, backend_name="torch", device="cpu",
+                               overrides=GEOMETRY)
 
 
 def count_ops(backend, batch, plan_fn=None) -> dict:

@@ -133,7 +133,7 @@ class AttentionBackend:
         self.q_heads = cfg.model.num_attention_heads // cfg.parallel.tp
         """Query heads of this runner's layers on this rank: kernel libraries plan with it in
         `init_forward_metadata` (set it when the engine's model differs from the config)."""
-        self._sig_cache: dict[tuple, dict[str, tuple]] = {}
+        self._sig_cache: tuple | None = None
         self._graph: GraphState | None = None
         self._graphed = False  # the current plan is a graph bucket's (writes unchecked inside)
         self._frozen = None
@@ -180,17 +180,19 @@ class AttentionBackend:
 
     def _sigs(self, pool, fplan: ForwardPlan) -> dict[str, tuple]:
         """Group key → (q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap), what a
-        kernel library's host plan needs besides the tables (cached per pool and group set)."""
-        key = (id(pool), tuple(fplan.groups), self.q_heads)
-        sigs = self._sig_cache.get(key)
-        if sigs is None:
-            sigs = {}
-            for layer, g in fplan.layer_groups.items():
-                if g not in sigs:
-                    sub = pool.sub_pool(layer)
-                    sigs[g] = (self.q_heads, sub.num_kv_heads, sub.head_dim, sub.dtype,
-                               sub.dtype, self._scale(sub), self.softcap)
-            self._sig_cache[key] = sigs
+        kernel library's host plan needs besides the tables (kept while the pool, the groups and
+        ``q_heads`` stay the same)."""
+        key = (tuple(fplan.groups), self.q_heads)
+        cached = self._sig_cache
+        if cached is not None and cached[0] is pool and cached[1] == key:
+            return cached[2]
+        sigs = {}
+        for layer, g in fplan.layer_groups.items():
+            if g not in sigs:
+                sub = pool.sub_pool(layer)
+                sigs[g] = (self.q_heads, sub.num_kv_heads, sub.head_dim, sub.dtype, sub.dtype,
+                           self._scale(sub), self.softcap)
+        self._sig_cache = (pool, key, sigs)  # the pool held, so its identity cannot be reused
         return sigs
 
     # --- the CUDA-graph contract (swafactory.graph_state says how an engine uses it) -----------

@@ -99,13 +99,13 @@ def custom_mask(tables, window: int | None) -> torch.Tensor:
 
 
 @functools.cache
-def _fused_sinks() -> bool:
+def _has_triton() -> bool:
     """Triton is there for the one-kernel sink epilogue (FlashInfer's own JIT pulls it in)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available()
+    return True
 
 
 @dataclass(eq=False)
@@ -271,7 +271,7 @@ class Adapter:
         if not want:
             return out, None
         o, l2 = out
-        if sinks is not None and not lse and _fused_sinks():  # one launch, not seven
+        if sinks is not None and not lse and o.is_cuda and _has_triton():  # 1 launch, not 7
             from swafactory.kernels.triton.sinks import sink_epilogue
 
             return sink_epilogue(o, l2, sinks, lse_scale=_LN2), None

@@ -1,0 +1,229 @@
+"""The vectorized half of planning: a forward's per-request host numbers, built once and shared
+by every layer group (`HostBatch`), shipped to the device in one copy (`Pack`), and each key
+list as one running sum over increments (`key_pieces` on the host, `key_tables` on the device):
+a few device ops per group whatever the batch size, none read back. `metadata.plan` assembles
+the tables from these pieces.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from swafactory.metadata.batch import ForwardBatch, ReqForward, StepShape
+
+__all__ = ["Pack", "HostBatch", "key_pieces", "mask_pieces", "key_tables", "to_device"]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: pinned, copied asynchronously."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+_I32, _I64 = torch.int32, torch.int64
+
+
+class Pack:
+    """Host numbers of a whole forward, shipped to the device in one copy.
+
+    ``int32`` pieces are what the tables hold as int32 (indptrs, query positions): they need no
+    cast on the device. ``int64`` pieces are indices. `add` returns a handle; after `ship`,
+    `host` and `dev` give the piece as a view of one buffer on either side."""
+
+    def __init__(self) -> None:
+        self._parts: dict[torch.dtype, list[torch.Tensor]] = {_I32: [], _I64: []}
+        self._n = {_I32: 0, _I64: 0}
+
+    def add(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
+        """Queue ``t`` (host int64, any shape) to travel as ``dtype`` (int32 or int64)."""
+        at = self._n[dtype]
+        self._parts[dtype].append(t.reshape(-1))
+        self._n[dtype] += t.numel()
+        return dtype, at, at + t.numel()
+
+    def ship(self, device: torch.device) -> None:
+        """One host buffer, one copy; int32 pieces are cast once, together."""
+        p32 = self._parts[_I32]
+        if self._n[_I32] % 2:  # int32 pieces travel as int64 pairs
+            p32.append(torch.zeros(1, dtype=_I64))
+        k = (self._n[_I32] + 1) // 2
+        h32 = torch.cat(p32).to(_I32) if p32 else torch.empty(0, dtype=_I32)
+        host = torch.cat([h32.view(_I64), *self._parts[_I64]])
+        dev = to_device(host, device)
+        self._h = {_I32: host[:k].view(_I32), _I64: host[k:]}
+        self._d = {_I32: dev[:k].view(_I32), _I64: dev[k:]}
+
+    def host(self, h: tuple[torch.dtype, int, int]) -> torch.Tensor:
+        return self._h[h[0]][h[1]:h[2]]
+
+    def dev(self, h: tuple[torch.dtype, int, int]) -> torch.Tensor:
+        return self._d[h[0]][h[1]:h[2]]
+
+
+@dataclass(frozen=True, eq=False)
+class _ShapeTables:
+    """Per-node facts of one `StepShape` as host int64 tables, built once per shape."""
+
+    queries: torch.Tensor
+    """[q_len, 2]: (node index, depth) of each query."""
+    fixes: torch.Tensor
+    """[f, 2]: (node, increment - 1) of each key node whose position is not the previous key's
+    + 1 (tree nodes): positions are a running sum of increments."""
+    last_fix: int
+    """Sum of ``fixes[:, 1]``: the last key's position minus its slot index."""
+    holes: torch.Tensor
+    """[h, 2]: (query row, node) of each node the query does not see (mask batches)."""
+
+
+@lru_cache(maxsize=4096)
+def _shape_tables(s: StepShape) -> _ShapeTables:
+    d = s.depths
+    queries = torch.tensor([(i, d[i]) for i in range(s.query_from, s.nodes)], dtype=_I64)
+    inc = [d[0] + 1] + [d[i] - d[i - 1] for i in range(1, s.kv_nodes)] if s.kv_nodes else []
+    fixes = torch.tensor([(i, v - 1) for i, v in enumerate(inc) if v != 1],
+                         dtype=_I64).reshape(-1, 2)
+    sm = ReqForward(0, 0, 0, s.nodes, s.query_from, s.parents, s.block,
+                    s.prefix_only).node_structure()
+    if sm is None:  # a chain inside a masked batch: causal by node order
+        sm = torch.ones(s.nodes, s.nodes, dtype=torch.bool).tril()[s.query_from:]
+    holes = torch.nonzero(~sm).to(_I64).reshape(-1, 2)
+    return _ShapeTables(queries, fixes, int(fixes[:, 1].sum()), holes)
+
+
+class _Items:
+    """A per-shape item table (a `_ShapeTables` field) laid out request by request: ``i`` and
+    ``j`` are the items' two columns, ``at(col)`` puts a per-request column beside each item.
+    With one shape they broadcast ([B, 1] against [n]); with several they are gathered ([T]);
+    ``n`` counts the items either way."""
+
+    def __init__(self, h: HostBatch, pick) -> None:
+        ts = [pick(t) for t in h.tables]
+        if h.of is None:
+            self.n, self.b, t = ts[0].shape[0] * h.B, None, ts[0]
+        else:
+            sizes = torch.tensor([t.shape[0] for t in ts], dtype=_I64)
+            per_req = sizes[h.of]
+            self.b = torch.repeat_interleave(per_req)  # request of each item
+            self.n = self.b.numel()
+            first = torch.cumsum(sizes, 0) - sizes  # each shape's offset in the joined tables
+            t = torch.cat(ts)[torch.arange(self.n) - (torch.cumsum(per_req, 0) - per_req)[self.b]
+                              + first[h.of][self.b]]
+        self.i, self.j = t[:, 0], t[:, 1]
+
+    def at(self, col: int | torch.Tensor) -> int | torch.Tensor:
+        if not isinstance(col, torch.Tensor):
+            return col
+        return col[:, None] if self.b is None else col[self.b]
+
+
+class HostBatch:
+    """A forward's per-request numbers as host tensors: one pass over the requests, shared by
+    every layer group (they see the same requests; only window starts differ)."""
+
+    def __init__(self, batch: ForwardBatch, need_mask: bool) -> None:
+        reqs, table = batch.reqs, batch.req_to_token
+        self.B = B = len(reqs)
+        self.C = C = table.shape[1]
+        rows = [r.row for r in reqs]
+        if min(rows) < 0 or max(rows) >= table.shape[0]:
+            bad = next(r for r in reqs if not 0 <= r.row < table.shape[0])
+            raise IndexError(f"request {bad.rid!r}: row {bad.row} is outside req_to_token's "
+                             f"{table.shape[0]} rows")
+        buf = array("q", rows)  # an array fills a tensor at C speed; torch.tensor does not
+        buf.extend([r.prefix_len for r in reqs])
+        host = torch.frombuffer(buf, dtype=_I64)
+        self.row_c, self.pre = host[:B] * C, host[B:]
+        self.shapes = batch.step_shapes
+        self.tables = [_shape_tables(s) for s in self.shapes]
+        self.of = None  # shape index of each request, when there are several
+        if len(self.shapes) > 1:
+            index = {s: k for k, s in enumerate(self.shapes)}
+            self.of = torch.tensor([index[r.step] for r in reqs], dtype=_I64)
+        self.q_len = self._col([s.nodes - s.query_from for s in self.shapes])
+        self.kvn = self._col([s.kv_nodes for s in self.shapes])
+        self.fqd = self._col([s.first_query_depth for s in self.shapes])
+        self.last_fix = self._col([t.last_fix for t in self.tables])
+        self.kv_end = self.pre + self.kvn
+        if int(self.kv_end.max()) > C:
+            bad = next(r for r in reqs if r.kv_end > C)
+            raise IndexError(f"request {bad.rid!r}: keys up to slot {bad.kv_end} but "
+                             f"req_to_token holds {C} per row")
+        self.max_q = max(s.nodes - s.query_from for s in self.shapes)
+        self.total_q = B * self.q_len if self.of is None else int(self.q_len.sum())
+        self.zeros = torch.zeros(B, dtype=_I64)
+        self.queries = _Items(self, lambda t: t.queries)
+        fixes = _Items(self, lambda t: t.fixes)
+        self.fixes = fixes if fixes.n else None
+        holes = _Items(self, lambda t: t.holes) if need_mask else None
+        self.holes = holes if holes is not None and holes.n else None
+        # Flat table indices fit int32 (almost always): the running sums are then int32, and
+        # their position row is kv_pos as it is.
+        self.idx_dtype = _I32 if table.numel() < 2**31 else _I64
+
+    def _col(self, per_shape: list[int]) -> int | torch.Tensor:
+        """A per-request column: a plain int when every request has one shape."""
+        return per_shape[0] if self.of is None else torch.tensor(per_shape, dtype=_I64)[self.of]
+
+    def starts(self, window: int | None) -> torch.Tensor:
+        """[B] int64: each request's first key slot: ``first query position - W + 1``, never
+        past its prefix (queries see the step's nodes from the prefix on)."""
+        if window is None:
+            return self.zeros
+        return torch.minimum((self.pre + self.fqd - (window - 1)).clamp_(min=0), self.pre)
+
+
+def key_pieces(h: HostBatch, start: torch.Tensor, pack: Pack) -> dict:
+    """Host numbers of one start set (one or more layer groups): indptrs, and the increments
+    whose running sum gives every key's flat table index (row 0) and position (row 1)."""
+    kvl = h.kv_end - start
+    kvptr = torch.zeros(h.B + 1, dtype=_I64)
+    torch.cumsum(kvl, 0, out=kvptr[1:])
+    n = int(kvptr[-1])
+    first = torch.stack([h.row_c + start, start])  # [2, B]: first key's (flat index, position)
+    ends = first + kvl
+    if h.fixes is not None:
+        ends[1] += h.last_fix
+    steps = first - torch.cat([torch.ones(2, 1, dtype=_I64), ends[:, :-1]], 1)
+    idx, vals = [kvptr[:-1], kvptr[:-1] + (n + 1)], [steps.reshape(-1)]
+    if h.fixes is not None:  # tree nodes: a key node's position is prefix + depth
+        f = h.fixes
+        idx.append((f.at(kvptr[1:] - h.kvn + (n + 1)) + f.i).reshape(-1))
+        vals.append((f.j + h.zeros[:, None] if f.b is None else f.j).reshape(-1))
+    out = dict(n=n, kv_host=pack.add(kvptr, _I32), idx=pack.add(torch.cat(idx), _I64),
+               vals=pack.add(torch.cat(vals), h.idx_dtype), mask=None)
+    return out
+
+
+def mask_pieces(h: HostBatch, start: torch.Tensor, pack: Pack) -> tuple:
+    """(elements, indptr handle, hidden elements handle or None) of one start set's mask:
+    request b's [q_len, kv_len] block is all visible but for the structure's holes."""
+    kvl = h.kv_end - start
+    mptr = torch.zeros(h.B + 1, dtype=_I64)
+    torch.cumsum(h.q_len * kvl, 0, out=mptr[1:])
+    holes = None
+    if h.holes is not None:  # a hidden node's element: row start + prefix keys + node
+        o = h.holes
+        holes = pack.add(o.at(mptr[:-1] + kvl - h.kvn) + o.i * o.at(kvl) + o.j, _I64)
+    return int(mptr[-1]), pack.add(mptr, _I32), holes
+
+
+def key_tables(p: dict, pack: Pack, flat_table: torch.Tensor, dtype: torch.dtype):
+    """(full-space key slots [n] int64, kv_pos [n] int32, mask, mask_indptr) on the device:
+    one running sum gives both the flat table index and the position of every key."""
+    n, device = p["n"], flat_table.device
+    x = torch.ones(2 * (n + 1), dtype=dtype, device=device)
+    x.index_add_(0, pack.dev(p["idx"]), pack.dev(p["vals"]))
+    run = x.view(2, n + 1).cumsum_(1)
+    slots = flat_table.index_select(0, run[0, :n])
+    mask = mask_indptr = None
+    if p["mask"] is not None:
+        total, mptr, holes = p["mask"]
+        mask = torch.ones(total, dtype=torch.bool, device=device)  # prefix keys: all visible
+        if holes is not None:
+            mask.index_fill_(0, pack.dev(holes), False)
+        mask_indptr = pack.dev(mptr)
+    return slots.long(), run[1, :n].to(_I32), mask, mask_indptr
