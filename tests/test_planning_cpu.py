@@ -142,6 +142,44 @@ def test_tables_equal_a_per_request_reference_for_mixed_batches(seed: int) -> No
             assert torch.equal(t.mask, mask) and int(t.mask_indptr[-1]) == mask.numel()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_cascade_split_equals_a_per_request_reference(seed: int) -> None:
+    """The cascade's prefix pass is each request's committed keys (no mask), its expand pass
+    the step's nodes with their structure columns: checked request by request."""
+    rng = random.Random(seed)
+    alloc, pool, slots = _world(8, 50, 8, 1, seed)
+    reqs = [ReqForward(0, slots.reqs[0].row, rng.randrange(0, 50), 8, parents=TREE8)]
+    for r in range(1, rng.randrange(2, 8)):
+        kind = rng.choice(["tree", "chain", "prefix_only"])
+        kw = dict(parents=TREE8) if kind == "tree" else dict(
+            query_from=7, prefix_only=True) if kind == "prefix_only" else {}
+        reqs.append(ReqForward(r, slots.reqs[r].row, rng.randrange(0, 50), 8, **kw))
+    batch = ForwardBatch.of("target_verify", reqs, slots.req_to_token.table, alloc.full_id)
+    windows = {0: rng.choice([1, 5, 20]), 1: None, 2: 1000}
+    fp = plan(batch, LAYERS, windows, KVSource(pool, alloc.mapping, "test"), cascade=True)
+    for layer in LAYERS:
+        g = fp.group(layer)
+        pre_t, exp_t = g.cascade
+        t = g.tables
+        kvh, qoh = t.kv_host.tolist(), t.qo_host.tolist()
+        pre_rows, exp_rows, exp_mask, m0 = [], [], [], 0
+        for b, r in enumerate(reqs):
+            n, q = kvh[b + 1] - kvh[b], qoh[b + 1] - qoh[b]
+            p = n - (0 if r.prefix_only else r.nodes)  # committed keys of request b
+            pre_rows += range(kvh[b], kvh[b] + p)
+            exp_rows += range(kvh[b] + p, kvh[b + 1])
+            exp_mask.append(t.mask[m0:m0 + q * n].view(q, n)[:, p:].reshape(-1))
+            m0 += q * n
+        for part, rows in ((pre_t, pre_rows), (exp_t, exp_rows)):
+            rows = torch.tensor(rows, dtype=torch.long)
+            assert torch.equal(part.kv_indices.tensor, t.kv_indices.tensor[rows])
+            assert part.kv_indices.space == t.kv_indices.space
+            assert torch.equal(part.kv_pos, t.kv_pos[rows]) and torch.equal(part.q_pos, t.q_pos)
+            assert torch.equal(part.kv_host, part.kv_indptr) and int(part.kv_host[-1]) == len(rows)
+        assert pre_t.mask is None and torch.equal(exp_t.mask, torch.cat(exp_mask))
+        assert int(exp_t.mask_indptr[-1]) == exp_t.mask.numel()
+
+
 def test_a_row_past_the_table_is_refused_by_name() -> None:
     alloc, pool, slots = _world(2, 10, 1)
     batch = ForwardBatch.of("decode", [ReqForward("r9", 7, 10, 1)], slots.req_to_token.table,

@@ -14,13 +14,13 @@ increments (`key_tables`): a few device ops per group whatever the batch size, n
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from swafactory.errors import SpaceError
 from swafactory.kvcache.locs import Locs
-from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
+from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata.vector import (HostBatch, Pack, key_pieces, key_tables, mask_pieces,
                                         to_device)
 
@@ -132,39 +132,12 @@ def group_key(sub_pool: str, window: int | None) -> str:
     return sub_pool if window is None else f"{sub_pool}/w{window}"
 
 
-def _start(r: ReqForward, window: int | None) -> int:
-    if window is None:
-        return 0
-    first_q = r.prefix_len + min(r.depths[r.query_from:])
-    return min(r.prefix_len, max(0, first_q - window + 1))
-
-
-def _indptr(lens: list[int]) -> torch.Tensor:
-    """[n+1] int32 host offsets of ``lens``."""
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    if lens:
-        torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
-    return out
-
-
-def _tables(kv: Locs, reqs: list[ReqForward], kv_lens: list[int], kv_pos: list[torch.Tensor],
-            q_pos: torch.Tensor, masks: list[torch.Tensor] | None, device: torch.device) -> AttnTables:
-    qo_host, kv_host = _indptr([r.q_len for r in reqs]), _indptr(kv_lens)
-    mask = mask_indptr = None
-    if masks is not None:
-        mask = to_device(torch.cat([m.reshape(-1) for m in masks]), device)
-        mask_indptr = to_device(_indptr([m.numel() for m in masks]), device)
-    return AttnTables(to_device(qo_host, device), to_device(kv_host, device), kv,
-                      to_device(q_pos.to(torch.int32), device),
-                      to_device(torch.cat(kv_pos).to(torch.int32), device), mask, mask_indptr,
-                      max(r.q_len for r in reqs), qo_host, kv_host)
-
-
 def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]], source,
-                 writes: bool, skip_translation: bool) -> tuple[dict[str, GroupPlan], int]:
+                 writes: bool, skip_translation: bool) -> tuple[dict[str, GroupPlan], HostBatch]:
     """Every group's tables, vectorized over requests. The per-request host numbers of all
     groups travel in one host→device copy; groups with the same window starts share one key
-    list (e.g. an SWA window longer than every context); nothing is read back."""
+    list (e.g. an SWA window longer than every context); nothing is read back. Returns the
+    groups and the forward's host numbers."""
     table, need_mask = batch.req_to_token, batch.needs_mask
     h, pack = HostBatch(batch, need_mask), Pack()
     qo = torch.zeros(h.B + 1, dtype=torch.int64)
@@ -195,40 +168,7 @@ def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]],
         t = AttnTables(pack.dev(qo_h), pack.dev(p["kv_host"]), kv, pack.dev(q_pos), kv_pos,
                        mask, mask_indptr, h.max_q, pack.host(qo_h), pack.host(p["kv_host"]))
         out[key] = GroupPlan(key, sub, window, t, None, w)
-    return out, h.total_q
-
-
-def _plan_cascade(key: str, sub_pool: str, window: int | None, batch: ForwardBatch, source,
-                  writes: bool, skip_translation: bool) -> GroupPlan:
-    """One group of a cascade tree forward, request by request (not vectorized yet)."""
-    reqs = list(batch.reqs)
-    table = batch.req_to_token
-    device = table.device
-    starts = [_start(r, window) for r in reqs]
-    need_mask = batch.needs_mask
-    slots, pre_len, kv_pos, q_pos, masks, w_slots = [], [], [], [], [], []
-    for r, s in zip(reqs, starts):
-        end = r.prefix_len + r.nodes
-        slots.append(table[r.row, s:r.kv_end].long())
-        pre_len.append(r.prefix_len - s)
-        nodes_pos = r.node_positions()
-        kv_pos.append(torch.cat([torch.arange(s, r.prefix_len),
-                                 nodes_pos[:r.kv_end - r.prefix_len]]))
-        q_pos.append(nodes_pos[r.query_from:])
-        w_slots.append(table[r.row, r.prefix_len + r.query_from:end].long())
-        if need_mask:
-            structure = r.node_structure()
-            if structure is None:  # a chain inside a tree batch: causal by slot order
-                structure = torch.ones(r.nodes, r.nodes, dtype=torch.bool).tril()[r.query_from:]
-            masks.append(torch.cat([torch.ones(r.q_len, r.prefix_len - s, dtype=torch.bool),
-                                    structure], dim=1))
-    kv, w = _space(key, sub_pool, source, skip_translation, batch.full_id, torch.cat(slots),
-                   torch.cat(w_slots) if writes else None)
-    qp = torch.cat(q_pos)
-    lens = [t.numel() for t in slots]
-    tables = _tables(kv, reqs, lens, kv_pos, qp, masks if need_mask else None, device)
-    casc = _cascade(kv, reqs, lens, pre_len, kv_pos, qp, masks, device)
-    return GroupPlan(key, sub_pool, window, tables, casc, w)
+    return out, h
 
 
 def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str,
@@ -254,22 +194,57 @@ def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str
     return tr(full_kv), (tr(full_w) if full_w is not None else None)
 
 
-def _cascade(kv: Locs, reqs, lens, pre_len, kv_pos, qp, masks, device):
-    """Split each request's (already translated) key list into prefix and expand passes."""
-    idx_pre, idx_exp, pos_pre, pos_exp, m_exp = [], [], [], [], []
-    off = 0
-    for r, n, p, kp, m in zip(reqs, lens, pre_len, kv_pos, masks):
-        idx_pre.append(torch.arange(off, off + p))
-        idx_exp.append(torch.arange(off + p, off + n))
-        pos_pre.append(kp[:p])
-        pos_exp.append(kp[p:])
-        m_exp.append(m[:, p:])
-        off += n
-    pre = kv[torch.cat(idx_pre).to(kv.tensor.device)]
-    exp = kv[torch.cat(idx_exp).to(kv.tensor.device)]
-    prefix = _tables(pre, reqs, pre_len, pos_pre, qp, None, device)
-    expand = _tables(exp, reqs, [n - p for n, p in zip(lens, pre_len)], pos_exp, qp, m_exp, device)
-    return prefix, expand
+def _cumsum0(x: torch.Tensor) -> torch.Tensor:
+    """[n+1] int64 offsets of host lengths ``x`` [n]."""
+    out = torch.zeros(x.numel() + 1, dtype=torch.int64)
+    torch.cumsum(x, 0, out=out[1:])
+    return out
+
+
+def _split_cascade(g: GroupPlan, kv_nodes: torch.Tensor) -> GroupPlan:
+    """``g`` with its cascade: the (already translated) key list of each request split into a
+    mask-free prefix pass (its committed keys) and an expand pass (the step's nodes, with their
+    structure columns of the mask), vectorized like the main tables: the per-request numbers come
+    from host lengths in one copy, and nothing is read back.
+
+    kv_nodes: [B] int64 on the host, the step's nodes among each request's keys."""
+    t = g.tables
+    B = t.batch_size
+    kv_host = t.kv_host.long()
+    kvl = kv_host[1:] - kv_host[:-1]
+    q_len = (t.qo_host[1:] - t.qo_host[:-1]).long()
+    pre, exp = kvl - kv_nodes, kv_nodes
+    pre_ptr, exp_ptr, m_ptr = _cumsum0(pre), _cumsum0(exp), _cumsum0(q_len * exp)
+    main_mptr = _cumsum0(q_len * kvl)
+    host = torch.cat([pre, exp, q_len * exp, pre_ptr, exp_ptr, m_ptr, kv_host[:-1],
+                      main_mptr[:-1], kvl])
+    device = t.qo_indptr.device
+    d = to_device(host, device)
+    pre_d, exp_d, mexp_d = d[:B], d[B:2 * B], d[2 * B:3 * B]
+    pre_ptr_d, exp_ptr_d, m_ptr_d = (d[3 * B + i * (B + 1):3 * B + (i + 1) * (B + 1)]
+                                     for i in range(3))
+    kv0_d, mm0_d, kvl_d = (d[6 * B + 3 + i * B:6 * B + 3 + (i + 1) * B] for i in range(3))
+    ids = torch.arange(B, device=device)
+
+    def each(lens: torch.Tensor, ptr: torch.Tensor, total: int):
+        """(request, offset in it) of every element: ``total`` is host-known."""
+        b = torch.repeat_interleave(ids, lens, output_size=total)
+        return b, torch.arange(total, device=device) - ptr[b]
+
+    b, o = each(pre_d, pre_ptr_d, int(pre_ptr[-1]))
+    src_pre = kv0_d[b] + o
+    b, o = each(exp_d, exp_ptr_d, int(exp_ptr[-1]))
+    src_exp = kv0_d[b] + pre_d[b] + o
+    b, o = each(mexp_d, m_ptr_d, int(m_ptr[-1]))
+    i = torch.div(o, exp_d[b], rounding_mode="floor")
+    src_m = mm0_d[b] + i * kvl_d[b] + pre_d[b] + (o - i * exp_d[b])
+    i32 = torch.int32
+    prefix = AttnTables(t.qo_indptr, pre_ptr_d.to(i32), t.kv_indices[src_pre], t.q_pos,
+                        t.kv_pos[src_pre], None, None, t.max_q_len, t.qo_host, pre_ptr.to(i32))
+    expand = AttnTables(t.qo_indptr, exp_ptr_d.to(i32), t.kv_indices[src_exp], t.q_pos,
+                        t.kv_pos[src_exp], t.mask[src_m], m_ptr_d.to(i32), t.max_q_len,
+                        t.qo_host, exp_ptr.to(i32))
+    return replace(g, cascade=(prefix, expand))
 
 
 def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
@@ -292,11 +267,8 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
         keys[k] = (sub, windows[layer])
         layer_groups[layer] = k
     skip = skip_spec_translation and batch.has_tree
-    if cascade and batch.has_tree:
-        groups = {k: _plan_cascade(k, sub, w, batch, source, writes, skip)
-                  for k, (sub, w) in keys.items()}
-        total_q = batch.total_q
-    else:
-        groups, total_q = _plan_vector(batch, keys, source, writes, skip)
+    groups, h = _plan_vector(batch, keys, source, writes, skip)
+    if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
+        groups = {k: _split_cascade(g, h.kvn + h.zeros) for k, g in groups.items()}
     return ForwardPlan(batch.mode, groups, layer_groups,
-                       source.rule if source is not None else "none", total_q)
+                       source.rule if source is not None else "none", h.total_q)

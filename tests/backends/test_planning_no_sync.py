@@ -1,7 +1,7 @@
 """Planning a forward makes no host sync on CUDA: `init_forward_metadata` runs under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call (a read back,
 a blocking copy). Every mode's planning is vectorized over requests: decode, extend, chain and
-tree verify, a DFlash block. (The cascade strategy's prefix/expand split is not yet.)
+tree verify, a DFlash block, and the cascade strategy's prefix/expand split of a tree.
 
 FlashInfer's own ``plan`` runs here too. For its custom-mask prefill passes (every mode but
 decode) FlashInfer 0.6.18 packs the mask with ``segment_packbits``, which reads the packed size
@@ -21,7 +21,8 @@ from swafactory.metadata.batch import ForwardBatch, ReqForward
 TREE8 = (-1, 0, 0, 1, 1, 2, 2, 3)
 MODES = {"decode": ("decode", 1, {}), "verify_chain8": ("target_verify", 8, {}),
          "extend": ("extend", 16, {}), "verify_tree8": ("target_verify", 8, {"parents": TREE8}),
-         "dflash_block": ("draft_decode", 8, {"block": True})}
+         "dflash_block": ("draft_decode", 8, {"block": True}),
+         "verify_tree8_cascade": ("target_verify", 8, {"parents": TREE8})}
 
 
 @pytest.mark.gpu
@@ -35,7 +36,8 @@ def test_planning_makes_no_host_sync(mode: str, backend: str, request) -> None:
                 strict=True, raises=RuntimeError,
                 reason="FlashInfer 0.6.18 segment_packbits reads the packed mask size back"))
     cfg = swafactory.validate(swafactory.compose(
-        [f"backend={backend}", "spec=none", "model=gpt_oss_20b", "workload.device=cuda"]))
+        [f"backend={backend}", "spec=none", "model=gpt_oss_20b", "workload.device=cuda",
+         f"backend.tree_mask={'cascade' if mode.endswith('cascade') else 'custom_mask'}"]))
     kind, nodes, shape = MODES[mode]
     bs, ctx, W = 16, 300, cfg.model.sliding_window
     pool, alloc = build_pools(cfg, bs * 512, bs * 512, "cuda")
