@@ -33,6 +33,8 @@ CASES = [  # name, Hq, Hkv, D, window, ctx, bs, q_len, sinks, trim
     ("gemma4_full_decode", 32, 4, 512, None, 8192, 64, 1, False, True),
     ("gptoss_swa_decode", 64, 8, 64, 128, 8192, 64, 1, True, True),
     ("gptoss_full_decode", 64, 8, 64, None, 8192, 64, 1, True, True),
+    ("gptoss_full_decode_bs8", 64, 8, 64, None, 8192, 8, 1, True, True),
+    ("gptoss_swa_decode_bs8", 64, 8, 64, 128, 8192, 8, 1, True, True),
     ("gemma4_full_verify8", 32, 4, 512, None, 8192, 64, 8, False, True),
     ("gemma4_swa_verify8", 32, 16, 256, 1024, 8192, 64, 8, False, True),
     ("gemma4_full_verify8_tree", 32, 4, 512, None, 8192, 64, 8, False, True),

@@ -136,6 +136,12 @@ class AttentionBackend:
         self._sig_cache: tuple | None = None
         self._graph: GraphState | None = None
         self._graphed = False  # the current plan is a graph bucket's (writes unchecked inside)
+        # the per-layer hot path (`forward`): what never changes while the pool and the layer
+        # groups stay (buffers, scale, kernel kwargs), and per forward each group's write rows and
+        # which (group, sub-pool) pairs were checked; a check runs once per pair, not per layer
+        self._layers: tuple | None = None
+        self._writes: dict[str, torch.Tensor | None] = {}
+        self._checked: set[tuple[str, str]] = set()
         self._frozen = None
         if self.faults.pool_cached_at_init:  # FAULT: what the view says at construction
             self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
@@ -155,8 +161,7 @@ class AttentionBackend:
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardPlan:
         """Resolve the KV source from the view *now* and plan the forward (host work, once:
         the planner's tables and the kernel library's own planning)."""
-        self._graphed = False
-        self._plan = self._plan_forward(batch, None)
+        self._set_plan(self._plan_forward(batch, None), graphed=False)
         return self._plan
 
     def _plan_forward(self, batch: ForwardBatch, graph: tuple[int, int] | None) -> ForwardPlan:
@@ -243,7 +248,8 @@ class AttentionBackend:
                              mode=mode, writes=not pool.read_only)
         self.adapter.plan(fplan, pool, sigs=self._sigs(pool, fplan), graph=(bs, tokens))
         st.captured[(bs, tokens)] = pool
-        self._pool, self._plan, self._graphed = pool, fplan, True
+        self._pool = pool
+        self._set_plan(fplan, graphed=True)
         return fplan
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, bs: int,
@@ -269,16 +275,72 @@ class AttentionBackend:
                 if g.write_locs is not None and key not in seen:
                     seen.add(key)
                     self._pool.check(layer, g.write_locs)
-        self._plan, self._graphed = bucket_writes(st, fplan, bs, tokens), True
+        self._set_plan(bucket_writes(st, fplan, bs, tokens), graphed=True)
         return self._plan
+
+    # --- the per-layer hot path -----------------------------------------------------------------
+
+    def _set_plan(self, fplan: ForwardPlan, graphed: bool) -> None:
+        """Make ``fplan`` the current forward's: each group's write rows as the int64 index the
+        store takes (once per group, not per layer), and the per-layer entries rebuilt only when
+        the pool or the layer groups changed."""
+        self._plan, self._graphed = fplan, graphed
+        self._checked = set()
+        self._writes = {key: (g.write_locs.tensor.reshape(-1).long()
+                              if g.write_locs is not None else None)
+                        for key, g in fplan.groups.items()}
+        pool = self._pool
+        cached = self._layers
+        if cached is None or cached[0] is not pool or cached[1] != fplan.layer_groups:
+            entries = {}
+            for layer, key in fplan.layer_groups.items():
+                k_buf, v_buf, sub = pool.get_kv(layer)
+                kw = dict(window=fplan.groups[key].window, scale=self._scale(sub),
+                          softcap=self.softcap)
+                entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id))
+            # the pool is held, so its identity cannot be reused by another one
+            self._layers = (pool, dict(fplan.layer_groups), entries)
+
+    def _check_layer(self, layer_id: int, g, sub, pair: tuple[str, str]) -> None:
+        """The typed-space checks of a layer's reads and writes, once per (group, sub-pool) per
+        forward: every layer of the pair reads the same tables and writes the same rows."""
+        if not sub.accepts(g.tables.kv_indices):
+            raise SpaceError(f"layer {layer_id} reads {sub.pool_id!r} ({sub.space} space) but its "
+                             f"plan holds {g.tables.kv_indices.space}-space locations of "
+                             f"{g.tables.kv_indices.pool_id!r}")
+        self._checked.add(pair)
+
+    def _entry(self, layer_id: int) -> tuple:
+        self.plan  # noqa: B018 - raises before init_forward_metadata
+        try:
+            return self._layers[2][layer_id]
+        except KeyError:
+            self._plan.group(layer_id)  # raises naming the plan's layers
+            raise
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
-        g = self.plan.group(layer_id)
-        if g.write_locs is None:
+        key, k_buf, v_buf, sub, _, pair = self._entry(layer_id)
+        self._store(layer_id, key, k_buf, v_buf, sub, k, v)
+
+    def _store(self, layer_id: int, key: str, k_buf, v_buf, sub, k, v) -> None:
+        idx = self._writes[key]
+        if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
-        # a graph's writes were checked at replay planning (a check inside a capture would sync)
-        self._pool.write(layer_id, g.write_locs, k, v, checked=self.guards and not self._graphed)
+        # the pool's checks (typed space; bounds in check mode) once per group and sub-pool; a
+        # graph's writes were checked at replay planning (a check inside a capture would sync)
+        if self.guards and not self._graphed and (key, sub.pool_id, "w") not in self._checked:
+            self._pool.check(layer_id, self._plan.groups[key].write_locs)
+            self._checked.add((key, sub.pool_id, "w"))
+        if sub.check_mode:  # the pool's own write keeps its dummy page poisoned
+            self._pool.write(layer_id, self._plan.groups[key].write_locs, k, v, checked=False)
+            return
+        if k.shape[0] != idx.shape[0] or k.shape[1:] != k_buf.shape[1:] or v.shape != k.shape:
+            raise ValueError(f"layer {layer_id}: k/v must be [{idx.shape[0]}, "
+                             f"{k_buf.shape[1]}, {k_buf.shape[2]}], got {list(k.shape)} / "
+                             f"{list(v.shape)}")
+        k_buf[idx] = k if k.dtype == k_buf.dtype else k.to(k_buf.dtype)
+        v_buf[idx] = v if v.dtype == v_buf.dtype else v.to(v_buf.dtype)
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
@@ -299,21 +361,17 @@ class AttentionBackend:
         `init_forward_metadata`.
         """
         del batch
-        g = self.plan.group(layer_id)
+        key, k_buf, v_buf, sub, kw, pair = self._entry(layer_id)
+        g = self._plan.groups[key]
+        if self.guards and pair not in self._checked:
+            self._check_layer(layer_id, g, sub, pair)
         if save_kv:
-            self.write_kv(layer_id, k, v)
-        k_buf, v_buf, sub = self._pool.get_kv(layer_id)
-        if self.guards and (q.shape[-1] != sub.head_dim or q.shape[1] % sub.num_kv_heads):
+            self._store(layer_id, key, k_buf, v_buf, sub, k, v)
+        if self.guards and (q.shape[-1] != k_buf.shape[2] or q.shape[1] % k_buf.shape[1]):
             raise SpaceError(f"layer {layer_id}: q is {q.shape[1]} heads × {q.shape[-1]}, but the "
                              f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "
                              f"{sub.head_dim}): the wrong pool for this layer")
-        if self.guards and not sub.accepts(g.tables.kv_indices):
-            raise SpaceError(f"layer {layer_id} reads {sub.pool_id!r} ({sub.space} space) but its "
-                             f"plan holds {g.tables.kv_indices.space}-space locations of "
-                             f"{g.tables.kv_indices.pool_id!r}")
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
-        scale = self._scale(sub)
-        kw = dict(window=g.window, scale=scale, softcap=self.softcap)
         if g.cascade is not None:
             pre, exp = g.cascade
             o1, l1 = self.adapter.run(pre, q, k_buf, v_buf, **kw)

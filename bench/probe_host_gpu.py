@@ -1,0 +1,118 @@
+"""Where the host time of one forward goes on the GPU host: planning (ours, FlashInfer's plan)
+and the per-layer loop, factory against raw (issue 16's decode-cycle and planning lines).
+
+    python3 bench/probe_host_gpu.py OUT [model:bs ...]   (default gemma4:8 gemma4:64 gpt_oss_20b:8 gpt_oss_20b:64)
+
+Prints, per case: init_forward_metadata (synchronized wall, median of 50), the planner alone
+(adapter.plan stubbed), adapter.plan alone, raw FlashInfer plan_all, the layer loop of factory
+and raw without planning (do_bench medians), and a cProfile of init_forward_metadata (top 25 by
+cumulative time). Writes OUT/host-probe.json.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_factory import Raw, batch_of, setup  # noqa: E402
+
+
+def wall(fn, n=50) -> float:
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def case(model: str, bs: int, ctx: int = 8192) -> dict:
+    from triton.testing import do_bench
+
+    cfg, pool, alloc, slots, backend = setup(model, bs, ctx, 1)
+    m = cfg.model
+    batch = batch_of("decode", slots, alloc, bs, ctx)
+    plan = backend.init_forward_metadata(batch)
+    L, T = m.num_layers, batch.total_q
+    qs, ks, vs = [], [], []
+    for layer in range(L):
+        sub = pool.sub_pool(layer)
+        qs.append(torch.randn(T, m.num_attention_heads, sub.head_dim, device="cuda",
+                              dtype=torch.bfloat16))
+        ks.append(torch.randn(T, sub.num_kv_heads, sub.head_dim, device="cuda",
+                              dtype=torch.bfloat16))
+        vs.append(torch.randn_like(ks[-1]))
+    sinks = torch.randn(m.num_attention_heads, device="cuda") if m.attention_sinks else None
+    raw = Raw(cfg, pool, plan, decode=True)
+    raw.plan_all(m.num_attention_heads)
+    out = dict(model=model, bs=bs)
+    out["init_forward_metadata_ms"] = wall(lambda: backend.init_forward_metadata(batch))
+    fplan = backend.init_forward_metadata(batch)
+    sigs = backend._sigs(backend._pool, fplan)
+    out["adapter_plan_ms"] = wall(lambda: backend.adapter.plan(fplan, backend._pool, sigs=sigs))
+    out["raw_plan_all_ms"] = wall(lambda: raw.plan_all(m.num_attention_heads))
+    real = backend.adapter.plan
+    backend.adapter.plan = lambda *a, **k: None
+    out["planner_only_ms"] = wall(lambda: backend.init_forward_metadata(batch))
+    backend.adapter.plan = real
+    backend.init_forward_metadata(batch)
+
+    def layers():
+        for layer in range(L):
+            backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
+
+    def raw_layers():
+        for layer in range(L):
+            raw.layer(layer, qs[layer], ks[layer], vs[layer], sinks)
+
+    out["factory_layers_ms"] = do_bench(layers, warmup=5, rep=40, return_mode="median")
+    out["raw_layers_ms"] = do_bench(raw_layers, warmup=5, rep=40, return_mode="median")
+    # host-only time of the layer loops (no sync inside): how long Python takes to launch them
+    for name, fn in (("factory_layers_host_ms", layers), ("raw_layers_host_ms", raw_layers)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        out[name] = (time.perf_counter() - t0) / 10 * 1e3
+        torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(50):
+        backend.init_forward_metadata(batch)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(25)
+    out["profile"] = s.getvalue()
+    del backend, pool, alloc, slots, raw
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cases = sys.argv[2:] or ["gemma4:8", "gemma4:64", "gpt_oss_20b:8", "gpt_oss_20b:64"]
+    rows = []
+    for c in cases:
+        model, bs = c.split(":")
+        r = case(model, int(bs))
+        prof = r.pop("profile")
+        print(json.dumps(r))
+        print(prof[-6000:])
+        r["profile"] = prof
+        rows.append(r)
+        (out_dir / "host-probe.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
