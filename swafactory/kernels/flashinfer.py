@@ -25,6 +25,15 @@ through ``use_cuda_graph`` wrappers, one per (group, pass, bucket, tokens), whos
 captured kernels read; `plan` refills them in place for every replay. Requests may have fewer
 queries than ``tokens`` (draft extend): the rows past the batch's are padding.
 
+Masks travel packed (`packed_custom_mask`): FlashInfer 0.6.18 packs a bool ``custom_mask`` with
+``segment_packbits``, which reads the packed size back from the device (a host sync in every
+masked plan). Its kernel reads request b's bits from byte ``mask_indptr[b]``, but for a mask given
+packed its plan sets ``mask_indptr`` to the *bit* offsets ``sum q_len·kv_len``. So eagerly each
+request's bytes are placed at that offset (``layout="bit_offsets"``: as many bytes as mask
+elements, the gaps unused); a graph's buffers are packed densely and the adapter rewrites the
+``mask_indptr`` buffer it owns with the byte offsets after each plan. Both are host-known: nothing
+is read back.
+
 Sinks are served by an exact epilogue on the returned LSE (``o · σ(lse - sink)``): FlashInfer
 0.6.18's FA2/FA3 paged runs accept ``sinks=`` but drop it (only trtllm-gen, SM100+, reads it).
 """
@@ -41,7 +50,7 @@ from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
-__all__ = ["CAPABILITIES", "Adapter", "custom_mask", "apply_sinks"]
+__all__ = ["CAPABILITIES", "Adapter", "custom_mask", "packed_custom_mask", "apply_sinks"]
 
 _LN2 = math.log(2.0)
 # Split-KV partials of one prefill pass: a 256-token chunk of Gemma 4's full layers (32 q heads ×
@@ -98,6 +107,56 @@ def custom_mask(tables, window: int | None) -> torch.Tensor:
     return vis
 
 
+def packed_custom_mask(tables, window: int | None,
+                       layout: str = "bit_offsets") -> tuple[torch.Tensor, torch.Tensor]:
+    """`custom_mask` packed 8 elements to a byte (bit e % 8 of byte e // 8, little-endian, as
+    FlashInfer reads it), built on the device without a read-back.
+
+    Request b's block (``q_len_b * kv_len_b`` elements, row-major) starts at byte ``off[b]``:
+    ``layout="bit_offsets"``: ``off[b] = sum_{c<b} q_len_c * kv_len_c`` (what FlashInfer 0.6.18's
+    plan hands its kernel for a packed mask; the buffer has one byte per element, the bytes past a
+    block's ``ceil(n_b / 8)`` unused and zero); ``"dense"``: blocks back to back,
+    ``off[b] = sum_{c<b} ceil(q_len_c * kv_len_c / 8)``.
+
+    Returns (bytes: uint8 ``[off[B]]`` on the tables' device, off: int32 ``[B+1]`` on the host).
+    """
+    if layout not in ("bit_offsets", "dense"):
+        raise ValueError(f"layout must be 'bit_offsets' or 'dense', got {layout!r}")
+    qo_h, kv_h = tables.qo_host, tables.kv_host  # the planner's host copies: nothing read back
+    q_lens, kv_lens = (qo_h[1:] - qo_h[:-1]).long(), (kv_h[1:] - kv_h[:-1]).long()
+    sizes = q_lens * kv_lens
+    nbytes = (sizes + 7) // 8
+    starts = torch.cumsum(sizes, 0) - sizes  # each block's first element in the bool layout
+    bstart = torch.cumsum(nbytes, 0) - nbytes  # each block's first useful byte, back to back
+    out_off = starts if layout == "bit_offsets" else bstart
+    off_h = torch.zeros(q_lens.numel() + 1, dtype=torch.int32)
+    off_h[1:] = torch.cumsum(sizes if layout == "bit_offsets" else nbytes, 0)
+    dev = tables.qo_indptr.device
+    B, n = q_lens.numel(), int(nbytes.sum())
+    pack = torch.cat([nbytes, bstart, out_off, starts, sizes, kv_lens, qo_h[:-1].long(),
+                      kv_h[:-1].long()])
+    pack = pack.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pack.to(dev)
+    nb_d, bs_d, off_d, st_d, size_d, kvl_d, qo_d, kv_d = pack.view(8, B).unbind(0)
+    out = torch.zeros(int(off_h[-1]), dtype=torch.uint8, device=dev)
+    if n == 0:
+        return out, off_h
+    b = torch.repeat_interleave(torch.arange(B, device=dev), nb_d, output_size=n)  # per byte
+    ob = torch.arange(n, device=dev) - bs_d[b]
+    e = ob[:, None] * 8 + torch.arange(8, device=dev)  # [n, 8] element in its block
+    valid = e < size_d[b][:, None]
+    e = torch.minimum(e, (size_d[b] - 1)[:, None])  # past the block: any element, masked below
+    kvl = kvl_d[b][:, None]
+    i = torch.div(e, kvl, rounding_mode="floor")
+    qp = tables.q_pos.long()[qo_d[b][:, None] + i]
+    kp = tables.kv_pos.long()[kv_d[b][:, None] + e - i * kvl]
+    vis = tables.mask.bool()[st_d[b][:, None] + e] if tables.mask is not None else qp >= kp
+    if window is not None:
+        vis = vis & (qp - kp < window)
+    bits = (vis & valid).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=dev)
+    out[off_d[b] + ob] = bits.sum(1, dtype=torch.uint8)
+    return out, off_h
+
+
 @functools.cache
 def _has_triton() -> bool:
     """Triton is there for the one-kernel sink epilogue (FlashInfer's own JIT pulls it in)."""
@@ -125,7 +184,9 @@ class _Pass:
     last: torch.Tensor
     """[B] int32 ones on the host (page size 1; plan checks it beside the host indptrs)."""
     mask: torch.Tensor | None
-    """Flattened bool visibility (prefill passes only)."""
+    """Packed visibility, uint8 on the device (prefill passes only; `packed_custom_mask`)."""
+    mask_off: torch.Tensor | None = None
+    """[B+1] int32 on the host: each request's first mask byte in a graph's dense packing."""
     planned_for: tuple | None = None
     wrapper: object = field(default=None, repr=False)
     graph: tuple[int, int] | None = None
@@ -150,6 +211,8 @@ class Adapter:
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple, object] = {}
+        self._mask_off: dict[tuple, torch.Tensor] = {}
+        """A graph prefill wrapper's ``mask_indptr`` buffer (ours: rewritten after its plan)."""
         self._passes: PassCache = PassCache("flashinfer")
         self._max_rows = 0
         self.replans = 0
@@ -182,7 +245,10 @@ class Adapter:
             raise ValueError("a 1-token graph bucket runs FlashInfer's decode kernel, which takes "
                              "no structure mask: capture tokens >= 2 for masked batches")
         indices = t.kv_indices.tensor.to(torch.int32)
-        mask = None if decode else custom_mask(t, window)
+        mask = mask_off = None
+        if not decode:
+            mask, mask_off = packed_custom_mask(t, window, "bit_offsets" if graph is None
+                                                else "dense")
         if graph is not None:
             n, tokens = graph
             if B > n or t.max_q_len > tokens:
@@ -193,10 +259,13 @@ class Adapter:
             qo_host = torch.cat([qo_host, qo_host[-1] + tokens * step])
             kv_host = torch.cat([kv_host, kv_host[-1] + step])  # one key each: dummy row 0
             indices = torch.cat([indices, indices.new_zeros(pad)])
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(pad * tokens)])
+            if mask is not None:  # a padding request sees its one key (bits past it unread)
+                per = (tokens + 7) // 8
+                mask = torch.cat([mask, mask.new_full((pad * per,), 255)])
+                mask_off = torch.cat([mask_off, mask_off[-1] + per * step])
         return _Pass(key, role, window, decode, qo_host, kv_host, indices,
-                     torch.ones(qo_host.numel() - 1, dtype=torch.int32), mask, graph=graph)
+                     torch.ones(qo_host.numel() - 1, dtype=torch.int32), mask, mask_off,
+                     graph=graph)
 
     def _wrapper(self, p: _Pass, device: torch.device):
         import flashinfer
@@ -204,6 +273,7 @@ class Adapter:
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._wrappers.clear()
+            self._mask_off.clear()
         k = (p.group, p.role, p.decode, p.graph)
         if k in self._wrappers:
             return self._wrappers[k]
@@ -218,13 +288,14 @@ class Adapter:
                           paged_kv_indices_buffer=torch.zeros(max_kv, **i32),
                           paged_kv_last_page_len_buffer=torch.ones(n, **i32))
             else:
+                self._mask_off[k] = torch.zeros(n + 1, **i32)
                 kw.update(qo_indptr_buf=torch.zeros(n + 1, **i32),
                           paged_kv_indptr_buf=torch.zeros(n + 1, **i32),
                           paged_kv_indices_buf=torch.zeros(max_kv, **i32),
                           paged_kv_last_page_len_buf=torch.ones(n, **i32),
                           custom_mask_buf=torch.zeros((tokens * max_kv + 7) // 8 + n,
                                                       dtype=torch.uint8, device=device),
-                          mask_indptr_buf=torch.zeros(n + 1, **i32))
+                          mask_indptr_buf=self._mask_off[k])
         if p.decode:  # tensor cores: the fast path for GQA, and the one that serves D = 512
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
                                                               use_tensor_cores=True, **kw)
@@ -243,7 +314,11 @@ class Adapter:
                    window_left=flashinfer_window_left(p.window), **common)
         else:  # the window is inside the mask: FlashInfer's own would count from kv_len - q_len
             w.plan(p.qo_host, p.kv_host, p.indices, p.last, hq, hkv, d, 1,
-                   custom_mask=p.mask, window_left=-1, **common)
+                   packed_custom_mask=p.mask, window_left=-1, **common)
+            if p.graph is not None:  # its plan wrote bit offsets: the kernel reads byte offsets
+                off = self._mask_off[(p.group, p.role, p.decode, p.graph)]
+                off.copy_(p.mask_off.pin_memory() if off.is_cuda else p.mask_off,
+                          non_blocking=True)
         p.wrapper, p.planned_for = w, sig
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,

@@ -6,7 +6,11 @@ windows, index lists, the base-2 LSE, sinks, cascade) is tested on machines with
 * paged NHD caches ``[pages, page_size, Hkv, D]`` read through ``indices`` (page size 1 here);
 * ``window_left`` counted from ``kv_len - q_len + i`` (query i's *list* position, not its token
   position): the reason the adapter puts windows into the custom mask for multi-query passes;
-* a custom mask, flattened per request, row-major ``[q_len, kv_len]``;
+* a custom mask, flattened per request, row-major ``[q_len, kv_len]``; given packed
+  (``packed_custom_mask``), 0.6.18's quirk: plan sets ``mask_indptr`` to the *bit* offsets
+  ``sum q_len·kv_len`` while the kernel reads request b's bits from *byte* ``mask_indptr[b]``,
+  and a CUDA-graph wrapper reads the ``mask_indptr_buf`` / ``custom_mask_buf`` it was given at
+  run time (so whatever the caller writes there after plan counts);
 * the LSE in base 2 (``m·log2e + log2 d``, as FlashInfer's kernels write it).
 
 The real kernels are checked against the oracle on the GPU (`test_flashinfer_vs_oracle.py`).
@@ -26,6 +30,9 @@ class _Wrapper:
         assert layout == "NHD"
         self.decode = False
         self.plans = 0
+        self.graph = kw.get("use_cuda_graph", False)
+        self.mask_buf, self.mask_indptr_buf = kw.get("custom_mask_buf"), kw.get("mask_indptr_buf")
+        self.packed = self.mask_indptr = None
 
     def _common(self, hq, hkv, d, page_size, window_left=-1, sm_scale=None,
                 logits_soft_cap=None, q_data_type=None, kv_data_type=None, custom_mask=None):
@@ -61,6 +68,10 @@ class _Wrapper:
             if self.mask is not None:
                 ok = self.mask[mask_off:mask_off + nq * nk].view(nq, nk)
                 mask_off += nq * nk
+            elif self.packed is not None:  # bits from byte mask_indptr[b], read at run time
+                e = torch.arange(nq * nk)
+                byte = self.packed.cpu()[int(self.mask_indptr.cpu()[b]) + e // 8].long()
+                ok = ((byte >> (e % 8)) & 1).bool().view(nq, nk)
             if self.window_left >= 0:  # FlashInfer: relative to the query's index in the list
                 ok = ok & (j + nq + self.window_left >= nk + i)
             s = s.masked_fill(~ok[None], -math.inf)
@@ -86,10 +97,23 @@ class _Decode(_Wrapper):
 
 class _Prefill(_Wrapper):
     def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size,
-             **kw) -> None:
+             packed_custom_mask=None, **kw) -> None:
         self.qo, self.kv, self.indices = qo_indptr.cpu(), kv_indptr.cpu(), indices.cpu()
         assert bool((last_page_len.cpu() == 1).all())
         self._common(hq, hkv, d, page_size, **kw)
+        self.packed = None
+        if packed_custom_mask is not None:
+            assert "custom_mask" not in kw and packed_custom_mask.dtype == torch.uint8
+            q = self.qo[1:] - self.qo[:-1]
+            k = self.kv[1:] - self.kv[:-1]
+            bits = torch.zeros(q.numel() + 1, dtype=torch.int32)
+            bits[1:] = torch.cumsum(q * k, 0)  # _compute_page_mask_indptr: bit counts
+            if self.graph:
+                self.mask_buf[:packed_custom_mask.numel()].copy_(packed_custom_mask)
+                self.mask_indptr_buf.copy_(bits)
+                self.packed, self.mask_indptr = self.mask_buf, self.mask_indptr_buf
+            else:
+                self.packed, self.mask_indptr = packed_custom_mask, bits
 
 
 def module() -> types.ModuleType:

@@ -98,6 +98,40 @@ def test_custom_mask_is_structure_and_window_by_position(fake) -> None:
     assert torch.equal(m, expect)
 
 
+@pytest.mark.parametrize("layout", ["bit_offsets", "dense"])
+def test_packed_mask_holds_the_bool_mask_at_each_layouts_offsets(fake, layout: str) -> None:
+    """The packed mask the adapter hands FlashInfer (no ``segment_packbits``, so no read-back):
+    request b's bits sit little-endian from byte ``off[b]``, and every element of every request's
+    block (trees, trimmed windows, requests of several sizes) equals `custom_mask`."""
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5"])
+    shapes = [(0, 13, 4, (-1, 0, 0, 1)), (1, 3, 3, None), (2, 20, 1, None), (3, 7, 5, (-1, -1, 0, 1, 3))]
+    for rid, ctx, _, _ in shapes:
+        world.open(rid)
+        world.forward("extend", [world.req(rid, 0, ctx)], [0])
+    for rid, ctx, n, parents in shapes:
+        world.slots.extend(rid, n)
+    batch = ForwardBatch.of("target_verify", [world.req(rid, ctx, n, parents=parents)
+                                              for rid, ctx, n, parents in shapes],
+                            world.slots.req_to_token.table, world.alloc.full_id)
+    t = world.backend.init_forward_metadata(batch).group(0).tables
+    want = fi.custom_mask(t, 5)
+    packed, off = fi.packed_custom_mask(t, 5, layout)
+    q = (t.qo_host[1:] - t.qo_host[:-1]).long()
+    k = (t.kv_host[1:] - t.kv_host[:-1]).long()
+    start = 0
+    for b in range(len(shapes)):
+        n = int(q[b] * k[b])
+        e = torch.arange(n)
+        got = (packed[int(off[b]) + e // 8].long() >> (e % 8)) & 1
+        assert torch.equal(got.bool(), want[start:start + n]), f"request {b}"
+        if layout == "dense":
+            assert int(off[b + 1] - off[b]) == (n + 7) // 8
+        else:
+            assert int(off[b + 1] - off[b]) == n
+        start += n
+    assert packed.numel() == int(off[-1]) and start == want.numel()
+
+
 def test_one_wrapper_plan_per_pass_per_forward(fake) -> None:
     """Host work once per forward: later layers of a group reuse the first layer's plan."""
     world, cfg = adapter_world("gemma4", 1, ["model.sliding_window=8"])
