@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-MODES = {"decode": 1, "verify_chain8": 8, "verify_tree8": 8}
+MODES = {"decode": 1, "verify_chain8": 8, "verify_tree8": 8, "draft_block8": 8}
+"""Step tokens per request of each mode. ``draft_block8`` is a DFlash draft step: 8 queries that
+see each other and the prefix (a ``draft_decode`` forward with a block mask)."""
 TREE8 = (-1, 0, 0, 1, 1, 2, 2, 3)
 LN2 = math.log(2.0)
 
@@ -88,8 +90,10 @@ def batch_of(mode: str, slots, alloc, bs: int, ctx: int):
 
     n = MODES[mode]
     parents = TREE8 if mode == "verify_tree8" else None
-    reqs = [ReqForward(r, slots.reqs[r].row, ctx, n, parents=parents) for r in range(bs)]
-    kind = "decode" if n == 1 else "target_verify"
+    block = mode == "draft_block8"
+    reqs = [ReqForward(r, slots.reqs[r].row, ctx, n, parents=parents, block=block)
+            for r in range(bs)]
+    kind = "decode" if n == 1 else "draft_decode" if block else "target_verify"
     return ForwardBatch.of(kind, reqs, slots.req_to_token.table, alloc.full_id)
 
 
@@ -247,18 +251,20 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
     lines = ["# The factory against raw FlashInfer (H200)", "",
              f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}, flashinfer "
              f"{meta['flashinfer']}; copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write). "
-             f"bf16, ctx {meta['ctx']}, every layer of the model.", "",
+             f"bf16, ctx {meta['ctx']} (a batch whose pools do not fit the GPU runs at the largest "
+             "power-of-two ctx that does: the ctx column), every layer of the model.", "",
              f"    {meta['command']}", "",
-             "| model | mode | bs | factory cycle ms | raw cycle ms | factory / raw | planning ms "
+             "| model | mode | bs | ctx | factory cycle ms | raw cycle ms | factory / raw | planning ms "
              "| floor ms | factory / floor | graph replay ms | replay / floor | graph cycle ms "
              "| K/V GB | max abs diff (eager, graph) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | error: {r['error'][:120]} "
-                         "| | | | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r.get('ctx', '')} | "
+                         f"error: {r['error'][:120]} | | | | | | | | | | |")
             continue
-        lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r['factory_ms']:.2f} | "
+        lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r['ctx']} | "
+                     f"{r['factory_ms']:.2f} | "
                      f"{r['raw_ms']:.2f} | {r['ratio']:.2f}× | {r['planning_ms']:.2f} | "
                      f"{r['floor_ms']:.2f} | {r['factory_vs_floor']:.2f}× | "
                      + (f"{r['replay_ms']:.2f} | {r['graph_vs_floor']:.2f}× | "
@@ -318,7 +324,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="gemma4,gpt_oss_20b")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--bs", default="1,8,64")
+    ap.add_argument("--bs", default="1,8,64,256")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds: no case starts later")
@@ -335,11 +341,22 @@ def main() -> int:
                 if time.perf_counter() - t0 > a.deadline:
                     rows.append(dict(model=model, mode=mode, bs=bs, error="not run: deadline"))
                     continue
-                try:
-                    r = one_case(model, mode, bs, a.ctx, do_bench, bw)
-                except Exception as exc:  # noqa: BLE001 - a case's failure is a row
-                    r = dict(model=model, mode=mode, bs=bs, error=f"{type(exc).__name__}: {exc}")
-                    torch.cuda.empty_cache()
+                ctx = a.ctx
+                while True:  # a batch whose pools do not fit runs at the largest ctx that does
+                    try:
+                        r = one_case(model, mode, bs, ctx, do_bench, bw)
+                    except torch.cuda.OutOfMemoryError as exc:
+                        torch.cuda.empty_cache()
+                        if ctx > 1024:
+                            ctx //= 2
+                            continue
+                        r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
+                                 error=f"OutOfMemoryError: {exc}")
+                    except Exception as exc:  # noqa: BLE001 - a case's failure is a row
+                        r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
+                                 error=f"{type(exc).__name__}: {exc}")
+                        torch.cuda.empty_cache()
+                    break
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -339,8 +339,9 @@ class AttentionBackend:
             raise ValueError(f"layer {layer_id}: k/v must be [{idx.shape[0]}, "
                              f"{k_buf.shape[1]}, {k_buf.shape[2]}], got {list(k.shape)} / "
                              f"{list(v.shape)}")
-        k_buf[idx] = k if k.dtype == k_buf.dtype else k.to(k_buf.dtype)
-        v_buf[idx] = v if v.dtype == v_buf.dtype else v.to(v_buf.dtype)
+        # index_copy_: one kernel, and less dispatch than ``k_buf[idx] = k`` (host-bound steps)
+        k_buf.index_copy_(0, idx, k if k.dtype == k_buf.dtype else k.to(k_buf.dtype))
+        v_buf.index_copy_(0, idx, v if v.dtype == v_buf.dtype else v.to(v_buf.dtype))
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the

@@ -217,7 +217,9 @@ def key_tables(p: dict, pack: Pack, flat_table: torch.Tensor, dtype: torch.dtype
     n, device = p["n"], flat_table.device
     x = torch.ones(2 * (n + 1), dtype=dtype, device=device)
     x.index_add_(0, pack.dev(p["idx"]), pack.dev(p["vals"]))
-    run = x.view(2, n + 1).cumsum_(1)
+    run = x.view(2, n + 1)
+    for row in run:  # two 1-D scans: a [2, n] scan along dim 1 runs one block per row on CUDA
+        torch.cumsum(row, 0, out=row)
     slots = flat_table.index_select(0, run[0, :n])
     mask = mask_indptr = None
     if p["mask"] is not None:
