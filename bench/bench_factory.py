@@ -24,6 +24,7 @@ planning time against batch size).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -343,19 +344,24 @@ def main() -> int:
                     continue
                 ctx = a.ctx
                 while True:  # a batch whose pools do not fit runs at the largest ctx that does
+                    oom = None
                     try:
                         r = one_case(model, mode, bs, ctx, do_bench, bw)
                     except torch.cuda.OutOfMemoryError as exc:
-                        torch.cuda.empty_cache()
-                        if ctx > 1024:
-                            ctx //= 2
-                            continue
-                        r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
-                                 error=f"OutOfMemoryError: {exc}")
+                        oom = str(exc).split(". ")[0]
                     except Exception as exc:  # noqa: BLE001 - a case's failure is a row
                         r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
                                  error=f"{type(exc).__name__}: {exc}")
-                        torch.cuda.empty_cache()
+                    # the failed case's frames are gone once its exception is: free them now
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    if oom is None:
+                        break
+                    if ctx > 1024:
+                        ctx //= 2
+                        continue
+                    r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
+                             error=f"does not fit one GPU even at ctx {ctx}: {oom}")
                     break
                 rows.append(r)
                 print(json.dumps(r), flush=True)
