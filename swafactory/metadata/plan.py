@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from swafactory.errors import SpaceError
@@ -140,8 +141,8 @@ def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]],
     groups and the forward's host numbers."""
     table, need_mask = batch.req_to_token, batch.needs_mask
     h, pack = HostBatch(batch, need_mask), Pack()
-    qo = torch.zeros(h.B + 1, dtype=torch.int64)
-    torch.cumsum(h.q_len + h.zeros, 0, out=qo[1:])
+    qo = np.zeros(h.B + 1, dtype=np.int64)
+    np.cumsum(h.q_len + h.zeros, out=qo[1:])
     q = h.queries  # (node, depth) of each query
     qo_h, q_pos = pack.add(qo, torch.int32), pack.add(q.at(h.pre) + q.j, torch.int32)
     w_at = pack.add(q.at(h.row_c + h.pre) + q.i, torch.int64) if writes else None
@@ -149,7 +150,7 @@ def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]],
     group_set = {}
     for key, (_, window) in groups.items():
         st = h.starts(window)
-        k = next((i for i, (s, _) in enumerate(sets) if s is st or torch.equal(s, st)), None)
+        k = next((i for i, (s, _) in enumerate(sets) if s is st or np.array_equal(s, st)), None)
         if k is None:
             k = len(sets)
             sets.append((st, key_pieces(h, st, pack)))
@@ -269,6 +270,7 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     skip = skip_spec_translation and batch.has_tree
     groups, h = _plan_vector(batch, keys, source, writes, skip)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
-        groups = {k: _split_cascade(g, h.kvn + h.zeros) for k, g in groups.items()}
+        kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
+        groups = {k: _split_cascade(g, kv_nodes) for k, g in groups.items()}
     return ForwardPlan(batch.mode, groups, layer_groups,
                        source.rule if source is not None else "none", h.total_q)

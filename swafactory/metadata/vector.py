@@ -3,13 +3,18 @@ by every layer group (`HostBatch`), shipped to the device in one copy (`Pack`), 
 list as one running sum over increments (`key_pieces` on the host, `key_tables` on the device):
 a few device ops per group whatever the batch size, none read back. `metadata.plan` assembles
 the tables from these pieces.
+
+The host arithmetic is numpy on ``[B]``-sized arrays: a torch op on a small CPU tensor costs
+3–7 µs of dispatch, a numpy op about 1 µs, and a forward makes about fifty of them. Only the
+packed buffer becomes a torch tensor (one copy to the device; its host view is what kernel
+libraries that plan on the host read).
 """
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from swafactory.metadata.batch import ForwardBatch, ReqForward, StepShape
@@ -32,27 +37,29 @@ class Pack:
 
     ``int32`` pieces are what the tables hold as int32 (indptrs, query positions): they need no
     cast on the device. ``int64`` pieces are indices. `add` returns a handle; after `ship`,
-    `host` and `dev` give the piece as a view of one buffer on either side."""
+    `host` and `dev` give the piece as a view of one buffer on either side (torch tensors)."""
 
     def __init__(self) -> None:
-        self._parts: dict[torch.dtype, list[torch.Tensor]] = {_I32: [], _I64: []}
+        self._parts: dict[torch.dtype, list[np.ndarray]] = {_I32: [], _I64: []}
         self._n = {_I32: 0, _I64: 0}
 
-    def add(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
-        """Queue ``t`` (host int64, any shape) to travel as ``dtype`` (int32 or int64)."""
+    def add(self, t: np.ndarray, dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
+        """Queue ``t`` (host integers, any shape) to travel as ``dtype`` (int32 or int64)."""
+        t = np.asarray(t).reshape(-1)
         at = self._n[dtype]
-        self._parts[dtype].append(t.reshape(-1))
-        self._n[dtype] += t.numel()
-        return dtype, at, at + t.numel()
+        self._parts[dtype].append(t)
+        self._n[dtype] += t.size
+        return dtype, at, at + t.size
 
     def ship(self, device: torch.device) -> None:
         """One host buffer, one copy; int32 pieces are cast once, together."""
         p32 = self._parts[_I32]
         if self._n[_I32] % 2:  # int32 pieces travel as int64 pairs
-            p32.append(torch.zeros(1, dtype=_I64))
+            p32.append(np.zeros(1, dtype=np.int64))
         k = (self._n[_I32] + 1) // 2
-        h32 = torch.cat(p32).to(_I32) if p32 else torch.empty(0, dtype=_I32)
-        host = torch.cat([h32.view(_I64), *self._parts[_I64]])
+        h32 = (np.concatenate(p32).astype(np.int32) if p32 else np.zeros(0, dtype=np.int32))
+        host = torch.from_numpy(np.concatenate([h32.view(np.int64), *self._parts[_I64]])
+                                .astype(np.int64, copy=False))
         dev = to_device(host, device)
         self._h = {_I32: host[:k].view(_I32), _I64: host[k:]}
         self._d = {_I32: dev[:k].view(_I32), _I64: dev[k:]}
@@ -68,29 +75,30 @@ class Pack:
 class _ShapeTables:
     """Per-node facts of one `StepShape` as host int64 tables, built once per shape."""
 
-    queries: torch.Tensor
+    queries: np.ndarray
     """[q_len, 2]: (node index, depth) of each query."""
-    fixes: torch.Tensor
+    fixes: np.ndarray
     """[f, 2]: (node, increment - 1) of each key node whose position is not the previous key's
     + 1 (tree nodes): positions are a running sum of increments."""
     last_fix: int
     """Sum of ``fixes[:, 1]``: the last key's position minus its slot index."""
-    holes: torch.Tensor
+    holes: np.ndarray
     """[h, 2]: (query row, node) of each node the query does not see (mask batches)."""
 
 
 @lru_cache(maxsize=4096)
 def _shape_tables(s: StepShape) -> _ShapeTables:
     d = s.depths
-    queries = torch.tensor([(i, d[i]) for i in range(s.query_from, s.nodes)], dtype=_I64)
+    queries = np.array([(i, d[i]) for i in range(s.query_from, s.nodes)],
+                       dtype=np.int64).reshape(-1, 2)
     inc = [d[0] + 1] + [d[i] - d[i - 1] for i in range(1, s.kv_nodes)] if s.kv_nodes else []
-    fixes = torch.tensor([(i, v - 1) for i, v in enumerate(inc) if v != 1],
-                         dtype=_I64).reshape(-1, 2)
+    fixes = np.array([(i, v - 1) for i, v in enumerate(inc) if v != 1],
+                     dtype=np.int64).reshape(-1, 2)
     sm = ReqForward(0, 0, 0, s.nodes, s.query_from, s.parents, s.block,
                     s.prefix_only).node_structure()
     if sm is None:  # a chain inside a masked batch: causal by node order
         sm = torch.ones(s.nodes, s.nodes, dtype=torch.bool).tril()[s.query_from:]
-    holes = torch.nonzero(~sm).to(_I64).reshape(-1, 2)
+    holes = np.argwhere(~sm.numpy()).astype(np.int64).reshape(-1, 2)
     return _ShapeTables(queries, fixes, int(fixes[:, 1].sum()), holes)
 
 
@@ -105,17 +113,17 @@ class _Items:
         if h.of is None:
             self.n, self.b, t = ts[0].shape[0] * h.B, None, ts[0]
         else:
-            sizes = torch.tensor([t.shape[0] for t in ts], dtype=_I64)
+            sizes = np.array([t.shape[0] for t in ts], dtype=np.int64)
             per_req = sizes[h.of]
-            self.b = torch.repeat_interleave(per_req)  # request of each item
-            self.n = self.b.numel()
-            first = torch.cumsum(sizes, 0) - sizes  # each shape's offset in the joined tables
-            t = torch.cat(ts)[torch.arange(self.n) - (torch.cumsum(per_req, 0) - per_req)[self.b]
-                              + first[h.of][self.b]]
+            self.b = np.repeat(np.arange(h.B), per_req)  # request of each item
+            self.n = self.b.size
+            first = np.cumsum(sizes) - sizes  # each shape's offset in the joined tables
+            t = np.concatenate(ts)[np.arange(self.n) - (np.cumsum(per_req) - per_req)[self.b]
+                                   + first[h.of][self.b]]
         self.i, self.j = t[:, 0], t[:, 1]
 
-    def at(self, col: int | torch.Tensor) -> int | torch.Tensor:
-        if not isinstance(col, torch.Tensor):
+    def at(self, col: int | np.ndarray) -> int | np.ndarray:
+        if not isinstance(col, np.ndarray):
             return col
         return col[:, None] if self.b is None else col[self.b]
 
@@ -133,16 +141,14 @@ class HostBatch:
             bad = next(r for r in reqs if not 0 <= r.row < table.shape[0])
             raise IndexError(f"request {bad.rid!r}: row {bad.row} is outside req_to_token's "
                              f"{table.shape[0]} rows")
-        buf = array("q", rows)  # an array fills a tensor at C speed; torch.tensor does not
-        buf.extend([r.prefix_len for r in reqs])
-        host = torch.frombuffer(buf, dtype=_I64)
-        self.row_c, self.pre = host[:B] * C, host[B:]
+        self.row_c = np.array(rows, dtype=np.int64) * C
+        self.pre = np.array([r.prefix_len for r in reqs], dtype=np.int64)
         self.shapes = batch.step_shapes
         self.tables = [_shape_tables(s) for s in self.shapes]
         self.of = None  # shape index of each request, when there are several
         if len(self.shapes) > 1:
             index = {s: k for k, s in enumerate(self.shapes)}
-            self.of = torch.tensor([index[r.step] for r in reqs], dtype=_I64)
+            self.of = np.array([index[r.step] for r in reqs], dtype=np.int64)
         self.q_len = self._col([s.nodes - s.query_from for s in self.shapes])
         self.kvn = self._col([s.kv_nodes for s in self.shapes])
         self.fqd = self._col([s.first_query_depth for s in self.shapes])
@@ -154,7 +160,7 @@ class HostBatch:
                              f"req_to_token holds {C} per row")
         self.max_q = max(s.nodes - s.query_from for s in self.shapes)
         self.total_q = B * self.q_len if self.of is None else int(self.q_len.sum())
-        self.zeros = torch.zeros(B, dtype=_I64)
+        self.zeros = np.zeros(B, dtype=np.int64)
         self.queries = _Items(self, lambda t: t.queries)
         fixes = _Items(self, lambda t: t.fixes)
         self.fixes = fixes if fixes.n else None
@@ -164,46 +170,46 @@ class HostBatch:
         # their position row is kv_pos as it is.
         self.idx_dtype = _I32 if table.numel() < 2**31 else _I64
 
-    def _col(self, per_shape: list[int]) -> int | torch.Tensor:
+    def _col(self, per_shape: list[int]) -> int | np.ndarray:
         """A per-request column: a plain int when every request has one shape."""
-        return per_shape[0] if self.of is None else torch.tensor(per_shape, dtype=_I64)[self.of]
+        return per_shape[0] if self.of is None else np.array(per_shape, dtype=np.int64)[self.of]
 
-    def starts(self, window: int | None) -> torch.Tensor:
+    def starts(self, window: int | None) -> np.ndarray:
         """[B] int64: each request's first key slot: ``first query position - W + 1``, never
         past its prefix (queries see the step's nodes from the prefix on)."""
         if window is None:
             return self.zeros
-        return torch.minimum((self.pre + self.fqd - (window - 1)).clamp_(min=0), self.pre)
+        return np.minimum(np.maximum(self.pre + self.fqd - (window - 1), 0), self.pre)
 
 
-def key_pieces(h: HostBatch, start: torch.Tensor, pack: Pack) -> dict:
+def key_pieces(h: HostBatch, start: np.ndarray, pack: Pack) -> dict:
     """Host numbers of one start set (one or more layer groups): indptrs, and the increments
     whose running sum gives every key's flat table index (row 0) and position (row 1)."""
     kvl = h.kv_end - start
-    kvptr = torch.zeros(h.B + 1, dtype=_I64)
-    torch.cumsum(kvl, 0, out=kvptr[1:])
+    kvptr = np.zeros(h.B + 1, dtype=np.int64)
+    np.cumsum(kvl, out=kvptr[1:])
     n = int(kvptr[-1])
-    first = torch.stack([h.row_c + start, start])  # [2, B]: first key's (flat index, position)
+    first = np.stack([h.row_c + start, start])  # [2, B]: first key's (flat index, position)
     ends = first + kvl
     if h.fixes is not None:
         ends[1] += h.last_fix
-    steps = first - torch.cat([torch.ones(2, 1, dtype=_I64), ends[:, :-1]], 1)
+    steps = first - np.concatenate([np.ones((2, 1), dtype=np.int64), ends[:, :-1]], 1)
     idx, vals = [kvptr[:-1], kvptr[:-1] + (n + 1)], [steps.reshape(-1)]
     if h.fixes is not None:  # tree nodes: a key node's position is prefix + depth
         f = h.fixes
         idx.append((f.at(kvptr[1:] - h.kvn + (n + 1)) + f.i).reshape(-1))
         vals.append((f.j + h.zeros[:, None] if f.b is None else f.j).reshape(-1))
-    out = dict(n=n, kv_host=pack.add(kvptr, _I32), idx=pack.add(torch.cat(idx), _I64),
-               vals=pack.add(torch.cat(vals), h.idx_dtype), mask=None)
+    out = dict(n=n, kv_host=pack.add(kvptr, _I32), idx=pack.add(np.concatenate(idx), _I64),
+               vals=pack.add(np.concatenate(vals), h.idx_dtype), mask=None)
     return out
 
 
-def mask_pieces(h: HostBatch, start: torch.Tensor, pack: Pack) -> tuple:
+def mask_pieces(h: HostBatch, start: np.ndarray, pack: Pack) -> tuple:
     """(elements, indptr handle, hidden elements handle or None) of one start set's mask:
     request b's [q_len, kv_len] block is all visible but for the structure's holes."""
     kvl = h.kv_end - start
-    mptr = torch.zeros(h.B + 1, dtype=_I64)
-    torch.cumsum(h.q_len * kvl, 0, out=mptr[1:])
+    mptr = np.zeros(h.B + 1, dtype=np.int64)
+    np.cumsum(h.q_len * kvl, out=mptr[1:])
     holes = None
     if h.holes is not None:  # a hidden node's element: row start + prefix keys + node
         o = h.holes
