@@ -32,7 +32,9 @@ packed its plan sets ``mask_indptr`` to the *bit* offsets ``sum q_len·kv_len``.
 request's bytes are placed at that offset (``layout="bit_offsets"``: as many bytes as mask
 elements, the gaps unused); a graph's buffers are packed densely and the adapter rewrites the
 ``mask_indptr`` buffer it owns with the byte offsets after each plan. Both are host-known: nothing
-is read back.
+is read back. Verified on 0.6.18 only: a FlashInfer whose plan hands packed masks byte offsets
+would misplace the eager layout's bits, and `tests/backends/test_gpu_vs_oracle.py -k flashinfer`
+(every masked mode against the oracle) is the check to run before moving past 0.6.x.
 
 Sinks are served by an exact epilogue on the returned LSE (``o · σ(lse - sink)``): FlashInfer
 0.6.18's FA2/FA3 paged runs accept ``sinks=`` but drop it (only trtllm-gen, SM100+, reads it).
