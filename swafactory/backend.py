@@ -23,7 +23,6 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
-from swafactory.layout import frozen_draft_binding
 from swafactory.graph_state import GraphState, bucket_writes, capture_plan
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata.plan import ForwardPlan, plan
@@ -32,6 +31,7 @@ from swafactory.registry.device import detect_device
 from swafactory.registry.select import validate
 from swafactory.registry.table import backend_module
 from swafactory.resolve import RunnerView, resolve_kv_source
+from swafactory.runner_windows import check_own_pool, model_windows, runner_windows
 
 __all__ = ["AttentionBackend", "build_backend", "TargetView", "model_windows", "runner_windows"]
 
@@ -48,73 +48,6 @@ class TargetView:
     def __post_init__(self) -> None:
         if self.allocator_pool is None:
             self.allocator_pool = self.active_pool
-
-
-def _windows(cfg: SwaFactoryConfig, layer_types) -> dict[int, int | None]:
-    w = cfg.model.sliding_window
-    if w is not None and cfg.faults.window_off_by_one:  # FAULT: sliding layers see W + 1 keys
-        w += 1
-    return {i: (w if t == "sliding_attention" else None) for i, t in enumerate(layer_types)}
-
-
-def model_windows(cfg: SwaFactoryConfig) -> dict[int, int | None]:
-    """The *target's* ``layer -> W`` for sliding layers, None for full ones (masking, not pool
-    choice). A draft's layers are keyed differently: see `runner_windows`.
-
-    The fault switch ``window_off_by_one`` makes sliding layers see W + 1 keys.
-    """
-    return _windows(cfg, cfg.model.layer_types)
-
-
-def runner_windows(cfg: SwaFactoryConfig, view: RunnerView) -> dict[int, int | None]:
-    """``layer -> W or None`` of the runner behind ``view``, from what its layers really read.
-
-    From the role and the config only (a FROZEN_KV view's active pool at build time is a dummy
-    the engine swaps):
-
-    * ``target``: the model's layer types (`model_windows`);
-    * ``draft_reads_target`` (FROZEN_KV): draft layer j takes the window of the target layer it
-      is bound to (`swafactory.layout.frozen_draft_binding`);
-    * ``draft_own_pool``: a split own pool (DFlash ``draft_pool_split`` on a split target) has the
-      target's last ``draft_num_layers`` layer types, as `kvcache.draft.build_draft_pool` builds
-      it; any other own pool is one full-attention pool (no window).
-
-    The fault switch ``window_off_by_one`` makes sliding layers see W + 1 keys.
-    """
-    m, s = cfg.model, cfg.spec
-    if view.role == "target":
-        return model_windows(cfg)
-    if view.role == "draft_reads_target":
-        target = model_windows(cfg)
-        return {j: target[t] for j, t in enumerate(frozen_draft_binding(cfg))}
-    if view.role == "draft_own_pool":
-        split = getattr(s, "draft_pool_split", False) and bool(m.swa_layers) and m.hybrid_pool
-        types = m.layer_types[-s.draft_num_layers:] if split else \
-            ("full_attention",) * s.draft_num_layers
-        return _windows(cfg, types)
-    raise ValueError(f"role must be target, draft_own_pool or draft_reads_target, "
-                     f"got {view.role!r}")
-
-
-def _check_own_pool(view: RunnerView, windows: Mapping[int, int | None]) -> None:
-    """A pool the runner owns (target, own-pool draft) must hold only derived layers, and a split
-    one must keep exactly its windowed layers in its SWA sub-pool: else the config describes
-    another runner than the engine built, and the windows would be wrong without an error."""
-    lmap = view.active_pool.layers_mapping
-    split = getattr(view.active_pool, "is_split", False)
-    bad = sorted(set(lmap) - set(windows)) or [
-        j for j, (sub, _) in sorted(lmap.items())
-        if split and (sub == "swa") != (windows[j] is not None)]
-    if bad:
-        derived = {j: windows.get(j) for j in sorted(windows)}
-        pool = {j: sub for j, (sub, _) in sorted(lmap.items())}
-        field = "spec.draft_pool_split" if view.role == "draft_own_pool" else "model.layer_types"
-        raise ConfigError([Reason(
-            "spec" if view.role == "draft_own_pool" else "model", field,
-            f"the {view.role} runner's pool holds layers {pool} but the config gives it windows "
-            f"{derived} (layers {bad} disagree)",
-            "build the pool from the same config (swafactory.kvcache.build_draft_pool), or pass "
-            "build_backend(..., windows=) explicitly", rule="windows")])
 
 
 class AttentionBackend:
@@ -409,5 +342,5 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
     if windows is None:
         windows = runner_windows(cfg, view)
         if view.role != "draft_reads_target":  # a FROZEN_KV view's pool is a dummy until swapped
-            _check_own_pool(view, windows)
+            check_own_pool(view, windows)
     return AttentionBackend(cfg, module.Adapter(), view, windows, guards)

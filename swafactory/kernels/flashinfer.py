@@ -89,21 +89,40 @@ def custom_mask(tables, window: int | None) -> torch.Tensor:
     causal by position. Built on the device in one vectorized pass: element e of block b is
     (i, j) = divmod(e - start_b, kv_len_b); only the host indptrs are read on the host.
     """
-    qo_h, kv_h = tables.qo_host, tables.kv_host  # the planner's host copies: nothing read back
-    q_lens, kv_lens = (qo_h[1:] - qo_h[:-1]).long(), (kv_h[1:] - kv_h[:-1]).long()
-    sizes = q_lens * kv_lens
-    starts = torch.cumsum(sizes, 0) - sizes
-    dev = tables.qo_indptr.device
-    B, total = q_lens.numel(), int(sizes.sum())
-    pack = torch.cat([sizes, starts, kv_lens, qo_h[:-1].long(), kv_h[:-1].long()])
-    pack = pack.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pack.to(dev)
-    sizes_d, starts_d, kvl_d, qo_d, kv_d = pack.view(5, B).unbind(0)
+    B, sizes, kv_lens, starts, heads = _blocks(tables)
+    dev, total = tables.qo_indptr.device, int(sizes.sum())
+    sizes_d, starts_d, kvl_d, qo_d, kv_d = _ship([sizes, starts, kv_lens, *heads], dev)
     b = torch.repeat_interleave(torch.arange(B, device=dev), sizes_d, output_size=total)
     o = torch.arange(total, device=dev) - starts_d[b]
-    i = torch.div(o, kvl_d[b], rounding_mode="floor")
-    qp = tables.q_pos.long()[qo_d[b] + i]
-    kp = tables.kv_pos.long()[kv_d[b] + o - i * kvl_d[b]]
-    vis = tables.mask.bool() if tables.mask is not None else qp >= kp
+    return _visible(tables, window, starts_d[b], o, kvl_d[b], qo_d[b], kv_d[b])
+
+
+def _blocks(tables):
+    """Host facts of each request's ``[q_len, kv_len]`` mask block, from the planner's host
+    indptrs (nothing read back): (B, sizes, kv_lens, first elements, (first query, first key))."""
+    qo_h, kv_h = tables.qo_host, tables.kv_host
+    q_lens, kv_lens = (qo_h[1:] - qo_h[:-1]).long(), (kv_h[1:] - kv_h[:-1]).long()
+    sizes = q_lens * kv_lens
+    return (q_lens.numel(), sizes, kv_lens, torch.cumsum(sizes, 0) - sizes,
+            (qo_h[:-1].long(), kv_h[:-1].long()))
+
+
+def _ship(cols: list[torch.Tensor], dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """Equal-length host int64 columns on ``dev`` in one asynchronous copy."""
+    pack = torch.cat(cols)
+    pack = pack.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pack.to(dev)
+    return pack.view(len(cols), -1).unbind(0)
+
+
+def _visible(tables, window: int | None, at, e, kvl, qo0, kv0) -> torch.Tensor:
+    """Visibility of element ``e`` (row-major) of a request's block whose first element is
+    ``at`` in the structure mask, with ``kvl`` keys per row, its first query ``qo0`` and first key
+    ``kv0``: ``structure & (q_pos - kv_pos < W)``, or causal by position without a structure mask.
+    Every argument but ``tables`` and ``window`` is a device tensor; they broadcast together."""
+    i = torch.div(e, kvl, rounding_mode="floor")
+    qp = tables.q_pos.long()[qo0 + i]
+    kp = tables.kv_pos.long()[kv0 + e - i * kvl]
+    vis = tables.mask.bool()[at + e] if tables.mask is not None else qp >= kp
     if window is not None:
         vis = vis & (qp - kp < window)
     return vis
@@ -124,21 +143,15 @@ def packed_custom_mask(tables, window: int | None,
     """
     if layout not in ("bit_offsets", "dense"):
         raise ValueError(f"layout must be 'bit_offsets' or 'dense', got {layout!r}")
-    qo_h, kv_h = tables.qo_host, tables.kv_host  # the planner's host copies: nothing read back
-    q_lens, kv_lens = (qo_h[1:] - qo_h[:-1]).long(), (kv_h[1:] - kv_h[:-1]).long()
-    sizes = q_lens * kv_lens
+    B, sizes, kv_lens, starts, heads = _blocks(tables)
     nbytes = (sizes + 7) // 8
-    starts = torch.cumsum(sizes, 0) - sizes  # each block's first element in the bool layout
     bstart = torch.cumsum(nbytes, 0) - nbytes  # each block's first useful byte, back to back
-    out_off = starts if layout == "bit_offsets" else bstart
-    off_h = torch.zeros(q_lens.numel() + 1, dtype=torch.int32)
+    off_h = torch.zeros(B + 1, dtype=torch.int32)  # host: its last entry sizes the buffer
     off_h[1:] = torch.cumsum(sizes if layout == "bit_offsets" else nbytes, 0)
-    dev = tables.qo_indptr.device
-    B, n = q_lens.numel(), int(nbytes.sum())
-    pack = torch.cat([nbytes, bstart, out_off, starts, sizes, kv_lens, qo_h[:-1].long(),
-                      kv_h[:-1].long()])
-    pack = pack.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pack.to(dev)
-    nb_d, bs_d, off_d, st_d, size_d, kvl_d, qo_d, kv_d = pack.view(8, B).unbind(0)
+    dev, n = tables.qo_indptr.device, int(nbytes.sum())
+    nb_d, bs_d, st_d, size_d, kvl_d, qo_d, kv_d = _ship(
+        [nbytes, bstart, starts, sizes, kv_lens, *heads], dev)
+    off_d = st_d if layout == "bit_offsets" else bs_d  # each block's first byte in the output
     out = torch.zeros(int(off_h[-1]), dtype=torch.uint8, device=dev)
     if n == 0:
         return out, off_h
@@ -147,13 +160,8 @@ def packed_custom_mask(tables, window: int | None,
     e = ob[:, None] * 8 + torch.arange(8, device=dev)  # [n, 8] element in its block
     valid = e < size_d[b][:, None]
     e = torch.minimum(e, (size_d[b] - 1)[:, None])  # past the block: any element, masked below
-    kvl = kvl_d[b][:, None]
-    i = torch.div(e, kvl, rounding_mode="floor")
-    qp = tables.q_pos.long()[qo_d[b][:, None] + i]
-    kp = tables.kv_pos.long()[kv_d[b][:, None] + e - i * kvl]
-    vis = tables.mask.bool()[st_d[b][:, None] + e] if tables.mask is not None else qp >= kp
-    if window is not None:
-        vis = vis & (qp - kp < window)
+    vis = _visible(tables, window, st_d[b][:, None], e, kvl_d[b][:, None], qo_d[b][:, None],
+                   kv_d[b][:, None])
     bits = (vis & valid).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=dev)
     out[off_d[b] + ob] = bits.sum(1, dtype=torch.uint8)
     return out, off_h
