@@ -149,23 +149,45 @@ class Raw:
         return sink_epilogue(o, lse, sinks, lse_scale=LN2)  # the same one-kernel epilogue
 
 
+def step_inputs(cfg, pool, total_q: int, seed: int = 1):
+    """Per layer q [total_q, Hq, D], k and v [total_q, Hkv, D] (bf16, on the GPU), and the sinks
+    [Hq] fp32 of a model that has them (else None)."""
+    m = cfg.model
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qs, ks, vs = [], [], []
+    for layer in range(m.num_layers):
+        sub = pool.sub_pool(layer)
+        qs.append(torch.randn(total_q, m.num_attention_heads, sub.head_dim, device="cuda",
+                              dtype=torch.bfloat16, generator=g))
+        ks.append(torch.randn(total_q, sub.num_kv_heads, sub.head_dim, device="cuda",
+                              dtype=torch.bfloat16, generator=g))
+        vs.append(torch.randn_like(ks[-1]))
+    sinks = (torch.randn(m.num_attention_heads, device="cuda") if m.attention_sinks else None)
+    return qs, ks, vs, sinks
+
+
+def host_ms(fn, n: int) -> float:
+    """Median wall ms of ``fn`` between two device synchronizations (its host work and the
+    device work it queued)."""
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
 def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> dict:
     nodes = MODES[mode]
     cfg, pool, alloc, slots, backend = setup(model, bs, ctx, nodes)
     m = cfg.model
     batch = batch_of(mode, slots, alloc, bs, ctx)
     plan = backend.init_forward_metadata(batch)
-    L, T = m.num_layers, batch.total_q
-    g = torch.Generator(device="cuda").manual_seed(1)
-    qs, ks, vs = [], [], []
-    for layer in range(L):
-        sub = pool.sub_pool(layer)
-        qs.append(torch.randn(T, m.num_attention_heads, sub.head_dim, device="cuda",
-                              dtype=torch.bfloat16, generator=g))
-        ks.append(torch.randn(T, sub.num_kv_heads, sub.head_dim, device="cuda",
-                              dtype=torch.bfloat16, generator=g))
-        vs.append(torch.randn_like(ks[-1]))
-    sinks = (torch.randn(m.num_attention_heads, device="cuda") if m.attention_sinks else None)
+    L = m.num_layers
+    qs, ks, vs, sinks = step_inputs(cfg, pool, batch.total_q)
 
     def factory():
         backend.init_forward_metadata(batch)
@@ -185,14 +207,7 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> d
     t_f = do_bench(factory, warmup=5, rep=40, return_mode="median")
     t_r = do_bench(raw_cycle, warmup=5, rep=40, return_mode="median")
     graph = graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench)
-    plans = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        backend.init_forward_metadata(batch)
-        torch.cuda.synchronize()
-        plans.append((time.perf_counter() - t0) * 1e3)
-    plans.sort()
+    planning = host_ms(lambda: backend.init_forward_metadata(batch), 10)
     kv_bytes = 0
     for key, gp in plan.groups.items():
         layers = [lay for lay, k in plan.layer_groups.items() if k == key]
@@ -203,7 +218,7 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> d
     del backend, pool, alloc, slots, raw, qs, ks, vs
     torch.cuda.empty_cache()
     return dict(model=model, mode=mode, bs=bs, ctx=ctx, layers=L, factory_ms=t_f, raw_ms=t_r,
-                ratio=t_f / t_r, planning_ms=plans[len(plans) // 2], floor_ms=floor,
+                ratio=t_f / t_r, planning_ms=planning, floor_ms=floor,
                 kv_gb=kv_bytes / 1e9, factory_vs_floor=t_f / floor, max_abs_diff=diff,
                 **graph, graph_vs_floor=graph.get("replay_ms", math.nan) / floor)
 

@@ -1,7 +1,9 @@
 """Where the host time of one forward goes on the GPU host: planning (ours, FlashInfer's plan)
 and the per-layer loop, factory against raw (issue 16's decode-cycle and planning lines).
 
-    python3 bench/probe_host_gpu.py OUT [model:bs ...]   (default gemma4:8 gemma4:64 gpt_oss_20b:8 gpt_oss_20b:64)
+    python3 bench/probe_host_gpu.py OUT [model:bs ...]
+
+(default cases: gemma4:8 gemma4:64 gpt_oss_20b:8 gpt_oss_20b:64)
 
 Prints, per case: init_forward_metadata (synchronized wall, median of 50), the planner alone
 (adapter.plan stubbed), adapter.plan alone, raw FlashInfer plan_all, the layer loop of factory
@@ -14,7 +16,6 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,18 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_factory import Raw, batch_of, setup  # noqa: E402
-
-
-def wall(fn, n=50) -> float:
-    ts = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+from bench_factory import Raw, batch_of, host_ms, setup, step_inputs  # noqa: E402
 
 
 def case(model: str, bs: int, ctx: int = 8192) -> dict:
@@ -43,27 +33,20 @@ def case(model: str, bs: int, ctx: int = 8192) -> dict:
     m = cfg.model
     batch = batch_of("decode", slots, alloc, bs, ctx)
     plan = backend.init_forward_metadata(batch)
-    L, T = m.num_layers, batch.total_q
-    qs, ks, vs = [], [], []
-    for layer in range(L):
-        sub = pool.sub_pool(layer)
-        qs.append(torch.randn(T, m.num_attention_heads, sub.head_dim, device="cuda",
-                              dtype=torch.bfloat16))
-        ks.append(torch.randn(T, sub.num_kv_heads, sub.head_dim, device="cuda",
-                              dtype=torch.bfloat16))
-        vs.append(torch.randn_like(ks[-1]))
-    sinks = torch.randn(m.num_attention_heads, device="cuda") if m.attention_sinks else None
+    L = m.num_layers
+    qs, ks, vs, sinks = step_inputs(cfg, pool, batch.total_q)
     raw = Raw(cfg, pool, plan, decode=True)
     raw.plan_all(m.num_attention_heads)
     out = dict(model=model, bs=bs)
-    out["init_forward_metadata_ms"] = wall(lambda: backend.init_forward_metadata(batch))
+    out["init_forward_metadata_ms"] = host_ms(lambda: backend.init_forward_metadata(batch), 50)
     fplan = backend.init_forward_metadata(batch)
     sigs = backend._sigs(backend._pool, fplan)
-    out["adapter_plan_ms"] = wall(lambda: backend.adapter.plan(fplan, backend._pool, sigs=sigs))
-    out["raw_plan_all_ms"] = wall(lambda: raw.plan_all(m.num_attention_heads))
+    out["adapter_plan_ms"] = host_ms(
+        lambda: backend.adapter.plan(fplan, backend._pool, sigs=sigs), 50)
+    out["raw_plan_all_ms"] = host_ms(lambda: raw.plan_all(m.num_attention_heads), 50)
     real = backend.adapter.plan
     backend.adapter.plan = lambda *a, **k: None
-    out["planner_only_ms"] = wall(lambda: backend.init_forward_metadata(batch))
+    out["planner_only_ms"] = host_ms(lambda: backend.init_forward_metadata(batch), 50)
     backend.adapter.plan = real
     backend.init_forward_metadata(batch)
 
