@@ -6,7 +6,8 @@ and the per-layer loop, factory against raw (issue 16's decode-cycle and plannin
 (default cases: gemma4:8 gemma4:64 gpt_oss_20b:8 gpt_oss_20b:64)
 
 Prints, per case: init_forward_metadata (synchronized wall, median of 50), the planner alone
-(adapter.plan stubbed), adapter.plan alone, raw FlashInfer plan_all, the layer loop of factory
+(adapter.plan stubbed; with the fused Triton key lists, and with torch ops),
+adapter.plan alone, raw FlashInfer plan_all, the layer loop of factory
 and raw without planning (do_bench medians), and a cProfile of init_forward_metadata (top 25 by
 cumulative time). Writes OUT/host-probe.json.
 """
@@ -47,6 +48,11 @@ def case(model: str, bs: int, ctx: int = 8192) -> dict:
     real = backend.adapter.plan
     backend.adapter.plan = lambda *a, **k: None
     out["planner_only_ms"] = host_ms(lambda: backend.init_forward_metadata(batch), 50)
+    from swafactory.metadata import keys_triton  # the key lists from torch ops instead
+    fused = keys_triton.available
+    keys_triton.available = lambda: False
+    out["planner_only_torch_keys_ms"] = host_ms(lambda: backend.init_forward_metadata(batch), 50)
+    keys_triton.available = fused
     backend.adapter.plan = real
     backend.init_forward_metadata(batch)
 
@@ -75,6 +81,7 @@ def case(model: str, bs: int, ctx: int = 8192) -> dict:
     pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(25)
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
     out["profile"] = s.getvalue()
     del backend, pool, alloc, slots, raw
     torch.cuda.empty_cache()
@@ -91,7 +98,7 @@ def main() -> None:
         r = case(model, int(bs))
         prof = r.pop("profile")
         print(json.dumps(r))
-        print(prof[-6000:])
+        print(prof[-1500:])
         r["profile"] = prof
         rows.append(r)
         (out_dir / "host-probe.json").write_text(json.dumps(rows, indent=1))

@@ -88,9 +88,10 @@ class KVSource:
     mapping: SlotMapping
     rule: str
 
-    def translate(self, locs: Locs) -> Locs:
-        """Full-space ``locs`` → SWA-space slots of this source's pool."""
-        return translate(locs, self.mapping, self.pool)
+    def translate(self, locs: Locs, values=None) -> Locs:
+        """Full-space ``locs`` → SWA-space slots of this source's pool (``values``: the same
+        gather already done by a fused kernel, checked and wrapped; see `translate`)."""
+        return translate(locs, self.mapping, self.pool, values=values)
 
 
 def _split(pool: KVPoolLike | None) -> bool:

@@ -109,8 +109,13 @@ def _reference(batch: ForwardBatch, window, need_mask: bool):
     return [torch.cat(x) if x else None for x in out]
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("seed", range(6))
-def test_tables_equal_a_per_request_reference_for_mixed_batches(seed: int) -> None:
+def test_tables_equal_a_per_request_reference_for_mixed_batches(seed: int, impl: str) -> None:
+    """Both ways of building the key lists: torch ops (CPU, and GPUs without triton) and the
+    fused Triton kernel (GPUs; here under the interpreter)."""
+    if impl == "triton":
+        pytest.importorskip("triton")
     rng = random.Random(seed)
     P = rng.choice([1, 4])
     alloc, pool, slots = _world(10, 50, 8, P, seed)
@@ -127,7 +132,7 @@ def test_tables_equal_a_per_request_reference_for_mixed_batches(seed: int) -> No
     batch = ForwardBatch.of("target_verify", reqs, slots.req_to_token.table, alloc.full_id)
     windows = {0: rng.choice([1, 5, 20]), 1: None, 2: 1000}
     source = KVSource(pool, alloc.mapping, "test")
-    fp = plan(batch, LAYERS, windows, source)
+    fp = plan(batch, LAYERS, windows, source, impl=impl)
     for layer in LAYERS:
         g = fp.group(layer)
         slots_, kv_pos, q_pos, writes, mask = _reference(batch, windows[layer], batch.needs_mask)
@@ -137,6 +142,10 @@ def test_tables_equal_a_per_request_reference_for_mixed_batches(seed: int) -> No
         assert torch.equal(t.kv_indices.tensor, slots_) and torch.equal(t.kv_pos, kv_pos)
         assert torch.equal(t.q_pos, q_pos) and torch.equal(g.write_locs.tensor, writes)
         assert torch.equal(t.kv_host, t.kv_indptr) and int(t.kv_host[-1]) == len(slots_)
+        if impl == "triton":  # the kernel writes the int32 rows FlashInfer indexes with too
+            assert torch.equal(t.kv_indices_i32, slots_.to(torch.int32))
+        else:
+            assert t.kv_indices_i32 is None
         assert (t.mask is None) == (mask is None)
         if mask is not None:
             assert torch.equal(t.mask, mask) and int(t.mask_indptr[-1]) == mask.numel()

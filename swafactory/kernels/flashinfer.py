@@ -254,7 +254,8 @@ class Adapter:
         if decode and t.mask is not None:
             raise ValueError("a 1-token graph bucket runs FlashInfer's decode kernel, which takes "
                              "no structure mask: capture tokens >= 2 for masked batches")
-        indices = t.kv_indices.tensor.to(torch.int32)
+        indices = (t.kv_indices_i32 if t.kv_indices_i32 is not None  # the planner's int32 rows
+                   else t.kv_indices.tensor.to(torch.int32))
         mask = mask_off = None
         if not decode:
             mask, mask_off = packed_custom_mask(t, window, "bit_offsets" if graph is None

@@ -150,7 +150,7 @@ def _swa_index_space(pool: _SwaTarget) -> str:
 
 def translate(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget, *,
               impl: Literal["auto", "torch", "triton"] = "auto",
-              dtype: torch.dtype = torch.int64) -> Locs:
+              dtype: torch.dtype = torch.int64, values: torch.Tensor | None = None) -> Locs:
     """Full-space slots → SWA-space slots of ``pool``: ``mapping.table[locs.tensor]``.
 
     ``locs``: full-space slot ids, any shape, int32/int64. ``mapping``: a `SlotMapping` or
@@ -160,8 +160,16 @@ def translate(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget, 
     the mapping translates to 0 (the dummy slot), in both implementations, so a kernel never
     faults; in check mode the dummy slot holds NaN, which makes such a read visible.
     ``impl="auto"`` uses the Triton kernel on CUDA tensors when triton imports, else torch.
+    ``values``: ``mapping.table[locs.tensor]`` as already gathered by a kernel that fuses the
+    gather with its own work (the planner's key lists), same shape, int32/int64: the spaces are
+    checked as for any translation and the values wrapped, not gathered again.
     """
     m, swa_id = _check(locs, mapping, pool)
+    if values is not None:
+        if values.shape != locs.tensor.shape:
+            raise ValueError(f"values of shape {list(values.shape)} cannot be the translation "
+                             f"of locations of shape {list(locs.tensor.shape)}")
+        return Locs("swa", swa_id, values, 1, _TRANSLATED)
     return Locs("swa", swa_id, _gather(locs.tensor, m.table, 1, impl, dtype), 1, _TRANSLATED)
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -22,8 +24,9 @@ import torch
 from swafactory.errors import SpaceError
 from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
+from swafactory.metadata import keys_triton
 from swafactory.metadata.vector import (HostBatch, Pack, key_pieces, key_tables, mask_pieces,
-                                        to_device)
+                                        mask_tables, to_device)
 
 __all__ = ["AttnTables", "GroupPlan", "ForwardPlan", "PassCache", "plan", "group_key"]
 
@@ -53,6 +56,9 @@ class AttnTables:
     nothing is read back."""
     kv_host: torch.Tensor | None = None
     """[B+1] int32 on the host: ``kv_indptr``, likewise."""
+    kv_indices_i32: torch.Tensor | None = None
+    """[total_kv] int32: ``kv_indices``' rows as int32, when the planner wrote them (its fused
+    GPU kernel does): kernels that index with int32 take them instead of casting."""
 
     @property
     def batch_size(self) -> int:
@@ -134,51 +140,80 @@ def group_key(sub_pool: str, window: int | None) -> str:
 
 
 def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]], source,
-                 writes: bool, skip_translation: bool) -> tuple[dict[str, GroupPlan], HostBatch]:
+                 writes: bool, skip_translation: bool,
+                 impl: str) -> tuple[dict[str, GroupPlan], HostBatch]:
     """Every group's tables, vectorized over requests. The per-request host numbers of all
     groups travel in one host→device copy; groups with the same window starts share one key
     list (e.g. an SWA window longer than every context); nothing is read back. Returns the
     groups and the forward's host numbers."""
     table, need_mask = batch.req_to_token, batch.needs_mask
     h, pack = HostBatch(batch, need_mask), Pack()
+    fused = impl == "triton" or (impl == "auto" and table.is_cuda and keys_triton.available())
     qo = np.zeros(h.B + 1, dtype=np.int64)
     np.cumsum(h.q_len + h.zeros, out=qo[1:])
     q = h.queries  # (node, depth) of each query
     qo_h, q_pos = pack.add(qo, torch.int32), pack.add(q.at(h.pre) + q.j, torch.int32)
     w_at = pack.add(q.at(h.row_c + h.pre) + q.i, torch.int64) if writes else None
-    sets: list[tuple[torch.Tensor, dict]] = []  # distinct start sets, first seen first
+    sets: list[tuple[np.ndarray, dict]] = []  # distinct start sets, first seen first
     group_set = {}
     for key, (_, window) in groups.items():
         st = h.starts(window)
         k = next((i for i, (s, _) in enumerate(sets) if s is st or np.array_equal(s, st)), None)
         if k is None:
             k = len(sets)
-            sets.append((st, key_pieces(h, st, pack)))
+            sets.append((st, key_pieces(h, st, pack, running=not fused)))
             if need_mask:
                 sets[k][1]["mask"] = mask_pieces(h, st, pack)
         group_set[key] = k
+    swa = {k for k, (sub, _) in groups.items() if sub == "swa" and not skip_translation}
+    job = None
+    if fused:  # translate where an SWA group reads a list (and its writes), in the same launch
+        tr = [source is not None and any(group_set[k] == i for k in swa) for i in range(len(sets))]
+        job = keys_triton.fused_key_job(h, [p for _, p in sets], tr, pack, w_at, any(tr))
     pack.ship(table.device)
     flat = table.view(-1) if table.is_contiguous() else table.reshape(-1)
-    built = [key_tables(p, pack, flat, h.idx_dtype) for _, p in sets]
-    w_full = flat.index_select(0, pack.dev(w_at)).long() if writes else None
+    computed: dict[int, torch.Tensor] = {}  # id of a full-slot tensor → its SWA slots
+    if job is not None:
+        keys_triton.run_fused(job, pack, flat, source.mapping.table if any(job.translate)
+                              else None)
+        built = [(job.full64[i], job.pos[i], *mask_tables(p, pack, flat.device))
+                 for i, (_, p) in enumerate(sets)]
+        w_full = job.w64
+        for i, t in enumerate(job.swa64):
+            if t is not None:
+                computed[id(job.full64[i])] = t
+        if job.wswa64 is not None:
+            computed[id(w_full)] = job.wswa64
+    else:
+        built = [key_tables(p, pack, flat, h.idx_dtype) for _, p in sets]
+        w_full = flat.index_select(0, pack.dev(w_at)).long() if writes else None
     memo: dict[int, Locs] = {}  # one translation per full-slot tensor
     out = {}
     for key, (sub, window) in groups.items():
-        p, (slots, kv_pos, mask, mask_indptr) = sets[group_set[key]][1], built[group_set[key]]
-        kv, w = _space(key, sub, source, skip_translation, batch.full_id, slots, w_full, memo)
+        i = group_set[key]
+        p, (slots, kv_pos, mask, mask_indptr) = sets[i][1], built[i]
+        kv, w = _space(key, sub, source, skip_translation, batch.full_id, slots, w_full, memo,
+                       computed)
+        i32 = None
+        if job is not None:  # the kernel wrote the list's int32 rows in the group's space too
+            i32 = job.full32[i] if kv.space == "full" else job.swa32[i]
         t = AttnTables(pack.dev(qo_h), pack.dev(p["kv_host"]), kv, pack.dev(q_pos), kv_pos,
-                       mask, mask_indptr, h.max_q, pack.host(qo_h), pack.host(p["kv_host"]))
+                       mask, mask_indptr, h.max_q, pack.host(qo_h), pack.host(p["kv_host"]),
+                       i32)
         out[key] = GroupPlan(key, sub, window, t, None, w)
     return out, h
 
 
 def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str,
            slots: torch.Tensor, writes: torch.Tensor | None,
-           memo: dict[int, Locs] | None = None) -> tuple[Locs, Locs | None]:
+           memo: dict[int, Locs] | None = None,
+           computed: dict[int, torch.Tensor] | None = None) -> tuple[Locs, Locs | None]:
     """Full slots → the group's index space: translated once, here, for an SWA group.
 
     slots: [n] int64 full slots; writes: [total_q] int64 or None. ``memo`` (id of a full-slot
-    tensor → its translation) lets groups that share a key list share its translation."""
+    tensor → its translation) lets groups that share a key list share its translation;
+    ``computed`` (id of a full-slot tensor → SWA slots) holds what the fused kernel already
+    gathered, which `translate` checks and wraps instead of gathering again."""
     full_kv = Locs("full", full_id, slots)
     full_w = Locs("full", full_id, writes) if writes is not None else None
     if sub_pool != "swa" or skip_translation:
@@ -190,7 +225,8 @@ def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str
 
     def tr(locs: Locs) -> Locs:
         if id(locs.tensor) not in memo:
-            memo[id(locs.tensor)] = source.translate(locs)
+            memo[id(locs.tensor)] = source.translate(
+                locs, values=(computed or {}).get(id(locs.tensor)))
         return memo[id(locs.tensor)]
     return tr(full_kv), (tr(full_w) if full_w is not None else None)
 
@@ -248,9 +284,24 @@ def _split_cascade(g: GroupPlan, kv_nodes: torch.Tensor) -> GroupPlan:
     return replace(g, cascade=(prefix, expand))
 
 
+@lru_cache(maxsize=64)
+def _layer_groups(mapping: tuple, windows: tuple) -> tuple[dict, Mapping[int, str]]:
+    """(group key → (sub-pool, window), layer → group key) of a pool's layers: the same for
+    every forward of a runner, so built once (a model has dozens of layers)."""
+    wins = dict(windows)
+    keys: dict[str, tuple[str, int | None]] = {}
+    layer_groups: dict[int, str] = {}
+    for layer, (sub, _) in sorted(mapping):
+        k = group_key(sub, wins[layer])
+        keys[k] = (sub, wins[layer])
+        layer_groups[layer] = k
+    return keys, MappingProxyType(layer_groups)
+
+
 def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          windows: Mapping[int, int | None], source, *, cascade: bool = False,
-         writes: bool = True, skip_spec_translation: bool = False) -> ForwardPlan:
+         writes: bool = True, skip_spec_translation: bool = False,
+         impl: str = "auto") -> ForwardPlan:
     """Plan one forward.
 
     layers_mapping: the *active* pool's ``layer -> (sub_pool, local_id)`` (physical, after any
@@ -259,16 +310,16 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     prefix/expand tables for tree forwards. writes: False for a runner that writes no KV
     (FROZEN_KV drafts). skip_spec_translation is the fault-injection switch that reproduces
     FA3 + EAGLE3 (sglang #24402): tree forwards keep SWA tables in full space. Only the harness
-    sets it; the typed index spaces then refuse the tables.
+    sets it; the typed index spaces then refuse the tables. impl: how the key lists are built:
+    ``torch`` (a running sum and a gather per list), ``triton`` (every list, its translation
+    and the write slots in one launch: `keys_triton`), ``auto`` (triton on CUDA tables).
     """
-    keys: dict[str, tuple[str, int | None]] = {}
-    layer_groups: dict[int, str] = {}
-    for layer, (sub, _) in sorted(layers_mapping.items()):
-        k = group_key(sub, windows[layer])
-        keys[k] = (sub, windows[layer])
-        layer_groups[layer] = k
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    keys, layer_groups = _layer_groups(tuple(layers_mapping.items()),
+                                       tuple((j, windows[j]) for j in layers_mapping))
     skip = skip_spec_translation and batch.has_tree
-    groups, h = _plan_vector(batch, keys, source, writes, skip)
+    groups, h = _plan_vector(batch, keys, source, writes, skip, impl)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
         groups = {k: _split_cascade(g, kv_nodes) for k, g in groups.items()}

@@ -19,7 +19,8 @@ import torch
 
 from swafactory.metadata.batch import ForwardBatch, ReqForward, StepShape
 
-__all__ = ["Pack", "HostBatch", "key_pieces", "mask_pieces", "key_tables", "to_device"]
+__all__ = ["Pack", "HostBatch", "key_pieces", "mask_pieces", "key_tables", "mask_tables",
+           "to_device"]
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -60,9 +61,20 @@ class Pack:
         h32 = (np.concatenate(p32).astype(np.int32) if p32 else np.zeros(0, dtype=np.int32))
         host = torch.from_numpy(np.concatenate([h32.view(np.int64), *self._parts[_I64]])
                                 .astype(np.int64, copy=False))
-        dev = to_device(host, device)
+        if device.type == "cuda":  # the host views stay pinned: a kernel library copying
+            host = host.pin_memory()  # them to the device (FlashInfer's plan) copies async
+            dev = host.to(device, non_blocking=True)
+        else:
+            dev = host.to(device)
         self._h = {_I32: host[:k].view(_I32), _I64: host[k:]}
         self._d = {_I32: dev[:k].view(_I32), _I64: dev[k:]}
+        self._words = (dev, dev.view(_I32), k)
+
+    def words(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(the shipped buffer as int64 words, as int32 words, k): int32 piece ``(_, a, b)`` is
+        int32 words a..b; int64 piece ``(_, a, b)`` is int64 words k+a..k+b (a kernel reads
+        every piece through two pointers)."""
+        return self._words
 
     def host(self, h: tuple[torch.dtype, int, int]) -> torch.Tensor:
         return self._h[h[0]][h[1]:h[2]]
@@ -182,13 +194,17 @@ class HostBatch:
         return np.minimum(np.maximum(self.pre + self.fqd - (window - 1), 0), self.pre)
 
 
-def key_pieces(h: HostBatch, start: np.ndarray, pack: Pack) -> dict:
-    """Host numbers of one start set (one or more layer groups): indptrs, and the increments
-    whose running sum gives every key's flat table index (row 0) and position (row 1)."""
+def key_pieces(h: HostBatch, start: np.ndarray, pack: Pack, running: bool = True) -> dict:
+    """Host numbers of one start set (one or more layer groups): indptrs, and (``running``) the
+    increments whose running sum gives every key's flat table index (row 0) and position
+    (row 1). Without ``running``, the fused kernel (`keys_triton`) computes keys from
+    ``start``."""
     kvl = h.kv_end - start
     kvptr = np.zeros(h.B + 1, dtype=np.int64)
     np.cumsum(kvl, out=kvptr[1:])
     n = int(kvptr[-1])
+    if not running:
+        return dict(n=n, kv_host=pack.add(kvptr, _I32), start=start, mask=None)
     first = np.stack([h.row_c + start, start])  # [2, B]: first key's (flat index, position)
     ends = first + kvl
     if h.fixes is not None:
@@ -199,9 +215,8 @@ def key_pieces(h: HostBatch, start: np.ndarray, pack: Pack) -> dict:
         f = h.fixes
         idx.append((f.at(kvptr[1:] - h.kvn + (n + 1)) + f.i).reshape(-1))
         vals.append((f.j + h.zeros[:, None] if f.b is None else f.j).reshape(-1))
-    out = dict(n=n, kv_host=pack.add(kvptr, _I32), idx=pack.add(np.concatenate(idx), _I64),
-               vals=pack.add(np.concatenate(vals), h.idx_dtype), mask=None)
-    return out
+    return dict(n=n, kv_host=pack.add(kvptr, _I32), idx=pack.add(np.concatenate(idx), _I64),
+                vals=pack.add(np.concatenate(vals), h.idx_dtype), start=start, mask=None)
 
 
 def mask_pieces(h: HostBatch, start: np.ndarray, pack: Pack) -> tuple:
@@ -227,11 +242,16 @@ def key_tables(p: dict, pack: Pack, flat_table: torch.Tensor, dtype: torch.dtype
     for row in run:  # two 1-D scans: a [2, n] scan along dim 1 runs one block per row on CUDA
         torch.cumsum(row, 0, out=row)
     slots = flat_table.index_select(0, run[0, :n])
-    mask = mask_indptr = None
-    if p["mask"] is not None:
-        total, mptr, holes = p["mask"]
-        mask = torch.ones(total, dtype=torch.bool, device=device)  # prefix keys: all visible
-        if holes is not None:
-            mask.index_fill_(0, pack.dev(holes), False)
-        mask_indptr = pack.dev(mptr)
-    return slots.long(), run[1, :n].to(_I32), mask, mask_indptr
+    return (slots.long(), run[1, :n].to(_I32), *mask_tables(p, pack, device))
+
+
+def mask_tables(p: dict, pack: Pack, device: torch.device):
+    """(mask, mask_indptr) of one start set on the device, or (None, None): every element
+    visible (prefix keys) but the structure's holes."""
+    if p["mask"] is None:
+        return None, None
+    total, mptr, holes = p["mask"]
+    mask = torch.ones(total, dtype=torch.bool, device=device)
+    if holes is not None:
+        mask.index_fill_(0, pack.dev(holes), False)
+    return mask, pack.dev(mptr)

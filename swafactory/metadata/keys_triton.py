@@ -1,0 +1,214 @@
+"""Every key list of a forward in one Triton launch: slots, positions, translation, write slots.
+
+`metadata.vector.key_tables` builds one start set's key list from torch ops (a running sum, a
+gather, casts: seven device ops per set, plus a translation launch per SWA list and two ops for
+the write slots). On a GPU each op costs a launch of host time (5–15 µs), which is most of a
+decode forward's planning. Here one program per (request, key chunk, list) computes its keys
+directly from the request's host numbers:
+
+    key o of request b in a list starting at slot ``start``:
+        flat index  row_c + start + o                  (the step's nodes follow the prefix)
+        position    start + o            for a prefix key (o < pre - start)
+                    pre + depth[node]    for node ``o - (pre - start)`` of the step
+        slot        req_to_token.flat[flat index]        (full space)
+        swa slot    mapping[slot], 0 outside it          (only lists an SWA group reads)
+
+and writes them as int64 (the typed `Locs`), int32 (what FlashInfer and our kernels index with)
+and the int32 positions. The last list axis is the write slots: ``flat[w_at]`` and their
+translation. The per-request numbers travel in the planner's one host→device copy (`Pack`);
+a directory in it says where each list's pieces and outputs are, so the launch takes a fixed
+number of arguments whatever the number of lists. Nothing is read back.
+
+The CPU path keeps `key_tables` (the interpreter is slow); tests run this kernel under
+``TRITON_INTERPRET=1`` against it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["BLOCK", "FusedKeys", "available", "fused_key_job", "run_fused"]
+
+BLOCK = 1024  # keys per program: the kernel is a gather, the block only amortises its setup
+_I32, _I64 = torch.int32, torch.int64
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    del interpret  # cache key only: triton.jit reads TRITON_INTERPRET when decorating
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["map_len", "K64", "dir_at", "S", "rowc_at", "pre_at",
+                                   "depoff_at", "dep_at", "w_at", "total_q", "wfull_at", "wtr_at"])
+    def build_keys(p64, p32, table, mapping, map_len, out64, out32, K64, dir_at, S, rowc_at,
+                   pre_at, depoff_at, dep_at, w_at, total_q, wfull_at, wtr_at,
+                   BLOCK: tl.constexpr):
+        # p64 / p32: the shipped pack as int64 / int32 words; its int32 pieces come first, its
+        # int64 pieces from word K64 on (every *_at of an int64 piece is relative to K64)
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        s = tl.program_id(2)
+        o = c * BLOCK + tl.arange(0, BLOCK)
+        p64 += K64
+        if s < S:
+            d = p64 + dir_at + s * 8
+            kvp = tl.load(d)
+            base = tl.load(p32 + kvp + b)
+            n = tl.load(p32 + kvp + b + 1) - base
+            live = o < n
+            st = tl.load(p64 + tl.load(d + 1) + b)
+            pre = tl.load(p64 + pre_at + b)
+            flat = tl.load(p64 + rowc_at + b) + st + o
+            slot = tl.load(table + flat, mask=live, other=0).to(tl.int64)
+            node = o - (pre - st)
+            is_node = live & (node >= 0)
+            dep = tl.load(p32 + dep_at + tl.load(p64 + depoff_at + b) + node, mask=is_node,
+                          other=0)
+            pos = tl.where(is_node, pre + dep, st + o)
+            k = base + o
+            tl.store(out64 + tl.load(d + 2) + k, slot, mask=live)
+            tl.store(out32 + tl.load(d + 4) + k, slot.to(tl.int32), mask=live)
+            tl.store(out32 + tl.load(d + 6) + k, pos.to(tl.int32), mask=live)
+            tr64 = tl.load(d + 3)
+            if tr64 >= 0:  # an SWA group reads this list: translate once, here
+                inside = (slot >= 0) & (slot < map_len)
+                sw = tl.load(mapping + slot, mask=live & inside, other=0)
+                tl.store(out64 + tr64 + k, sw, mask=live)
+                tl.store(out32 + tl.load(d + 5) + k, sw.to(tl.int32), mask=live)
+        else:  # the write slots, spread over the (request, chunk) programs
+            i = (b * tl.num_programs(1) + c) * BLOCK + tl.arange(0, BLOCK)
+            live = i < total_q
+            slot = tl.load(table + tl.load(p64 + w_at + i, mask=live, other=0), mask=live,
+                           other=0).to(tl.int64)
+            tl.store(out64 + wfull_at + i, slot, mask=live)
+            if wtr_at >= 0:
+                inside = (slot >= 0) & (slot < map_len)
+                sw = tl.load(mapping + slot, mask=live & inside, other=0)
+                tl.store(out64 + wtr_at + i, sw, mask=live)
+
+    return build_keys
+
+
+@dataclass
+class FusedKeys:
+    """One forward's fused job: where each list's outputs sit, filled by `run_fused`.
+
+    Per list s: ``full64[s]`` [n] int64 full slots, ``full32[s]`` the same as int32, ``pos[s]``
+    [n] int32 positions, and where the list is translated ``swa64[s]`` / ``swa32[s]``. ``w64``
+    / ``wswa64``: [total_q] int64 write slots (full, translated)."""
+
+    ns: list[int]
+    translate: list[bool]
+    write: bool
+    write_translate: bool
+    total_q: int
+    grid: tuple[int, int, int]
+    handles: dict
+    n64: int = 0
+    n32: int = 0
+    full64: list = None
+    full32: list = None
+    pos: list = None
+    swa64: list = None
+    swa32: list = None
+    w64: torch.Tensor | None = None
+    wswa64: torch.Tensor | None = None
+
+
+def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
+                  write_translate: bool) -> FusedKeys:
+    """Queue the kernel's host numbers in ``pack`` (before it ships): the per-request columns,
+    each list's start, the step shapes' node depths, and the directory.
+
+    h: the forward's `HostBatch`; sets: `key_pieces` of each list (``n``, ``kv_host``,
+    ``start``); translate: per list, whether an SWA group reads it; w_at: the write slots' flat
+    indices (a `Pack` handle) or None."""
+    S = len(sets)
+    depths, off = [], []
+    for sh in h.shapes:  # each shape's key nodes, by the shape's order in `h.of`
+        off.append(sum(len(x) for x in depths))
+        depths.append(np.asarray(sh.depths[:sh.kv_nodes], dtype=np.int64))
+    dep = np.concatenate(depths + [np.zeros(1, dtype=np.int64)])
+    depoff = (h.zeros if h.of is None else np.asarray(off, dtype=np.int64)[h.of])
+    hd = dict(rowc=pack.add(h.row_c, _I64), pre=pack.add(h.pre, _I64),
+              depoff=pack.add(depoff + h.zeros, _I64), dep=pack.add(dep, _I32),
+              starts=[pack.add(p["start"], _I64) for p in sets])
+    ns = [p["n"] for p in sets]
+    # outputs: int64 full (and swa) per list, then the writes; int32 full (and swa) and pos
+    n64 = n32 = 0
+    dirs = []
+    for s, p in enumerate(sets):
+        f64, n64 = n64, n64 + ns[s]
+        t64 = -1
+        if translate[s]:
+            t64, n64 = n64, n64 + ns[s]
+        f32, n32 = n32, n32 + ns[s]
+        t32 = -1
+        if translate[s]:
+            t32, n32 = n32, n32 + ns[s]
+        pos, n32 = n32, n32 + ns[s]
+        dirs.append([p["kv_host"][1], hd["starts"][s][1], f64, t64, f32, t32, pos, 0])
+    total_q = h.total_q if w_at is not None else 0
+    wfull = wtr = -1
+    if w_at is not None:
+        wfull, n64 = n64, n64 + total_q
+        if write_translate:
+            wtr, n64 = n64, n64 + total_q
+    hd["dir"] = pack.add(np.asarray(dirs, dtype=np.int64).reshape(-1), _I64)
+    hd["w_at"], hd["wfull"], hd["wtr"] = w_at, wfull, wtr
+    longest = max([int((h.kv_end - p["start"]).max()) for p in sets] + [h.max_q, 1])
+    grid = (h.B, -(-longest // BLOCK), S + (w_at is not None))
+    return FusedKeys(ns, list(translate), w_at is not None, write_translate, total_q, grid, hd,
+                     n64, n32)
+
+
+def run_fused(job: FusedKeys, pack, flat_table: torch.Tensor,
+              mapping: torch.Tensor | None) -> FusedKeys:
+    """Launch the job (after ``pack`` shipped) and fill its output views.
+
+    flat_table: ``req_to_token`` flattened, int32/int64; mapping: the full→SWA table [m] int64,
+    or None when no list is translated."""
+    device = flat_table.device
+    out64 = torch.empty(max(job.n64, 1), dtype=_I64, device=device)
+    out32 = torch.empty(max(job.n32, 1), dtype=_I32, device=device)
+    p64, p32, k = pack.words()
+    hd = job.handles
+    mp = mapping if mapping is not None else flat_table
+    if job.grid[0] and job.grid[1]:
+        _kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")[job.grid](
+            p64, p32, flat_table, mp, mp.numel() if mapping is not None else 0, out64, out32,
+            k, hd["dir"][1], len(job.ns), hd["rowc"][1], hd["pre"][1], hd["depoff"][1],
+            hd["dep"][1], hd["w_at"][1] if hd["w_at"] is not None else 0, job.total_q,
+            hd["wfull"], hd["wtr"], BLOCK=BLOCK)
+    job.full64, job.full32, job.pos, job.swa64, job.swa32 = [], [], [], [], []
+    o64 = o32 = 0
+    for s, n in enumerate(job.ns):
+        job.full64.append(out64[o64:o64 + n])
+        o64 += n
+        job.swa64.append(out64[o64:o64 + n] if job.translate[s] else None)
+        o64 += n if job.translate[s] else 0
+        job.full32.append(out32[o32:o32 + n])
+        o32 += n
+        job.swa32.append(out32[o32:o32 + n] if job.translate[s] else None)
+        o32 += n if job.translate[s] else 0
+        job.pos.append(out32[o32:o32 + n])
+        o32 += n
+    if job.write:
+        job.w64 = out64[o64:o64 + job.total_q]
+        o64 += job.total_q
+        job.wswa64 = out64[o64:o64 + job.total_q] if job.write_translate else None
+    return job
