@@ -308,3 +308,82 @@ def test_a_partly_nan_row_in_the_dense_run_poisons_whole_rows_of_the_queries_tha
     ro, _ = attention_reference(*batch.args(), scale=0.25)
     assert torch.isnan(o[:2]).all() and torch.isnan(ro[:2]).all()
     torch.testing.assert_close(o[2:], ro[2:], **tol(torch.float32))
+
+
+# ----------------------------------------------------------------- D-split (opt-in configs)
+# (BLOCK_M, BLOCK_N, warps, stages, IDX_AHEAD, DSPLIT[, HINTS]): DSPLIT programs per tile, each
+# owning D/DSPLIT columns of V and o; 32 rows make two query tiles of the 8-token requests
+DSPLIT_CONFIGS = [(64, 16, 4, 2, 1, 2), (64, 16, 4, 2, 1, 4, 1), (32, 16, 4, 3, 0, 2)]
+DD = 64  # 4 slices of 16 at DSPLIT 4
+
+
+def _verify_batch(seed):
+    """Chain verify (causal written out as a mask), an 8-node tree, a short draft: group 8, so
+    8 tokens fill a 64-row tile. Keys past the tile's width and odd prefixes cut the dense run."""
+    chain = Req(kv_pos=list(range(45)), q_pos=list(range(37, 45)))
+    st = torch.tensor(chain.kv_pos)[None, :] <= torch.tensor(chain.q_pos)[:, None]
+    reqs = [Req(chain.kv_pos, chain.q_pos, structure=st),
+            _tree_req(23, tree_parents(2, 4, seed=3)),
+            Req(kv_pos=list(range(12)), q_pos=[10, 11])]
+    return make_batch(reqs, hq=16, hkv=2, d=DD, page_size=1, seed=seed)
+
+
+@pytest.mark.parametrize("config", DSPLIT_CONFIGS)
+@pytest.mark.parametrize("window,with_sinks,softcap,splits", [(None, False, None, 1),
+                                                              (6, True, 5.0, 2)])
+def test_dsplit_verify_matches_oracle(config, window, with_sinks, softcap, splits):
+    batch = _verify_batch(seed=31)
+    sinks = torch.linspace(-1, 1, 16) if with_sinks else None
+    o, lse = _check(extend_attention, batch, window=window, sinks=sinks, softcap=softcap,
+                    num_splits=splits, config=config, max_q_len=8)
+    if splits > 1:
+        return
+    # the same numbers as the one-program tile
+    o1, lse1 = extend_attention(*batch.args(), **batch.masks(), window=window, scale=DD ** -0.5,
+                                softcap=softcap, sinks=sinks, num_splits=splits,
+                                config=config[:5], max_q_len=8)
+    torch.testing.assert_close(o, o1, **tol(torch.float32))
+    torch.testing.assert_close(lse, lse1, **tol(torch.float32))
+
+
+def test_dsplit_causal_prefill_with_holes_and_fp16():
+    # no mask (causal by position), a window, the dense run cut by holes and splits, fp16
+    reqs = [_holey_req(29, 5, seed=1), _holey_req(40, 3, seed=2, shuffle_pos=True)]
+    batch = make_batch(reqs, hq=8, hkv=2, d=DD, page_size=4, seed=32, dtype=torch.float16)
+    _check(extend_attention, batch, window=11, num_splits=2, config=(16, 16, 4, 2, 1, 4),
+           dtype=torch.float16)
+    causal = make_batch(_prefill_reqs(), hq=8, hkv=2, d=DD, page_size=4, seed=33)
+    _check(extend_attention, causal, window=None, num_splits=1, config=(32, 16, 4, 2, 0, 2))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("config", DSPLIT_CONFIGS[:2])
+def test_dsplit_poisons_whole_rows_from_any_slice(config, splits):
+    # dense run: a NaN in one column of the last slice of a V row every query of request 0 sees;
+    # general tiles: a NaN in one column of the first slice of a tree node's V row (request 1),
+    # seen by its descendants only. Both must make whole output rows NaN, as the reference does.
+    batch = _verify_batch(seed=34)
+    kv = batch.kv_indptr.tolist()
+    batch.v_buf[int(batch.kv_indices[kv[0] + 5]), 1, DD - 2] = math.nan
+    node_vis = batch.reqs[1].structure[:, 23:]  # [node, node]: node i sees node j
+    node = 1
+    batch.v_buf[int(batch.kv_indices[kv[1] + 23 + node]), 0, 1] = math.nan
+    kw = dict(scale=0.2, num_splits=splits, max_q_len=8)
+    o, lse = extend_attention(*batch.args(), **batch.masks(), config=config, **kw)
+    ro, rl = attention_reference(*batch.args(), **batch.masks(), scale=0.2)
+    assert torch.equal(torch.isnan(o), torch.isnan(ro))
+    assert torch.isnan(o[0:8, 8:]).all() and not torch.isnan(o[0:8, :8]).any()  # KV head 1 only
+    sees = node_vis[:, node]
+    assert sees.sum() > 1 and not sees.all()
+    assert torch.isnan(o[8:16][sees][:, :8]).all() and not torch.isnan(o[8:16][~sees]).any()
+    fine = ~torch.isnan(ro)
+    torch.testing.assert_close(o[fine], ro[fine], **tol(torch.float32))
+    torch.testing.assert_close(lse, rl, **tol(torch.float32))
+
+
+def test_dsplit_refuses_slices_narrower_than_16():
+    batch = _verify_batch(seed=35)
+    with pytest.raises(ValueError, match="D-split"):
+        extend_attention(*batch.args(), **batch.masks(), scale=0.2, config=(64, 16, 4, 2, 1, 8))
+    with pytest.raises(ValueError, match="D-split"):
+        extend_attention(*batch.args(), **batch.masks(), scale=0.2, config=(64, 16, 4, 2, 1, 3))
