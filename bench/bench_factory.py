@@ -48,6 +48,35 @@ def copy_bandwidth(do_bench) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
+def config_of(model: str, backend_name: str, device: str = "cuda", overrides: tuple = ()):
+    import swafactory
+
+    return swafactory.validate(swafactory.compose(
+        [f"model={model}", f"backend={backend_name}", "spec=none", f"workload.device={device}",
+         *overrides]))
+
+
+def triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory_out, do_bench) -> dict:
+    """The same step through ``backend=triton`` on the same pools (our Triton kernels: the
+    issue's "our Triton verify against FlashInfer's custom-mask verify"): cycle time and the
+    largest difference from the flashinfer factory's last-layer output."""
+    import swafactory
+
+    tcfg = config_of(cfg.model.name, "triton")
+    tb = swafactory.build_backend(tcfg, pools=pool)
+    L = cfg.model.num_layers
+
+    def cycle():
+        tb.init_forward_metadata(batch)
+        for layer in range(L):
+            out = tb.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
+        return out
+
+    diff = float((cycle().float() - factory_out.float()).abs().max())
+    return dict(triton_ms=do_bench(cycle, warmup=5, rep=40, return_mode="median"),
+                triton_diff=diff)
+
+
 def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0, backend_name: str =
           "flashinfer", device: str = "cuda", overrides: tuple[str, ...] = ()):
     """Config, pools, slots and backend with ``bs`` requests of ``ctx`` committed tokens plus
@@ -59,9 +88,7 @@ def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0, backend_name
     from swafactory.kvcache.requests import RequestSlots
     from swafactory.kvcache.shares import size_pools
 
-    cfg = swafactory.validate(swafactory.compose(
-        [f"model={model}", f"backend={backend_name}", "spec=none", f"workload.device={device}",
-         *overrides]))
+    cfg = config_of(model, backend_name, device, overrides)
     W = cfg.model.sliding_window
     chunk = 64
     sizes = size_pools(cfg, bs, ctx + nodes, chunk=chunk)
@@ -180,7 +207,8 @@ def host_ms(fn, n: int) -> float:
     return ts[len(ts) // 2]
 
 
-def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> dict:
+def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
+             triton: bool = False) -> dict:
     nodes = MODES[mode]
     cfg, pool, alloc, slots, backend = setup(model, bs, ctx, nodes)
     m = cfg.model
@@ -204,10 +232,15 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> d
         return out
 
     diff = float((factory().float() - raw_cycle().float()).abs().max())
+    planning_first = host_ms(lambda: backend.init_forward_metadata(batch), 30)
     t_f = do_bench(factory, warmup=5, rep=40, return_mode="median")
     t_r = do_bench(raw_cycle, warmup=5, rep=40, return_mode="median")
     graph = graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench)
-    planning = host_ms(lambda: backend.init_forward_metadata(batch), 10)
+    tri = {}
+    if triton and nodes > 1:  # verify / draft blocks: our Triton kernels on the same step
+        tri = triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory(), do_bench)
+        tri["triton_vs_factory"] = tri["triton_ms"] / t_f
+    planning = host_ms(lambda: backend.init_forward_metadata(batch), 30)
     kv_bytes = 0
     for key, gp in plan.groups.items():
         layers = [lay for lay, k in plan.layer_groups.items() if k == key]
@@ -218,9 +251,10 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float) -> d
     del backend, pool, alloc, slots, raw, qs, ks, vs
     torch.cuda.empty_cache()
     return dict(model=model, mode=mode, bs=bs, ctx=ctx, layers=L, factory_ms=t_f, raw_ms=t_r,
-                ratio=t_f / t_r, planning_ms=planning, floor_ms=floor,
+                ratio=t_f / t_r, planning_ms=planning, planning_first_ms=planning_first,
+                floor_ms=floor,
                 kv_gb=kv_bytes / 1e9, factory_vs_floor=t_f / floor, max_abs_diff=diff,
-                **graph, graph_vs_floor=graph.get("replay_ms", math.nan) / floor)
+                **graph, graph_vs_floor=graph.get("replay_ms", math.nan) / floor, **tri)
 
 
 def graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench) -> dict:
@@ -272,12 +306,12 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
              f"    {meta['command']}", "",
              "| model | mode | bs | ctx | factory cycle ms | raw cycle ms | factory / raw | planning ms "
              "| floor ms | factory / floor | graph replay ms | replay / floor | graph cycle ms "
-             "| K/V GB | max abs diff (eager, graph) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| K/V GB | max abs diff (eager, graph) | triton cycle ms | triton / factory |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r.get('ctx', '')} | "
-                         f"error: {r['error'][:120]} | | | | | | | | | | |")
+                         f"error: {r['error'][:120]} | | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r['ctx']} | "
                      f"{r['factory_ms']:.2f} | "
@@ -287,15 +321,19 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
                         f"{r['graph_cycle_ms']:.2f} | " if "replay_ms" in r else
                         f"graph: {r.get('graph_error', '-')[:80]} | | | ")
                      + f"{r['kv_gb']:.2f} | {r['max_abs_diff']:.1e}, "
-                     f"{r.get('graph_diff', math.nan):.1e} |")
+                     f"{r.get('graph_diff', math.nan):.1e} |"
+                     + (f" {r['triton_ms']:.2f} | {r['triton_vs_factory']:.2f}× |"
+                        if "triton_ms" in r else " | |"))
     lines += ["", "factory cycle: `init_forward_metadata` + `forward` over every layer (K/V write "
               "included); raw cycle: the FlashInfer wrappers' `plan` per layer group + per layer "
               "the K/V write and `run`, on the same pools and indices; planning: host wall time "
-              "of `init_forward_metadata` alone (median of 10, synchronized); floor: the K/V "
+              "of `init_forward_metadata` alone (median of 30, synchronized, after the timed "
+              "cycles and graphs; the JSON's planning_first_ms is the same before them); floor: the K/V "
               "bytes the step reads over the copy bandwidth (bytes read + written per second "
               "by a device copy); graph replay: the whole step (every layer's K/V write and "
               "attention) captured once through `init_forward_metadata_capture`, replayed after "
-              "`init_forward_metadata_replay` (graph cycle: both)."]
+              "`init_forward_metadata_replay` (graph cycle: both); triton cycle (``--triton``, "
+              "multi-token steps): the same cycle through `backend=triton` on the same pools."]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "factory-h200.md").write_text(text)
@@ -344,6 +382,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds: no case starts later")
+    ap.add_argument("--triton", action="store_true",
+                    help="also time backend=triton on the multi-token (verify, draft) steps")
     a = ap.parse_args()
     import flashinfer
     from triton.testing import do_bench
@@ -361,7 +401,7 @@ def main() -> int:
                 while True:  # a batch whose pools do not fit runs at the largest ctx that does
                     oom = None
                     try:
-                        r = one_case(model, mode, bs, ctx, do_bench, bw)
+                        r = one_case(model, mode, bs, ctx, do_bench, bw, a.triton)
                     except torch.cuda.OutOfMemoryError as exc:
                         oom = str(exc).split(". ")[0]
                     except Exception as exc:  # noqa: BLE001 - a case's failure is a row
@@ -384,7 +424,8 @@ def main() -> int:
                 flashinfer=flashinfer.__version__, python=platform.python_version(),
                 copy_tbs=bw / 1e12, ctx=a.ctx,
                 command=f"python3 bench/bench_factory.py --out $OUT --models {a.models} "
-                        f"--modes {a.modes} --bs {a.bs} --ctx {a.ctx}")
+                        f"--modes {a.modes} --bs {a.bs} --ctx {a.ctx}"
+                        + (" --triton" if a.triton else ""))
     print(render(rows, meta, Path(a.out)))
     return 0
 
