@@ -24,17 +24,6 @@ branch). A key that some rows see and others do not is loaded. Its probability i
 the rows that cannot see it, but 0·NaN would still poison them. So non-finite V values are zeroed
 before the product, and only the rows that really see one are set to NaN (stale reads still show).
 Splits and the sink are reduced by ``merge.combine_splits``; one split writes the result itself.
-
-Opt-in D-split (``config[5]`` = DSPLIT 2 or 4): DSPLIT programs share one (request, KV head,
-query tile, split) and own D/DSPLIT columns of V, the accumulator and o each. Every one of them
-computes the full scores (so m, den and lse are the same in each, and the first one writes lse);
-their ids are adjacent in the fastest grid axis, so they run side by side and the K rows the
-first one reads are in L2 for the others. It cuts the fp32 accumulator (64×512 = 128 registers a
-thread at 8 warps) to 64×256 or 64×128. A non-finite value is seen only by the program whose
-slice holds it, so each writes a flag per row (and split) and ``poison_rows`` makes a flagged
-row NaN whole after the kernel (and the combine): the same rows turn NaN as without the split.
-``config[6]`` = 1 adds cache hints to the dense-run loads: K evict_last (the group reads it
-DSPLIT times), V evict_first (read once).
 """
 from __future__ import annotations
 
@@ -52,10 +41,6 @@ __all__ = ["extend_attention", "extend_config", "extend_splits", "dense_runs"]
 def extend_config(head_dim: int, group: int, rows: int | None = None) -> tuple[int, ...]:
     """(BLOCK_M rows = queries × group heads, BLOCK_N keys, num_warps, num_stages, IDX_AHEAD).
 
-    ``extend_attention`` also takes two optional fields after these, which this function never
-    chooses (not timed on a GPU yet): DSPLIT (1, 2, 4: programs per tile, each owning D/DSPLIT
-    columns of V and o; see the module docstring) and HINTS (1: K evict_last, V evict_first).
-
     ``rows``: the longest request's queries × group. Up to 64 rows (a verify step, a short draft
     extend) the tile holds every row, so K/V is read once per KV head; 64 rows make one Hopper
     wgmma tile. Longer extends (prefill) take 32/64-row query tiles. IDX_AHEAD loads the next
@@ -63,7 +48,10 @@ def extend_config(head_dim: int, group: int, rows: int | None = None) -> tuple[i
     critical path). Measured on an H200 at bs 64, ctx 8192, 8 tokens (bench/results/
     bench_triton_vs_flashinfer.md): D 512 × 64 rows: (64, 32, 8, 2, ahead) 2.01 ms against 2.25
     without the hand prefetch, 2.64 with one stage, 3.09 as two 32-row tiles, 4.11 as four
-    16-row tiles (each re-reads K/V), 3.94 with 16 warps, 2.76 with 64-key tiles; D 256 × 16
+    16-row tiles (each re-reads K/V), 3.94 with 16 warps, 2.76 with 64-key tiles; a D-split
+    (2 or 4 programs per tile, each owning D/2 or D/4 columns of V and o and recomputing the
+    scores, ids adjacent so K comes from L2; tried at 73db9e7, reverted) 2.35–4.4 ms with 2 and
+    3.7–4.8 with 4, although it removed the spills; D 256 × 16
     rows: (16, 32, 4, 3, ahead) 0.310 ms, 0.332 without the prefetch, 0.333 with 2 stages,
     0.352 with 64 keys and 8 warps, 0.50 with 32 keys and 8 warps.
     """
@@ -146,23 +134,16 @@ def _kernel(interpret: bool) -> Any:
     @triton.jit
     def extend_stage1(q_ptr, k_ptr, v_ptr, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                       mask_ptr, mask_indptr, rng_ptr, sinks_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr,
-                      flags_ptr, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+                      stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                       stride_ot, stride_oh, Hq, QT, n_splits, scale, softcap, window,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, SPLIT: tl.constexpr, HAS_MASK: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                       HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
                       SKIP_EMPTY: tl.constexpr, DENSE: tl.constexpr, BLOCK_NG: tl.constexpr,
-                      IDX_AHEAD: tl.constexpr, DSPLIT: tl.constexpr, K_EVICT: tl.constexpr,
-                      V_EVICT: tl.constexpr):
+                      IDX_AHEAD: tl.constexpr):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
-        DV: tl.constexpr = D // DSPLIT  # the slice of V / the accumulator / o this program owns
-        if DSPLIT > 1:  # the group's programs are adjacent in the fastest grid axis (K from L2)
-            b = tl.program_id(0) // DSPLIT
-            ds = tl.program_id(0) % DSPLIT
-        else:
-            b = tl.program_id(0)
-            ds = 0
+        b = tl.program_id(0)
         kh = tl.program_id(1) // QT
         qt = tl.program_id(1) % QT
         sp = tl.program_id(2)
@@ -185,10 +166,6 @@ def _kernel(interpret: bool) -> Any:
             a = hi
             e = hi
         d = tl.arange(0, D)
-        if DSPLIT > 1:
-            dv = ds * DV + tl.arange(0, DV)
-        else:
-            dv = d
         qrow = (q0 + ql).to(tl.int64)
         q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=rvalid[:, None], other=0.0).to(k_ptr.dtype.element_ty)
@@ -198,7 +175,7 @@ def _kernel(interpret: bool) -> Any:
             mrow += tl.load(mask_indptr + b).to(tl.int64)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         den = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, DV), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
         poisoned = tl.zeros((BLOCK_M,), tl.int32)
         if IDX_AHEAD:  # the next tile's pool rows are loaded one tile ahead, by hand
             nxt = a + tl.arange(0, BLOCK_N)
@@ -213,7 +190,7 @@ def _kernel(interpret: bool) -> Any:
             else:
                 rows = tl.load(kv_indices + kv0 + offs, mask=inr, other=0).to(tl.int64)
             k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                        mask=inr[:, None], other=0.0, eviction_policy=K_EVICT)
+                        mask=inr[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if HAS_SOFTCAP:
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -221,8 +198,8 @@ def _kernel(interpret: bool) -> Any:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
-            v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + dv[None, :],
-                        mask=inr[:, None], other=0.0, eviction_policy=V_EVICT)
+            v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
+                        mask=inr[:, None], other=0.0)
             den = den * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
@@ -259,7 +236,7 @@ def _kernel(interpret: bool) -> Any:
                 ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp(m - ref)
                 p = tl.exp(s - ref[:, None])
-                v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + dv[None, :],
+                v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
                             mask=kvis[:, None], other=0.0)
                 bad = (v * 0.0) != 0.0                              # NaN or ±inf
                 vbad = tl.max(bad.to(tl.int32), axis=1)             # [BLOCK_NG]
@@ -284,41 +261,16 @@ def _kernel(interpret: bool) -> Any:
         o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
         o = tl.where(poisoned[:, None] > 0, float("nan"), o)
         lse = tl.where(ok, ref + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
-        if DSPLIT > 1:  # lse is the same in every slice: the first writes it. A row poisoned in
-            # one slice is made NaN whole by ``poison_rows`` after the kernel (and the combine)
-            lrow = rvalid & (r * 0 + ds == 0)
-            tl.store(flags_ptr + ((qrow * Hq + heads) * n_splits + sp) * DSPLIT + ds,
-                     (poisoned > 0).to(tl.int8), mask=rvalid)
-        else:
-            lrow = rvalid
         if not SPLIT:
-            tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
+            tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
-            tl.store(lse_ptr + qrow * Hq + heads, lse, mask=lrow)
+            tl.store(lse_ptr + qrow * Hq + heads, lse, mask=rvalid)
         else:
             part = (qrow * Hq + heads) * n_splits + sp
-            tl.store(po_ptr + part[:, None] * D + dv[None, :], o, mask=rvalid[:, None])
-            tl.store(plse_ptr + part, lse, mask=lrow)
+            tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=rvalid[:, None])
+            tl.store(plse_ptr + part, lse, mask=rvalid)
 
-    @triton.jit
-    def poison_rows(flags_ptr, o_ptr, stride_ot, stride_oh, Hq, F, BLOCK_H: tl.constexpr,
-                    BLOCK_F: tl.constexpr, D: tl.constexpr):
-        """o[t, h, :] = NaN where any of the F flags of (t, h) is set (a D-split program saw a
-        non-finite value its row reads); nothing is written otherwise."""
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, BLOCK_H)
-        f = tl.arange(0, BLOCK_F)
-        hok = h < Hq
-        fl = tl.load(flags_ptr + (t * Hq + h[:, None]) * F + f[None, :],
-                     mask=hok[:, None] & (f[None, :] < F), other=0)
-        bad = (tl.max(fl.to(tl.int32), axis=1) > 0) & hok
-        if tl.max(bad.to(tl.int32), axis=0) > 0:
-            d = tl.arange(0, D)
-            nan = tl.full((BLOCK_H, D), float("nan"), tl.float32).to(o_ptr.dtype.element_ty)
-            tl.store(o_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], nan,
-                     mask=bad[:, None])
-
-    return dense_range, extend_stage1, poison_rows
+    return dense_range, extend_stage1
 
 
 def dense_runs(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, q_pos: torch.Tensor,
@@ -357,9 +309,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     or None for causal; sinks: [Hq] fp32. ``max_q_len`` (host int) sizes the grid; without it the
     longest request is read from qo_indptr, which syncs a GPU (pass it under CUDA-graph capture).
     ``num_splits`` overrides the KV split count, ``config`` the tile (BLOCK_M, BLOCK_N, warps,
-    stages[, pool rows loaded a tile ahead by hand[, D-split[, cache hints]]]) and ``dense=False``
-    turns the dense-run fast path off (tests, benchmarks); by default they are planned from
-    static sizes.
+    stages[, pool rows loaded a tile ahead by hand]) and ``dense=False`` turns the dense-run fast
+    path off (tests, benchmarks); by default they are planned from static sizes.
     """
     nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                                mask, mask_indptr, sinks)
@@ -380,20 +331,14 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     cfg = tuple(config or extend_config(d, group, max_q_len * group))
     block_m, block_n, warps, stages = cfg[:4]
     idx_ahead = bool(cfg[4]) if len(cfg) > 4 else False
-    dsplit = int(cfg[5]) if len(cfg) > 5 else 1
-    hints = int(cfg[6]) if len(cfg) > 6 else 0
-    if dsplit < 1 or dsplit & (dsplit - 1) or d // dsplit < 16:
-        raise ValueError(f"D-split {dsplit} must be a power of two leaving ≥ 16 of head_dim {d}")
-    if hints not in (0, 1):
-        raise ValueError(f"cache hints must be 0 or 1, got {hints}")
     # skip invisible tiles only where many exist: an untrimmed window or a long causal prefill
     skip = window is not None and kv_indices.numel() > nb * (window + max_q_len + block_n)
     # the general tiles of a short extend on a trimmed list are the window edge and the draft
     # keys, a few keys each: narrow tiles
     block_ng = min(block_n, 16) if dense and max_q_len <= 16 and not skip else block_n
     qt = -(-max_q_len // (block_m // group))
-    splits = num_splits or extend_splits(nb * hkv * qt * dsplit, kv_indices.numel(), nb, block_m,
-                                         block_n, d, q.device)
+    splits = num_splits or extend_splits(nb * hkv * qt, kv_indices.numel(), nb, block_m, block_n,
+                                         d, q.device)
     po = plse = lse  # unused when one split writes the output itself
     if splits > 1:
         po = torch.empty(total_q, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -408,12 +353,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     if dense:
         rng = dense_runs(qo_indptr, kv_indptr, q_pos, kv_pos, mask, mask_indptr, window, max_q_len)
     sk = sinks.float().contiguous() if sinks is not None else lse
-    flags = lse  # unused without a D-split
-    if dsplit > 1:  # every program writes all of its rows' flags: no zeroing
-        flags = torch.empty(total_q, hq, splits * dsplit, dtype=torch.int8, device=q.device)
-    stage1[(nb * dsplit, hkv * qt, splits)](
+    stage1[(nb, hkv * qt, splits)](
         q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
-        dummy_mask, dummy_mi, rng, sk, o, lse, po, plse, flags,
+        dummy_mask, dummy_mi, rng, sk, o, lse, po, plse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), o.stride(0), o.stride(1), hq, qt, splits, float(scale),
         float(softcap or 1.0), int(window or 1),
@@ -422,14 +364,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         SKIP_EMPTY=skip or (mask is None and max_q_len > block_n),
-        DENSE=dense, BLOCK_NG=block_ng, IDX_AHEAD=idx_ahead, DSPLIT=dsplit,
-        K_EVICT="evict_last" if hints else "", V_EVICT="evict_first" if hints else "",
-        num_warps=warps, num_stages=stages)
+        DENSE=dense, BLOCK_NG=block_ng, IDX_AHEAD=idx_ahead, num_warps=warps, num_stages=stages)
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
-    if dsplit > 1:
-        f = splits * dsplit
-        _kernel(interpreting())[2][(total_q,)](
-            flags, o, o.stride(0), o.stride(1), hq, f, BLOCK_H=1 << (hq - 1).bit_length(),
-            BLOCK_F=1 << (f - 1).bit_length(), D=d, num_warps=4)
     return o, lse
