@@ -12,7 +12,7 @@ libraries that plan on the host read).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -66,21 +66,24 @@ class Pack:
             dev = host.to(device, non_blocking=True)
         else:
             dev = host.to(device)
-        self._h = {_I32: host[:k].view(_I32), _I64: host[k:]}
-        self._d = {_I32: dev[:k].view(_I32), _I64: dev[k:]}
-        self._words = (dev, dev.view(_I32), k)
+        # pieces are sliced from these four on demand: int32 ones from word 0, int64 from k
+        self._k = k
+        self._h = {_I32: host.view(_I32), _I64: host}
+        self._d = {_I32: dev.view(_I32), _I64: dev}
 
     def words(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(the shipped buffer as int64 words, as int32 words, k): int32 piece ``(_, a, b)`` is
         int32 words a..b; int64 piece ``(_, a, b)`` is int64 words k+a..k+b (a kernel reads
         every piece through two pointers)."""
-        return self._words
+        return self._d[_I64], self._d[_I32], self._k
 
     def host(self, h: tuple[torch.dtype, int, int]) -> torch.Tensor:
-        return self._h[h[0]][h[1]:h[2]]
+        o = 0 if h[0] is _I32 else self._k
+        return self._h[h[0]][h[1] + o:h[2] + o]
 
     def dev(self, h: tuple[torch.dtype, int, int]) -> torch.Tensor:
-        return self._d[h[0]][h[1]:h[2]]
+        o = 0 if h[0] is _I32 else self._k
+        return self._d[h[0]][h[1] + o:h[2] + o]
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,7 +167,6 @@ class HostBatch:
         self.q_len = self._col([s.nodes - s.query_from for s in self.shapes])
         self.kvn = self._col([s.kv_nodes for s in self.shapes])
         self.fqd = self._col([s.first_query_depth for s in self.shapes])
-        self.last_fix = self._col([t.last_fix for t in self.tables])
         self.kv_end = self.pre + self.kvn
         if int(self.kv_end.max()) > C:
             bad = next(r for r in reqs if r.kv_end > C)
@@ -174,13 +176,21 @@ class HostBatch:
         self.total_q = B * self.q_len if self.of is None else int(self.q_len.sum())
         self.zeros = np.zeros(B, dtype=np.int64)
         self.queries = _Items(self, lambda t: t.queries)
-        fixes = _Items(self, lambda t: t.fixes)
-        self.fixes = fixes if fixes.n else None
         holes = _Items(self, lambda t: t.holes) if need_mask else None
         self.holes = holes if holes is not None and holes.n else None
         # Flat table indices fit int32 (almost always): the running sums are then int32, and
         # their position row is kv_pos as it is.
         self.idx_dtype = _I32 if table.numel() < 2**31 else _I64
+
+    @cached_property
+    def fixes(self) -> _Items | None:
+        """Tree nodes' position fixes (only the running sums of `key_tables` need them)."""
+        fixes = _Items(self, lambda t: t.fixes)
+        return fixes if fixes.n else None
+
+    @cached_property
+    def last_fix(self) -> int | np.ndarray:
+        return self._col([t.last_fix for t in self.tables])
 
     def _col(self, per_shape: list[int]) -> int | np.ndarray:
         """A per-request column: a plain int when every request has one shape."""
