@@ -224,6 +224,9 @@ class Adapter:
         self._mask_off: dict[tuple, torch.Tensor] = {}
         """A graph prefill wrapper's ``mask_indptr`` buffer (ours: rewritten after its plan)."""
         self._passes: PassCache = PassCache("flashinfer")
+        self._ones = torch.ones(0, dtype=torch.int32)
+        """Last-page lengths (page size 1: all ones), pinned where CUDA is: one buffer sliced
+        per pass instead of a new pageable tensor FlashInfer's plan copies each forward."""
         self._max_rows = 0
         self.replans = 0
         """Passes re-planned inside `run` because a layer's signature differed from the one
@@ -275,8 +278,14 @@ class Adapter:
                 mask = torch.cat([mask, mask.new_full((pad * per,), 255)])
                 mask_off = torch.cat([mask_off, mask_off[-1] + per * step])
         return _Pass(key, role, window, decode, qo_host, kv_host, indices,
-                     torch.ones(qo_host.numel() - 1, dtype=torch.int32), mask, mask_off,
+                     self._last(qo_host.numel() - 1), mask, mask_off,
                      graph=graph)
+
+    def _last(self, n: int) -> torch.Tensor:
+        if self._ones.numel() < n:
+            ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int32)
+            self._ones = ones.pin_memory() if torch.cuda.is_available() else ones
+        return self._ones[:n]
 
     def _wrapper(self, p: _Pass, device: torch.device):
         import flashinfer
