@@ -4,6 +4,7 @@ its device work does not grow with the batch, and the slot bookkeeping reads bac
 Timings and the device-op counts are bench/bench_planning.py's; here ops are only counted."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -40,15 +41,16 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _world(bs: int, ctx: int, nodes: int, P: int = 1, seed: int = 0):
+def _world(bs: int, ctx: int, nodes: int, P: int = 1, seed: int = 0, device: str = "cpu"):
     size = bs * (-(-(ctx + nodes) // P) + 1) * P
-    alloc = SWAAllocator(size, size, P)
+    alloc = SWAAllocator(size, size, P, device)
     alloc.shuffle(torch.Generator().manual_seed(seed))
-    pool = HybridSWAPool(KVPool(alloc.full.size, P, 1, 1, 4, torch.float32),
-                         KVPool(alloc.swa.size, P, 1, 1, 4, torch.float32, pool_id="target.swa",
-                                space="swa"), {0: ("swa", 0), 1: ("full", 0)})
+    pool = HybridSWAPool(KVPool(alloc.full.size, P, 1, 1, 4, torch.float32, device),
+                         KVPool(alloc.swa.size, P, 1, 1, 4, torch.float32, device,
+                                pool_id="target.swa", space="swa"),
+                         {0: ("swa", 0), 1: ("full", 0)})
     pool.register_mapping(alloc.mapping)
-    slots = RequestSlots(alloc, ReqToToken(bs, ctx + nodes + P))
+    slots = RequestSlots(alloc, ReqToToken(bs, ctx + nodes + P, device))
     for rid in range(bs):
         slots.open(rid)
         slots.extend(rid, ctx + nodes)
@@ -113,12 +115,17 @@ def _reference(batch: ForwardBatch, window, need_mask: bool):
 @pytest.mark.parametrize("seed", range(6))
 def test_tables_equal_a_per_request_reference_for_mixed_batches(seed: int, impl: str) -> None:
     """Both ways of building the key lists: torch ops (CPU, and GPUs without triton) and the
-    fused Triton kernel (GPUs; here under the interpreter)."""
+    fused Triton kernel (on a GPU when there is one, else under the interpreter)."""
+    device = "cpu"
     if impl == "triton":
         pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            if not torch.cuda.is_available():
+                pytest.skip("the fused kernel needs a GPU or TRITON_INTERPRET=1")
+            device = "cuda"
     rng = random.Random(seed)
     P = rng.choice([1, 4])
-    alloc, pool, slots = _world(10, 50, 8, P, seed)
+    alloc, pool, slots = _world(10, 50, 8, P, seed, device)
     reqs = []
     for r in range(rng.randrange(1, 11)):
         n, kw = rng.randrange(1, 9), {}
@@ -139,16 +146,18 @@ def test_tables_equal_a_per_request_reference_for_mixed_batches(seed: int, impl:
         t = g.tables
         if g.sub_pool == "swa":
             slots_, writes = alloc.full_to_swa[slots_], alloc.full_to_swa[writes]
-        assert torch.equal(t.kv_indices.tensor, slots_) and torch.equal(t.kv_pos, kv_pos)
-        assert torch.equal(t.q_pos, q_pos) and torch.equal(g.write_locs.tensor, writes)
-        assert torch.equal(t.kv_host, t.kv_indptr) and int(t.kv_host[-1]) == len(slots_)
+        slots_, writes = slots_.cpu(), writes.cpu()
+        assert torch.equal(t.kv_indices.tensor.cpu(), slots_)
+        assert torch.equal(t.kv_pos.cpu(), kv_pos) and torch.equal(t.q_pos.cpu(), q_pos)
+        assert torch.equal(g.write_locs.tensor.cpu(), writes)
+        assert torch.equal(t.kv_host, t.kv_indptr.cpu()) and int(t.kv_host[-1]) == len(slots_)
         if impl == "triton":  # the kernel writes the int32 rows FlashInfer indexes with too
-            assert torch.equal(t.kv_indices_i32, slots_.to(torch.int32))
+            assert torch.equal(t.kv_indices_i32.cpu(), slots_.to(torch.int32))
         else:
             assert t.kv_indices_i32 is None
         assert (t.mask is None) == (mask is None)
         if mask is not None:
-            assert torch.equal(t.mask, mask) and int(t.mask_indptr[-1]) == mask.numel()
+            assert torch.equal(t.mask.cpu(), mask.cpu()) and int(t.mask_indptr[-1]) == mask.numel()
 
 
 @pytest.mark.parametrize("seed", range(3))
