@@ -248,11 +248,11 @@ def key_tables(p: dict, pack: Pack, flat_table: torch.Tensor, dtype: torch.dtype
     n, device = p["n"], flat_table.device
     x = torch.ones(2 * (n + 1), dtype=dtype, device=device)
     x.index_add_(0, pack.dev(p["idx"]), pack.dev(p["vals"]))
-    run = x.view(2, n + 1)
-    for row in run:  # two 1-D scans: a [2, n] scan along dim 1 runs one block per row on CUDA
-        torch.cumsum(row, 0, out=row)
-    slots = flat_table.index_select(0, run[0, :n])
-    return (slots.long(), run[1, :n].to(_I32), *mask_tables(p, pack, device))
+    # two 1-D scans (a [2, n] scan along dim 1 runs one block per row on CUDA), not in place
+    # (an aliased out= scan takes 2.4x as long on CPU)
+    idx, pos = (torch.cumsum(row, 0) for row in x.view(2, n + 1))
+    slots = flat_table.index_select(0, idx[:n])
+    return (slots.long(), pos[:n].to(_I32), *mask_tables(p, pack, device))
 
 
 def mask_tables(p: dict, pack: Pack, device: torch.device):
