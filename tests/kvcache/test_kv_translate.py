@@ -83,3 +83,17 @@ def test_unknown_impl_is_refused():
     pool, alloc, slots = _mapped(1, 5)
     with pytest.raises(ValueError, match="impl must be"):
         translate(Locs("full", "target.full", slots), alloc, pool, impl="cuda")  # type: ignore
+
+
+def test_values_of_a_fused_gather_are_checked_and_wrapped():
+    """translate(values=...) is how the planner's fused kernel hands over its gather: the spaces
+    are checked as for any translation, the shape must match, and nothing is gathered again."""
+    pool, alloc, slots = _mapped(1, 4)
+    locs = Locs("full", "target.full", slots)
+    ref = translate(locs, alloc, pool, impl="torch")
+    got = translate(locs, alloc, pool, values=ref.tensor.clone())
+    assert got.space == "swa" and torch.equal(got.tensor, ref.tensor)
+    with pytest.raises(ValueError, match=r"values of shape \[7, 32\].*shape \[7, 33\]"):
+        translate(locs, alloc, pool, values=ref.tensor[:, :32])
+    with pytest.raises(SpaceError):  # the checks still run: SWA locations are not translated
+        translate(got, alloc, pool, values=ref.tensor)
