@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "FusedKeys", "available", "fused_key_job", "run_fused"]
+__all__ = ["BLOCK", "FusedJob", "FusedKeys", "KeyList", "available", "fused_key_job",
+           "run_fused"]
 
 BLOCK = 1024  # keys per program: the kernel is a gather, the block only amortises its setup
 _I32, _I64 = torch.int32, torch.int64
@@ -103,112 +104,114 @@ def _kernel(interpret: bool) -> Any:
     return build_keys
 
 
-@dataclass
+@dataclass(frozen=True)
+class KeyList:
+    """One list's outputs, views of the launch's two buffers: ``full64`` [n] int64 full slots,
+    ``full32`` the same as int32, ``pos`` [n] int32 positions; where an SWA group reads the
+    list, ``swa64`` / ``swa32`` its translation (else None)."""
+
+    full64: torch.Tensor
+    full32: torch.Tensor
+    pos: torch.Tensor
+    swa64: torch.Tensor | None
+    swa32: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class FusedKeys:
-    """One forward's fused job: where each list's outputs sit, filled by `run_fused`.
+    """A forward's fused outputs: one `KeyList` per start set, and the write slots ``w64``
+    [total_q] int64 (full space) and ``wswa64`` (translated; None when no SWA group reads)."""
 
-    Per list s: ``full64[s]`` [n] int64 full slots, ``full32[s]`` the same as int32, ``pos[s]``
-    [n] int32 positions, and where the list is translated ``swa64[s]`` / ``swa32[s]``. ``w64``
-    / ``wswa64``: [total_q] int64 write slots (full, translated)."""
+    lists: tuple[KeyList, ...]
+    w64: torch.Tensor | None
+    wswa64: torch.Tensor | None
 
-    ns: list[int]
-    translate: list[bool]
+
+@dataclass(frozen=True)
+class FusedJob:
+    """What `run_fused` launches: the grid, the scalar arguments (pack offsets, the directory's
+    place) and the output layout, split once into views: int64 buffer = per list full
+    [, swa], then writes [, swa writes]; int32 buffer = per list full [, swa], pos."""
+
+    translate: tuple[bool, ...]
     write: bool
     write_translate: bool
-    total_q: int
     grid: tuple[int, int, int]
-    handles: dict
-    n64: int = 0
-    n32: int = 0
-    full64: list = None
-    full32: list = None
-    pos: list = None
-    swa64: list = None
-    swa32: list = None
-    w64: torch.Tensor | None = None
-    wswa64: torch.Tensor | None = None
+    scalars: tuple[int, ...]
+    """(directory, lists, row_c, pre, depth offsets, depths, write indices, total_q, full write
+    out, swa write out): the kernel's arguments after ``K64``."""
+    sizes64: tuple[int, ...]
+    sizes32: tuple[int, ...]
 
 
 def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
-                  write_translate: bool) -> FusedKeys:
+                  write_translate: bool) -> FusedJob:
     """Queue the kernel's host numbers in ``pack`` (before it ships): the per-request columns,
     each list's start, the step shapes' node depths, and the directory.
 
     h: the forward's `HostBatch`; sets: `key_pieces` of each list (``n``, ``kv_host``,
     ``start``); translate: per list, whether an SWA group reads it; w_at: the write slots' flat
     indices (a `Pack` handle) or None."""
-    S = len(sets)
     depths, off = [], []
     for sh in h.shapes:  # each shape's key nodes, by the shape's order in `h.of`
         off.append(sum(len(x) for x in depths))
         depths.append(np.asarray(sh.depths[:sh.kv_nodes], dtype=np.int64))
     dep = np.concatenate(depths + [np.zeros(1, dtype=np.int64)])
     depoff = (h.zeros if h.of is None else np.asarray(off, dtype=np.int64)[h.of])
-    hd = dict(rowc=pack.add(h.row_c, _I64), pre=pack.add(h.pre, _I64),
-              depoff=pack.add(depoff + h.zeros, _I64), dep=pack.add(dep, _I32),
-              starts=[pack.add(p["start"], _I64) for p in sets])
-    ns = [p["n"] for p in sets]
-    # outputs: int64 full (and swa) per list, then the writes; int32 full (and swa) and pos
-    n64 = n32 = 0
+    rowc, pre = pack.add(h.row_c, _I64), pack.add(h.pre, _I64)
+    depoff_h, dep_h = pack.add(depoff + h.zeros, _I64), pack.add(dep, _I32)
+    sizes64: list[int] = []
+    sizes32: list[int] = []
     dirs = []
-    for s, p in enumerate(sets):
-        f64, n64 = n64, n64 + ns[s]
-        t64 = -1
-        if translate[s]:
-            t64, n64 = n64, n64 + ns[s]
-        f32, n32 = n32, n32 + ns[s]
-        t32 = -1
-        if translate[s]:
-            t32, n32 = n32, n32 + ns[s]
-        pos, n32 = n32, n32 + ns[s]
-        dirs.append([p["kv_host"][1], hd["starts"][s][1], f64, t64, f32, t32, pos, 0])
+    for s, p in enumerate(sets):  # each output's offset is the sum of the sizes before it
+        n, tr = p["n"], translate[s]
+        f64, t64 = sum(sizes64), (sum(sizes64) + n if tr else -1)
+        sizes64 += [n, n] if tr else [n]
+        f32, t32 = sum(sizes32), (sum(sizes32) + n if tr else -1)
+        sizes32 += [n, n] if tr else [n]
+        pos = sum(sizes32)
+        sizes32.append(n)
+        dirs.append([p["kv_host"][1], pack.add(p["start"], _I64)[1], f64, t64, f32, t32, pos, 0])
     total_q = h.total_q if w_at is not None else 0
     wfull = wtr = -1
     if w_at is not None:
-        wfull, n64 = n64, n64 + total_q
+        wfull = sum(sizes64)
+        sizes64.append(total_q)
         if write_translate:
-            wtr, n64 = n64, n64 + total_q
-    hd["dir"] = pack.add(np.asarray(dirs, dtype=np.int64).reshape(-1), _I64)
-    hd["w_at"], hd["wfull"], hd["wtr"] = w_at, wfull, wtr
+            wtr = sum(sizes64)
+            sizes64.append(total_q)
+    d = pack.add(np.asarray(dirs, dtype=np.int64).reshape(-1), _I64)
     longest = max([int((h.kv_end - p["start"]).max()) for p in sets] + [h.max_q, 1])
-    grid = (h.B, -(-longest // BLOCK), S + (w_at is not None))
-    return FusedKeys(ns, list(translate), w_at is not None, write_translate, total_q, grid, hd,
-                     n64, n32)
+    grid = (h.B, -(-longest // BLOCK), len(sets) + (w_at is not None))
+    scalars = (d[1], len(sets), rowc[1], pre[1], depoff_h[1], dep_h[1],
+               w_at[1] if w_at is not None else 0, total_q, wfull, wtr)
+    return FusedJob(tuple(translate), w_at is not None, write_translate, grid, scalars,
+                    tuple(sizes64), tuple(sizes32))
 
 
-def run_fused(job: FusedKeys, pack, flat_table: torch.Tensor,
+def run_fused(job: FusedJob, pack, flat_table: torch.Tensor,
               mapping: torch.Tensor | None) -> FusedKeys:
-    """Launch the job (after ``pack`` shipped) and fill its output views.
+    """Launch ``job`` (after ``pack`` shipped) and return its outputs as views.
 
     flat_table: ``req_to_token`` flattened, int32/int64; mapping: the full→SWA table [m] int64,
     or None when no list is translated."""
     device = flat_table.device
-    out64 = torch.empty(max(job.n64, 1), dtype=_I64, device=device)
-    out32 = torch.empty(max(job.n32, 1), dtype=_I32, device=device)
+    n64, n32 = sum(job.sizes64), sum(job.sizes32)
+    out64 = torch.empty(max(n64, 1), dtype=_I64, device=device)  # never a null pointer
+    out32 = torch.empty(max(n32, 1), dtype=_I32, device=device)
     p64, p32, k = pack.words()
-    hd = job.handles
     mp = mapping if mapping is not None else flat_table
     if job.grid[0] and job.grid[1]:
         _kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")[job.grid](
             p64, p32, flat_table, mp, mp.numel() if mapping is not None else 0, out64, out32,
-            k, hd["dir"][1], len(job.ns), hd["rowc"][1], hd["pre"][1], hd["depoff"][1],
-            hd["dep"][1], hd["w_at"][1] if hd["w_at"] is not None else 0, job.total_q,
-            hd["wfull"], hd["wtr"], BLOCK=BLOCK)
-    job.full64, job.full32, job.pos, job.swa64, job.swa32 = [], [], [], [], []
-    o64 = o32 = 0
-    for s, n in enumerate(job.ns):
-        job.full64.append(out64[o64:o64 + n])
-        o64 += n
-        job.swa64.append(out64[o64:o64 + n] if job.translate[s] else None)
-        o64 += n if job.translate[s] else 0
-        job.full32.append(out32[o32:o32 + n])
-        o32 += n
-        job.swa32.append(out32[o32:o32 + n] if job.translate[s] else None)
-        o32 += n if job.translate[s] else 0
-        job.pos.append(out32[o32:o32 + n])
-        o32 += n
-    if job.write:
-        job.w64 = out64[o64:o64 + job.total_q]
-        o64 += job.total_q
-        job.wswa64 = out64[o64:o64 + job.total_q] if job.write_translate else None
-    return job
+            k, *job.scalars, BLOCK=BLOCK)
+    v64 = iter(out64[:n64].split(job.sizes64))  # one op for every view
+    v32 = iter(out32[:n32].split(job.sizes32))
+    lists = []
+    for tr in job.translate:
+        full64, swa64 = next(v64), (next(v64) if tr else None)
+        full32, swa32 = next(v32), (next(v32) if tr else None)
+        lists.append(KeyList(full64, full32, next(v32), swa64, swa32))
+    w64 = next(v64) if job.write else None
+    wswa64 = next(v64) if job.write and job.write_translate else None
+    return FusedKeys(tuple(lists), w64, wswa64)

@@ -173,17 +173,18 @@ def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]],
     pack.ship(table.device)
     flat = table.view(-1) if table.is_contiguous() else table.reshape(-1)
     computed: dict[int, torch.Tensor] = {}  # id of a full-slot tensor → its SWA slots
+    fk = None
     if job is not None:
-        keys_triton.run_fused(job, pack, flat, source.mapping.table if any(job.translate)
-                              else None)
-        built = [(job.full64[i], job.pos[i], *mask_tables(p, pack, flat.device))
-                 for i, (_, p) in enumerate(sets)]
-        w_full = job.w64
-        for i, t in enumerate(job.swa64):
-            if t is not None:
-                computed[id(job.full64[i])] = t
-        if job.wswa64 is not None:
-            computed[id(w_full)] = job.wswa64
+        fk = keys_triton.run_fused(job, pack, flat, source.mapping.table if any(job.translate)
+                                   else None)
+        built = [(kl.full64, kl.pos, *mask_tables(p, pack, flat.device))
+                 for kl, (_, p) in zip(fk.lists, sets)]
+        w_full = fk.w64
+        for kl in fk.lists:
+            if kl.swa64 is not None:
+                computed[id(kl.full64)] = kl.swa64
+        if fk.wswa64 is not None:
+            computed[id(w_full)] = fk.wswa64
     else:
         built = [key_tables(p, pack, flat, h.idx_dtype) for _, p in sets]
         w_full = flat.index_select(0, pack.dev(w_at)).long() if writes else None
@@ -195,8 +196,9 @@ def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]],
         kv, w = _space(key, sub, source, skip_translation, batch.full_id, slots, w_full, memo,
                        computed)
         i32 = None
-        if job is not None:  # the kernel wrote the list's int32 rows in the group's space too
-            i32 = job.full32[i] if kv.space == "full" else job.swa32[i]
+        if fk is not None:  # the kernel wrote the list's int32 rows in the group's space too
+            kl = fk.lists[i]
+            i32 = kl.full32 if kv.space == "full" else kl.swa32
         t = AttnTables(pack.dev(qo_h), pack.dev(p["kv_host"]), kv, pack.dev(q_pos), kv_pos,
                        mask, mask_indptr, h.max_q, pack.host(qo_h), pack.host(p["kv_host"]),
                        i32)
