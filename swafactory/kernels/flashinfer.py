@@ -228,6 +228,10 @@ class Adapter:
         """Last-page lengths (page size 1: all ones), pinned where CUDA is: one buffer sliced
         per pass instead of a new pageable tensor FlashInfer's plan copies each forward."""
         self._max_rows = 0
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """id of a pool buffer [rows, Hkv, D] → (it, its [rows, 1, Hkv, D] page view): a view op
+        costs 2 µs of host time per buffer per layer; cleared when the planned pool changes."""
+        self._views_pool = None
         self.replans = 0
         """Passes re-planned inside `run` because a layer's signature differed from the one
         given to `plan` (0 in an engine whose config matches its model)."""
@@ -241,6 +245,9 @@ class Adapter:
         """
         self._passes.clear()
         self._max_rows = max(sp.rows for sp in pool.sub_pools)
+        if pool is not self._views_pool:  # views of a former pool's buffers are let go
+            self._views.clear()
+            self._views_pool = pool
         for key, g in forward_plan.groups.items():
             sig = (sigs or {}).get(key)
             for role, t in g.passes:
@@ -280,6 +287,13 @@ class Adapter:
         return _Pass(key, role, window, decode, qo_host, kv_host, indices,
                      self._last(qo_host.numel() - 1), mask, mask_off,
                      graph=graph)
+
+    def _paged(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf`` [rows, Hkv, D] as FlashInfer's page-size-1 NHD cache [rows, 1, Hkv, D]."""
+        v = self._views.get(id(buf))
+        if v is None or v[0] is not buf:
+            v = self._views[id(buf)] = (buf, buf.unsqueeze(1))
+        return v[1]
 
     def _last(self, n: int) -> torch.Tensor:
         if self._ones.numel() < n:
@@ -362,7 +376,7 @@ class Adapter:
             self._plan_wrapper(p, sig, q.device)
             self.replans += 1
         want = lse or sinks is not None
-        out = p.wrapper.run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), return_lse=want)
+        out = p.wrapper.run(q, (self._paged(k_buf), self._paged(v_buf)), return_lse=want)
         if not want:
             return out, None
         o, l2 = out
