@@ -49,6 +49,7 @@ import torch
 
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.metadata.plan import PassCache
+from swafactory.metadata.vector import to_device
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
@@ -109,9 +110,7 @@ def _blocks(tables):
 
 def _ship(cols: list[torch.Tensor], dev: torch.device) -> tuple[torch.Tensor, ...]:
     """Equal-length host int64 columns on ``dev`` in one asynchronous copy."""
-    pack = torch.cat(cols)
-    pack = pack.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else pack.to(dev)
-    return pack.view(len(cols), -1).unbind(0)
+    return to_device(torch.cat(cols), dev).view(len(cols), -1).unbind(0)
 
 
 def _visible(tables, window: int | None, at, e, kvl, qo0, kv0) -> torch.Tensor:

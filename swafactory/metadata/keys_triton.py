@@ -181,6 +181,7 @@ def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
             wtr = sum(sizes64)
             sizes64.append(total_q)
     d = pack.add(np.asarray(dirs, dtype=np.int64).reshape(-1), _I64)
+    # the grid from host numbers (numpy): the longest list a request has, nothing read back
     longest = max([int((h.kv_end - p["start"]).max()) for p in sets] + [h.max_q, 1])
     grid = (h.B, -(-longest // BLOCK), len(sets) + (w_at is not None))
     scalars = (d[1], len(sets), rowc[1], pre[1], depoff_h[1], dep_h[1],

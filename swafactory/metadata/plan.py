@@ -139,7 +139,7 @@ def group_key(sub_pool: str, window: int | None) -> str:
     return sub_pool if window is None else f"{sub_pool}/w{window}"
 
 
-def _plan_vector(batch: ForwardBatch, groups: dict[str, tuple[str, int | None]], source,
+def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None]], source,
                  writes: bool, skip_translation: bool,
                  impl: str) -> tuple[dict[str, GroupPlan], HostBatch]:
     """Every group's tables, vectorized over requests. The per-request host numbers of all
@@ -287,7 +287,7 @@ def _split_cascade(g: GroupPlan, kv_nodes: torch.Tensor) -> GroupPlan:
 
 
 @lru_cache(maxsize=64)
-def _layer_groups(mapping: tuple, windows: tuple) -> tuple[dict, Mapping[int, str]]:
+def _layer_groups(mapping: tuple, windows: tuple) -> tuple[Mapping, Mapping[int, str]]:
     """(group key → (sub-pool, window), layer → group key) of a pool's layers: the same for
     every forward of a runner, so built once (a model has dozens of layers)."""
     wins = dict(windows)
@@ -297,7 +297,7 @@ def _layer_groups(mapping: tuple, windows: tuple) -> tuple[dict, Mapping[int, st
         k = group_key(sub, wins[layer])
         keys[k] = (sub, wins[layer])
         layer_groups[layer] = k
-    return keys, MappingProxyType(layer_groups)
+    return MappingProxyType(keys), MappingProxyType(layer_groups)  # shared: read-only
 
 
 def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],

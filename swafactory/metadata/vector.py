@@ -1,8 +1,9 @@
 """The vectorized half of planning: a forward's per-request host numbers, built once and shared
 by every layer group (`HostBatch`), shipped to the device in one copy (`Pack`), and each key
-list as one running sum over increments (`key_pieces` on the host, `key_tables` on the device):
-a few device ops per group whatever the batch size, none read back. `metadata.plan` assembles
-the tables from these pieces.
+list either as one running sum over increments (`key_pieces` on the host, `key_tables` on the
+device: the CPU path, a few torch ops per list) or, on a GPU, computed by one Triton launch for
+every list (`metadata.keys_triton`); none read back. `metadata.plan` assembles the tables from
+these pieces.
 
 The host arithmetic is numpy on ``[B]``-sized arrays: a torch op on a small CPU tensor costs
 3–7 µs of dispatch, a numpy op about 1 µs, and a forward makes about fifty of them. Only the
