@@ -46,7 +46,9 @@ def plan_splits(programs: int, total_kv: int, batch: int, block_n: int, device: 
     device sync, so the choice is stable under CUDA-graph capture for a fixed shape.
     """
     target = 4 * _sm_count(str(device))
-    want = -(-target // max(programs, 1))
+    # rounded down: programs × splits past one wave of ``target`` starts a second wave of equal
+    # programs (H200, GPT-OSS full layer at bs 8, 64 programs: 9 splits 0.107 ms, 8 0.055)
+    want = max(1, target // max(programs, 1))
     avg = total_kv // max(batch, 1)
     most = max(1, -(-avg // (2 * block_n)))  # at least two key tiles per split
     return int(max(1, min(want, most, 64)))
