@@ -17,6 +17,7 @@ must agree (max |factory - raw|, reported; bit-identical is expected where the c
 same). Times are ``triton.testing.do_bench`` medians after warm-up.
 
     python3 bench/bench_factory.py --out $OUT [--models gemma4,gpt_oss_20b] [--modes ...] [--bs ...]
+    python3 bench/bench_factory.py --out $OUT --fp8 flashinfer,triton --bs 64   (bench_fp8.py)
 
 Writes OUT/factory-h200.md, .json and .png (step time against batch size: factory, raw, floor;
 planning time against batch size).
@@ -108,7 +109,11 @@ def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0, backend_name
     g = torch.Generator(device=device).manual_seed(seed)
     for sub in pool.sub_pools:
         for buf in (*sub.k_bufs, *sub.v_bufs):
-            buf.normal_(generator=g)
+            if buf.dtype.itemsize == 1:  # fp8: no normal_ kernel; drawn in bf16 and cast
+                buf.copy_(torch.randn(buf.shape, generator=g, device=device,
+                                      dtype=torch.bfloat16))
+            else:
+                buf.normal_(generator=g)
     backend = swafactory.build_backend(cfg, pools=pool)
     return cfg, pool, alloc, slots, backend
 
@@ -393,7 +398,14 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds: no case starts later")
     ap.add_argument("--triton", action="store_true",
                     help="also time backend=triton on the multi-token (verify, draft) steps")
+    ap.add_argument("--fp8", default="",
+                    help="instead: fp8 against bf16 KV decode through these backends "
+                         "(bench/bench_fp8.py), e.g. flashinfer,triton")
     a = ap.parse_args()
+    if a.fp8:
+        from bench_fp8 import run_fp8
+
+        return run_fp8(a)
     import flashinfer
     from triton.testing import do_bench
 

@@ -24,6 +24,7 @@ import torch
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
 from swafactory.graph_state import GraphState, bucket_writes, capture_plan
+from swafactory.kvcache.quant import is_fp8, query_dtype, store_rows
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata.plan import ForwardPlan, plan
 from swafactory.registry.capabilities import Capabilities
@@ -128,8 +129,8 @@ class AttentionBackend:
         for layer, g in fplan.layer_groups.items():
             if g not in sigs:
                 sub = pool.sub_pool(layer)
-                sigs[g] = (self.q_heads, sub.num_kv_heads, sub.head_dim, sub.dtype, sub.dtype,
-                           self._scale(sub), self.softcap)
+                sigs[g] = (self.q_heads, sub.num_kv_heads, sub.head_dim, query_dtype(sub.dtype),
+                           sub.dtype, self._scale(sub), self.softcap)
         self._sig_cache = (pool, key, sigs)  # the pool held, so its identity cannot be reused
         return sigs
 
@@ -224,15 +225,19 @@ class AttentionBackend:
                         for key, g in fplan.groups.items()}
         pool = self._pool
         cached = self._layers
-        if cached is None or cached[0] is not pool or cached[1] != fplan.layer_groups:
+        version = pool.scales_version
+        if (cached is None or cached[0] is not pool or cached[1] != fplan.layer_groups
+                or cached[3] != version):
             entries = {}
             for layer, key in fplan.layer_groups.items():
                 k_buf, v_buf, sub = pool.get_kv(layer)
                 kw = dict(window=fplan.groups[key].window, scale=self._scale(sub),
                           softcap=self.softcap)
+                if is_fp8(sub.dtype):  # kernels dequantize with the layer's scales
+                    kw["k_scale"], kw["v_scale"] = pool.kv_scales(layer)
                 entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id))
             # the pool is held, so its identity cannot be reused by another one
-            self._layers = (pool, dict(fplan.layer_groups), entries)
+            self._layers = (pool, dict(fplan.layer_groups), entries, version)
 
     def _check_layer(self, layer_id: int, g, sub, pair: tuple[str, str]) -> None:
         """The typed-space checks of a layer's reads and writes, once per (group, sub-pool) per
@@ -273,6 +278,11 @@ class AttentionBackend:
                              f"{k_buf.shape[1]}, {k_buf.shape[2]}], got {list(k.shape)} / "
                              f"{list(v.shape)}")
         # index_copy_: one kernel, and less dispatch than ``k_buf[idx] = k`` (host-bound steps)
+        if is_fp8(k_buf.dtype):  # quantized with the layer's scales (the pool's own rule)
+            k_scale, v_scale = self._pool.kv_scales(layer_id)
+            store_rows(k_buf, idx, k, k_scale)
+            store_rows(v_buf, idx, v, v_scale)
+            return
         k_buf.index_copy_(0, idx, k if k.dtype == k_buf.dtype else k.to(k_buf.dtype))
         v_buf.index_copy_(0, idx, v if v.dtype == v_buf.dtype else v.to(v_buf.dtype))
 

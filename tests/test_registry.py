@@ -143,7 +143,9 @@ def test_tree_rules_strategy_and_paged_trees() -> None:
 
 def test_cuda_graph_and_dtype_rules() -> None:
     cfg = swafactory.compose(["backend=torch", "backend.cuda_graph=true", "backend.kv_dtype=fp8_e4m3"])
-    assert rules(cfg, CPU) == {"cuda_graph@backend.cuda_graph", "dtype@backend.kv_dtype"}
+    assert rules(cfg, CPU) == {"cuda_graph@backend.cuda_graph"}  # torch reads fp8 with scales
+    flex = swafactory.compose(["backend=flex", "backend.kv_dtype=fp8_e4m3", "model=gpt_oss_20b"])
+    assert "dtype@backend.kv_dtype" in rules(flex, CPU)
     graphs = swafactory.compose(["backend=flashinfer", "backend.cuda_graph=true"])
     assert rules(graphs, H200) == set()  # swafactory.graphs serves flashinfer decode/verify
     no_graphs = swafactory.compose(["backend=triton", "backend.cuda_graph=true"])
@@ -194,3 +196,16 @@ def test_register_backend_refuses_duplicates_and_accepts_new(monkeypatch) -> Non
         get_capabilities("mine")  # the module declares another key
     get_capabilities.cache_clear()
     importlib.import_module("swafactory.kernels.torch_ref")
+
+
+def test_flashinfer_fp8_is_refused_for_the_512_layers_on_sm90_only() -> None:
+    """FlashInfer 0.6.18 has no fp8-KV kernel at head_dim 512 below SM100: Gemma 4's full layers
+    are refused on the H200, naming the group and offering triton; GPT-OSS (D = 64) is not."""
+    fp8 = ["backend=flashinfer", "backend.kv_dtype=fp8_e4m3", "spec=none"]
+    gemma = swafactory.compose([*fp8, "model=gemma4"])
+    assert rules(gemma, H200) == {"dtype@backend.kv_dtype"}
+    err = pytest.raises(ConfigError, validate, gemma, H200).value
+    assert "the 10 full layers of gemma4 have head_dim 512" in str(err)
+    assert "up to head_dim 256 on SM90" in str(err) and "triton" in err.alternatives
+    assert rules(gemma, B200) == set()
+    assert rules(swafactory.compose([*fp8, "model=gpt_oss_20b"]), H200) == set()

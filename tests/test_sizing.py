@@ -47,6 +47,18 @@ def test_hybrid_bytes_per_request_equal_the_analytic_values(model: str, ctx: int
     assert (plan.hybrid_bytes_per_request, plan.full_only_bytes_per_request) == (hybrid, full_only)
 
 
+@pytest.mark.parametrize("model", sorted(CASES))
+def test_fp8_kv_halves_every_byte_figure_of_bf16(model: str) -> None:
+    spec, n_full, bf, n_swa, bs, keep = CASES[model]
+    hybrid, full_only = _hand(n_full, bf // 2, n_swa, bs // 2, keep, 32 * K)
+    cfg = swafactory.compose([f"model={model}", f"spec={spec}", "backend=torch",
+                              "backend.kv_dtype=fp8_e4m3", f"workload.context_len={32 * K}"])
+    s = pool_sizing(cfg)
+    assert (s.hybrid_bytes_per_request, s.full_only_bytes_per_request) == (hybrid, full_only)
+    plan = swafactory.plan_summary(cfg, swafactory.DeviceInfo("cpu"))
+    assert plan.kv_dtype == "fp8_e4m3" and plan.hybrid_bytes_per_request == hybrid
+
+
 def test_gemma3_keeps_every_token_because_its_pool_is_not_split() -> None:
     cfg = swafactory.compose(["model=gemma3_4b", "spec=none"])
     s = pool_sizing(cfg)

@@ -25,7 +25,7 @@ from swafactory.config.schema import SwaFactoryConfig
 from swafactory.engine.models import draft_copy, draft_from_layers, load_target, serving_model
 from swafactory.engine.runner import Runner
 from swafactory.kvcache.draft import build_draft_pool, own_draft_pool, split_draft_pool
-from swafactory.kvcache.factory import build_pools, torch_dtype
+from swafactory.kvcache.factory import build_pools, compute_dtype, torch_dtype
 from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import size_pools
@@ -59,8 +59,7 @@ class Parts:
 
 def model_dtype(cfg: SwaFactoryConfig) -> torch.dtype:
     """The model's compute dtype: the KV dtype (bf16 for fp8 KV)."""
-    kv = cfg.backend.kv_dtype
-    return torch.bfloat16 if kv == "fp8_e4m3" else torch_dtype(kv)
+    return compute_dtype(cfg.backend.kv_dtype)
 
 
 def serving_config(cfg: SwaFactoryConfig, model, device: DeviceInfo) -> SwaFactoryConfig:

@@ -94,11 +94,14 @@ class ForwardOracle:
             self._padded[key] = pad
         return self._padded[key]
 
-    def reference(self, spec, q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    def reference(self, spec, q: torch.Tensor, sinks: torch.Tensor | None,
+                  raw: bool = False) -> torch.Tensor:
         """One layer's reference: q [total_q, Hq, D] → [total_q, Hq, D] fp32.
-        ``spec``: the layer's `LayerSpec` (window, scale, soft-cap, history layer)."""
+        ``spec``: the layer's `LayerSpec` (window, scale, soft-cap, history layer); ``raw``:
+        over the K/V an fp8 layer was given, before its pool rounded them."""
         hq, d = q.shape[1], q.shape[2]
-        kv = [self.hist[r.rid].kv_from(spec.history_layer, n) for r, n in zip(self.reqs, self.n)]
+        kv = [self.hist[r.rid].kv_from(spec.history_layer, n, raw=raw)
+              for r, n in zip(self.reqs, self.n)]
         starts = tuple(s for s, _, _ in kv)
         lens = [n - s for n, s in zip(self.n, starts)]
         kw = dict(scale=spec.scale, softcap=spec.softcap, sinks=sinks)

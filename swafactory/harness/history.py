@@ -53,21 +53,41 @@ class _Rows:
 
 @dataclass
 class History:
-    """One request's tokens in slot order: position, and K/V rows per (history) layer."""
+    """One request's tokens in slot order: position, and K/V rows per (history) layer.
+
+    A layer stored in fp8 keeps two histories: ``k``/``v``, what the pool holds (each value
+    quantized and dequantized with the layer's scales, the oracle's exact check), and
+    ``k_raw``/``v_raw``, the values the model wrote (the reported error of fp8 against bf16)."""
 
     pos: list[int] = field(default_factory=list)
     k: dict[int, _Rows] = field(default_factory=dict)
     v: dict[int, _Rows] = field(default_factory=dict)
+    k_raw: dict[int, _Rows] = field(default_factory=dict)
+    v_raw: dict[int, _Rows] = field(default_factory=dict)
 
-    def record(self, layer: int, keep: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Tokens ``keep:`` of ``layer`` become ``k``, ``v`` ([m, Hkv, D])."""
-        for store, new in ((self.k, k), (self.v, v)):
+    def _stores(self) -> tuple[dict[int, _Rows], ...]:
+        return self.k, self.v, self.k_raw, self.v_raw
+
+    def record(self, layer: int, keep: int, k: torch.Tensor, v: torch.Tensor,
+               raw: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Tokens ``keep:`` of ``layer`` become ``k``, ``v`` ([m, Hkv, D]); ``raw``: the values
+        before an fp8 pool's rounding (the same shapes), kept beside them."""
+        pairs = [(self.k, k), (self.v, v)]
+        if raw is not None:
+            pairs += [(self.k_raw, raw[0]), (self.v_raw, raw[1])]
+        for store, new in pairs:
             store.setdefault(layer, _Rows()).set_tail(keep, new)
 
-    def kv_from(self, layer: int, n: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def has_raw(self, layer: int) -> bool:
+        """True when ``layer`` keeps the values before rounding (an fp8 layer)."""
+        return layer in self.k_raw
+
+    def kv_from(self, layer: int, n: int, raw: bool = False
+                ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """``(start, keys, values)``: tokens ``start:n`` of ``layer``, ``[n - start, Hkv, D]``
-        each, where ``start`` is the first row still kept (0 unless rows were dropped)."""
-        k, v = self.k[layer], self.v[layer]
+        each, where ``start`` is the first row still kept (0 unless rows were dropped);
+        ``raw``: the values before an fp8 pool's rounding."""
+        k, v = (self.k_raw[layer], self.v_raw[layer]) if raw else (self.k[layer], self.v[layer])
         if k.n < n:
             raise IndexError(f"history of layer {layer} holds {k.n} tokens, {n} asked")
         return k.start, k.rows(k.start, n), v.rows(v.start, n)
@@ -82,21 +102,21 @@ class History:
     def drop_before(self, layer: int, start: int) -> None:
         """Forget ``layer``'s tokens before ``start``: no query to come can see them (a sliding
         window layer, ``start`` ≤ the oldest position still inside every future window)."""
-        for store in (self.k, self.v):
+        for store in self._stores():
             if layer in store:
                 store[layer].drop_before(start)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens (rejected draft tokens are dropped)."""
         del self.pos[n:]
-        for store in (self.k, self.v):
+        for store in self._stores():
             for rows in store.values():
                 rows.n = max(rows.start, min(rows.n, n))
 
     def reorder_tail(self, start: int, picks: Sequence[int]) -> None:
         """Tokens ``start + picks[j]`` become ``start + j`` (accepted tree path moved in place)."""
         moved: dict[tuple, torch.Tensor] = {}  # one index per (device, first kept row), not per layer
-        for store in (self.k, self.v):
+        for store in self._stores():
             for rows in store.values():
                 key = (rows.buf.device, rows.start)
                 if key not in moved:

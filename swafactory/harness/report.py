@@ -91,6 +91,8 @@ def _facts(report: Report) -> Table:
         ("accept length", "-" if report.accept_len is None else f"{report.accept_len:.2f} tok/step"),
         ("leaked", _leaks(report.leaked)),
         ("fault", report.fault or "none"),
+        *([("fp8 KV vs bf16", f"max relative error {report.kv_quant_error:.2e} (reported, not "
+                               "checked)")] if report.kv_quant_error is not None else []),
         ("status", "[green]ok[/]" if report.status == "ok" else "[red b]failed[/]"),
     ]
     if report.peak_device_bytes is not None:  # a GPU run: what planning several on one GPU needs

@@ -100,6 +100,10 @@ class Report(_Model):
     passed: int
     max_rel_err: float
     tolerance: float
+    kv_quant_error: float | None = None
+    """fp8 KV: the largest relative error of a checked output against attention over the K/V
+    before the pool rounded them (what fp8 costs against the model's bf16); the check itself
+    (`max_rel_err`) is against the rounded history. None without fp8 KV."""
     peak_swa_use: float
     """Peak used / total SWA slots."""
     peak_full_use: float

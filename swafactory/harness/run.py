@@ -199,6 +199,13 @@ def _with_ranks(report: Report, parts, loop, clock: _Clock) -> Report:
                                      "gather_ms_per_step": gather})
 
 
+def _quant_error(parts) -> float | None:
+    """fp8 KV: the workers' largest error against the unrounded K/V (one read at the end)."""
+    errs = [x.kv_quant_err for x in (parts.target, parts.draft) if x is not None
+            and x.kv_quant_err is not None] if parts else []
+    return max(float(e) for e in errs) if errs else None
+
+
 def _graph_use(workers) -> str:
     """What the graphs did: a run that asked for them must show replays, not just say 'on'."""
     gs = [g for x in workers for g in x.graphs.values()]
@@ -249,6 +256,7 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, b
         mode_stats=sorted(stats.values(), key=lambda x: (x.worker != "target", x.mode)),
         checks=checks, passed=passed,
         max_rel_err=max((st.max_rel_err for st in stats.values()), default=0.0), tolerance=tol,
+        kv_quant_error=_quant_error(parts),
         peak_swa_use=max((h.swa_use for h in history), default=0.0),
         peak_full_use=max((h.full_use for h in history), default=0.0),
         evictions=loop.evicted if loop else 0, hybrid_bytes=pool_bytes, full_only_bytes=full_only,

@@ -8,10 +8,11 @@ import torch
 from swafactory.backend import build_backend, model_windows
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import CapacityError
+from swafactory.harness.kv_quant import set_harness_scales
 from swafactory.harness.workers import LayerSpec, Worker
 from swafactory.harness.world import target_layer_specs
 from swafactory.kvcache.draft import build_draft_pool, frozen_draft_view, own_draft_pool
-from swafactory.kvcache.factory import build_pools, torch_dtype
+from swafactory.kvcache.factory import build_pools, compute_dtype, torch_dtype
 from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import size_pools
@@ -95,11 +96,12 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
     scfg = cfg if shard is None else shard_config(cfg, shard)
     sizes = pool_sizes(cfg, prompts, outs)
     pool, alloc = build_pools(scfg, sizes.full, sizes.swa, device, check_mode=True)
+    set_harness_scales(pool)  # fp8 KV: per-layer scales, as a calibrated checkpoint has
     alloc.shuffle(gen)  # pages in random order
     slots = RequestSlots(alloc, ReqToToken(cfg.workload.max_running_requests, sizes.max_context,
                                            device))
     kv = cfg.backend.kv_dtype
-    q_dtype = torch.bfloat16 if kv == "fp8_e4m3" else torch_dtype(kv)
+    q_dtype = compute_dtype(kv)
     sinks = {i: (torch.randn(m.num_attention_heads, generator=gen) * 2)
              for i in range(m.num_layers)} if m.attention_sinks else {}
     binding = frozen_draft_binding(cfg) if s.draft_kv == "target_pool" else ()
@@ -113,6 +115,7 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
         headroom = 0.5 if f.no_draft_headroom else 1.0
         dpool = build_draft_pool(scfg, pool, alloc, device=device, check_mode=True,
                                  headroom=headroom, unsafe_undersized=f.no_draft_headroom)
+        set_harness_scales(dpool)
         view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
         types = ["full_attention"] * s.draft_num_layers
         if dpool.is_split:

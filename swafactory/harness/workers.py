@@ -15,6 +15,7 @@ from swafactory.backend import AttentionBackend
 from swafactory.graphs import GraphedAttention
 from swafactory.harness.forward_oracle import ForwardOracle, request_visibility
 from swafactory.harness.history import History
+from swafactory.harness.kv_quant import fp8_roundtrip
 from swafactory.harness.oracle import masked_attention
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
@@ -102,6 +103,9 @@ class Worker:
         self.draw_gen = gen if device == "cpu" else torch.Generator(device).manual_seed(
             int(torch.randint(2 ** 62, (1,), generator=gen)))
         self.graphs: dict[tuple[str, int], GraphedAttention] = {}
+        # fp8 KV: the largest error of a checked output against attention over the unrounded
+        # K/V (0-dim on the device, read once by the report; None without fp8 layers)
+        self.kv_quant_err: torch.Tensor | None = None
         self._full: dict[int, tuple] = {}  # layer → this forward's full-head (q, k, v), on device
 
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
@@ -152,10 +156,14 @@ class Worker:
                 out = _all_gather_heads(out)
                 gather_s += time.perf_counter() - t0
             if self.writes:
-                self._record(reqs, spec.history_layer, *self._full[layer][1:])
+                self._record(reqs, layer, spec.history_layer, *self._full[layer][1:])
             if check:
                 err = Check.relative_error(out, self._reference(oracle, layer))
                 errs[layer] = float(err) if per_layer else err
+                if self.hist[reqs[0].rid].has_raw(spec.history_layer):  # fp8: the cost, reported
+                    qerr = Check.relative_error(out, self._reference(oracle, layer, raw=True))
+                    self.kv_quant_err = qerr if self.kv_quant_err is None else \
+                        torch.maximum(self.kv_quant_err, qerr)
                 if not per_layer or not errs[layer] <= keep_above:
                     kept[layer] = out
             if layer not in kept:
@@ -184,8 +192,9 @@ class Worker:
         self._full.clear()
         return checks
 
-    def _reference(self, oracle: ForwardOracle, layer: int) -> torch.Tensor:
-        return oracle.reference(self.layers[layer], self._full[layer][0], self.sinks.get(layer))
+    def _reference(self, oracle: ForwardOracle, layer: int, raw: bool = False) -> torch.Tensor:
+        return oracle.reference(self.layers[layer], self._full[layer][0], self.sinks.get(layer),
+                                raw=raw)
 
     def _draw(self, layer: int, spec: LayerSpec, nq: int):
         """Seeded q (and k, v when writing) of one layer; returns this runner's head shard of
@@ -230,11 +239,22 @@ class Worker:
         g = self.graphs[key]
         return g if batch.batch_size <= g.buckets[-1] else None
 
-    def _record(self, reqs: Sequence[ReqForward], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _record(self, reqs: Sequence[ReqForward], layer: int, hist_layer: int, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+        """This forward's written K/V ([total_q, Hkv, D]) of runner layer ``layer`` into each
+        request's history; an fp8 layer records what its pool holds, and the values beside."""
+        raw = None
+        pool = self.backend.view.active_pool
+        dtype = pool.sub_pool(layer).dtype
+        if dtype == torch.float8_e4m3fn:
+            k_scale, v_scale = pool.kv_scales(layer)
+            raw = (k, v)
+            k, v = fp8_roundtrip(k, k_scale, dtype), fp8_roundtrip(v, v_scale, dtype)
         row = 0
         for r in reqs:
-            self.hist[r.rid].record(layer, r.prefix_len + r.query_from, k[row:row + r.q_len],
-                                    v[row:row + r.q_len])
+            rows = slice(row, row + r.q_len)
+            self.hist[r.rid].record(hist_layer, r.prefix_len + r.query_from, k[rows], v[rows],
+                                    raw=None if raw is None else (raw[0][rows], raw[1][rows]))
             row += r.q_len
 
 

@@ -8,8 +8,9 @@ import torch
 
 from swafactory.backend import AttentionBackend, build_backend
 from swafactory.config.schema import SwaFactoryConfig
+from swafactory.harness.kv_quant import set_harness_scales
 from swafactory.harness.workers import Check, History, LayerSpec, Worker, oracle_for
-from swafactory.kvcache.factory import build_pools, torch_dtype
+from swafactory.kvcache.factory import build_pools, compute_dtype, torch_dtype
 from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.metadata.batch import ForwardMode, ReqForward
@@ -39,6 +40,7 @@ class World:
         self.cfg, self.device = cfg, device
         self.gen = torch.Generator().manual_seed(seed)
         self.pool, self.alloc = build_pools(cfg, size_full, size_swa, device, check_mode)
+        set_harness_scales(self.pool)  # fp8 KV: per-layer scales, as a calibrated checkpoint has
         self.alloc.shuffle(self.gen)  # random page permutations
         self.slots = RequestSlots(self.alloc, ReqToToken(max_requests, max_context, device))
         self.backend = backend or build_backend(cfg, pools=self.pool)
@@ -48,7 +50,7 @@ class World:
         self.sinks = {i: torch.randn(m.num_attention_heads, generator=self.gen) * 2
                       for i in range(m.num_layers)} if m.attention_sinks else {}
         kv = cfg.backend.kv_dtype
-        self.q_dtype = torch.bfloat16 if kv == "fp8_e4m3" else torch_dtype(kv)
+        self.q_dtype = compute_dtype(kv)
 
     def open(self, rid: Hashable) -> None:
         """Start a request with no tokens."""

@@ -77,7 +77,12 @@ CAPABILITIES = Capabilities(
                "(checked against the oracle on the H200)",
     softcap=True,
     cuda_graph=True,  # every mode, through AttentionBackend.init_forward_metadata_capture/replay
-    kv_dtypes=frozenset({"float16", "bfloat16"}),
+    kv_dtypes=frozenset({"float16", "bfloat16", "fp8_e4m3"}),
+    fp8_max_head_dim=256,
+    fp8_limited_archs=frozenset({80, 86, 89, 90}),
+    fp8_note="FlashInfer 0.6.18 builds its fp8-KV kernels at head_dim 512 for SM100+ only: "
+             "'No supported CUDA architectures found for major versions [10, 11, 12]' on the "
+             "H200",
 )
 
 
@@ -355,11 +360,13 @@ class Adapter:
         p.wrapper, p.planned_for = w, sig
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
-            lse: bool = True):
+            lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
         """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32 natural log, or
         None when ``lse`` is False and no sink needs it: the kernel then writes none).
 
-        q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16); sinks: [Hq] or None.
+        q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16, or fp8 e4m3 with the
+        layer's ``k_scale``/``v_scale``: FlashInfer folds k_scale into the softmax scale and
+        multiplies the output by v_scale); sinks: [Hq] or None.
         """
         p = self._passes.of(tables)
         if window != p.window:
@@ -375,7 +382,9 @@ class Adapter:
             self._plan_wrapper(p, sig, q.device)
             self.replans += 1
         want = lse or sinks is not None
-        out = p.wrapper.run(q, (self._paged(k_buf), self._paged(v_buf)), return_lse=want)
+        scales = {} if k_buf.dtype.itemsize > 1 else dict(k_scale=k_scale, v_scale=v_scale)
+        out = p.wrapper.run(q, (self._paged(k_buf), self._paged(v_buf)), return_lse=want,
+                            **scales)
         if not want:
             return out, None
         o, l2 = out

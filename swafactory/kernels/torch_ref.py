@@ -19,6 +19,8 @@ One call attends the queries of a batch over paged K/V of one layer, in flattene
 * ``window``: HF W or None; allowed = structure & (q_pos - kv_pos < W).
 * ``scale``: softmax scale; ``softcap``: s = cap·tanh(s/cap) before masking; ``sinks``: [Hq]
   fp32, one extra logit per head in the denominator with a zero value.
+* ``k_scale``, ``v_scale``: host floats; fp8 buffers hold K / k_scale and V / v_scale
+  (`swafactory.kvcache.quant`), so a kernel reads K = stored · k_scale (1.0 for other dtypes).
 
 Returns ``o`` [total_q, Hq, D] in q's dtype and ``lse`` [total_q, Hq] fp32 (natural log of the
 masked scores' sum, sink included). A query that sees nothing and has no sink gets o = 0 and
@@ -47,7 +49,7 @@ CAPABILITIES = Capabilities(
     sinks=True,
     sinks_note="sink logits join the softmax denominator",
     softcap=True,
-    kv_dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    kv_dtypes=frozenset({"float32", "float16", "bfloat16", "fp8_e4m3"}),
 )
 
 
@@ -78,7 +80,8 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
                         kv_indices: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
                         mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None,
                         window: int | None = None, scale: float, softcap: float | None = None,
-                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract above in fp32, vectorized per request. Returns (o, lse)."""
     nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                                mask, mask_indptr, sinks)
@@ -96,6 +99,8 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
             continue
         rows = kv_indices[k0:k1].long()
         kb, vb = k_buf[rows].float(), v_buf[rows].float()                    # [nk, Hkv, D]
+        if k_scale != 1.0 or v_scale != 1.0:  # dequantized (an fp8 pool)
+            kb, vb = kb * k_scale, vb * v_scale
         kp = kv_pos[k0:k1].long()
         # 0·NaN would leak a masked non-finite value: multiply clean values, then poison only
         # the queries that really see a non-finite value.
@@ -135,12 +140,14 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
 
 def attend(tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, *,
            window: int | None, scale: float, softcap: float | None = None,
-           sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+           v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention_reference` over one pass's planner tables (`metadata.AttnTables`)."""
     return attention_reference(q, k_buf, v_buf, tables.qo_indptr, tables.kv_indptr,
                                tables.kv_indices.tensor, tables.q_pos, tables.kv_pos,
                                mask=tables.mask, mask_indptr=tables.mask_indptr, window=window,
-                               scale=scale, softcap=softcap, sinks=sinks)
+                               scale=scale, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                               v_scale=v_scale)
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
@@ -179,10 +186,10 @@ class Adapter:
     capabilities = CAPABILITIES
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
-            lse: bool = True):
+            lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
         """One pass → (o, lse); the kernel computes the LSE either way (``lse`` is a hint)."""
         return attend(tables, q, k_buf, v_buf, window=window, scale=scale, softcap=softcap,
-                      sinks=sinks)
+                      sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""

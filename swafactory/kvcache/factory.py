@@ -6,8 +6,9 @@ import torch
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.kvcache.allocator import SWAAllocator, TokenAllocator
 from swafactory.kvcache.pool import HybridSWAPool, KVPool, layers_mapping_for
+from swafactory.kvcache.quant import query_dtype
 
-__all__ = ["build_pools", "torch_dtype"]
+__all__ = ["build_pools", "torch_dtype", "compute_dtype"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp8_e4m3": torch.float8_e4m3fn}
@@ -19,6 +20,11 @@ def torch_dtype(kv_dtype: str) -> torch.dtype:
         return _DTYPES[kv_dtype]
     except KeyError:
         raise ValueError(f"unknown kv_dtype {kv_dtype!r}; known: {', '.join(_DTYPES)}") from None
+
+
+def compute_dtype(kv_dtype: str) -> torch.dtype:
+    """The queries' (and the model's) dtype beside a ``backend.kv_dtype`` key: bf16 for fp8."""
+    return query_dtype(torch_dtype(kv_dtype))
 
 
 def build_pools(cfg: SwaFactoryConfig, size_full: int, size_swa: int,

@@ -5,9 +5,12 @@ the pool's own registered mapping (DESIGN invariant 1: translate before indexing
 """
 from __future__ import annotations
 
+import torch
+
 from swafactory.errors import SpaceError
 from swafactory.kvcache.locs import Locs, translate
 from swafactory.kvcache.pool import HybridSWAPool
+from swafactory.kvcache.quant import is_fp8
 
 __all__ = ["move_kv"]
 
@@ -34,5 +37,6 @@ def move_kv(pool: HybridSWAPool, src: Locs, dst: Locs) -> None:
                              f"{sub.pool_id!r}")
         si, di = s.tensor.long(), d.tensor.long()
         for k, v in zip(sub.k_bufs, sub.v_bufs):
-            k[di] = k[si].clone()
-            v[di] = v[si].clone()
+            for buf in (k, v):  # the stored bytes move as they are (an fp8 row keeps its scale)
+                raw = buf.view(torch.uint8) if is_fp8(buf.dtype) else buf
+                raw.index_copy_(0, di, raw.index_select(0, si))

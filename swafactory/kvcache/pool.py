@@ -7,6 +7,7 @@ never allocated, the target of padded writes and of absent (0) mapping entries (
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Literal
@@ -16,6 +17,7 @@ import torch
 from swafactory.errors import SpaceError
 from swafactory.errors import CapacityError
 from swafactory.kvcache.locs import Locs, SlotMapping, Space
+from swafactory.kvcache.quant import poison_rows, store_rows
 
 __all__ = ["KVPool", "HybridSWAPool", "ReqToToken", "CapacityError", "SubPool",
            "layers_mapping_for"]
@@ -62,6 +64,21 @@ class KVPool:
                        for _ in range(num_layers)]
         self.v_bufs = [torch.full(shape, fill, dtype=dtype, device=self.device)
                        for _ in range(num_layers)]
+        # per local layer: an fp8 pool stores x / scale (`swafactory.kvcache.quant`); host
+        # floats, so a kernel takes them as arguments without a device read
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
+        self.scales_version = 0  # bumped by set_scales: a backend's cached layer kwargs follow
+
+    def set_scales(self, local: int, k_scale: float, v_scale: float) -> None:
+        """Local layer ``local``'s K and V scales (a checkpoint's calibrated ones); set them before
+        the layer's first write: stored rows keep the scale they were written with."""
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
+                raise ValueError(f"KVPool {self.pool_id!r} layer {local}: {name} must be a "
+                                 f"positive finite float, got {s!r}")
+        self.k_scales[local], self.v_scales[local] = float(k_scale), float(v_scale)
+        self.scales_version += 1
 
     @property
     def bytes(self) -> int:
@@ -78,8 +95,8 @@ class KVPool:
             return
         rows = rows.to(self.device, torch.int64)
         for k, v in zip(self.k_bufs, self.v_bufs):  # index_fill_: `k[rows] = nan` would send
-            k.index_fill_(0, rows, float("nan"))   # the scalar to the GPU, a sync per layer
-            v.index_fill_(0, rows, float("nan"))
+            poison_rows(k, rows)                    # the scalar to the GPU, a sync per layer
+            poison_rows(v, rows)
 
     def accepts(self, locs: Locs) -> bool:
         """True when ``locs`` are slot ids in this pool's index space."""
@@ -196,6 +213,21 @@ class HybridSWAPool:
         local = self.layers_mapping[layer_id][1]
         return pool.k_bufs[local], pool.v_bufs[local], pool
 
+    @property
+    def scales_version(self) -> int:
+        """Changes whenever a sub-pool's scales do."""
+        return sum(p.scales_version for p in self.sub_pools)
+
+    def kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of ``layer_id`` (1.0 unless set; only fp8 pools use them)."""
+        pool = self.sub_pool(layer_id)
+        local = self.layers_mapping[layer_id][1]
+        return pool.k_scales[local], pool.v_scales[local]
+
+    def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        """Set ``layer_id``'s K and V scales in the sub-pool that holds it (`KVPool.set_scales`)."""
+        self.sub_pool(layer_id).set_scales(self.layers_mapping[layer_id][1], k_scale, v_scale)
+
     def check(self, layer_id: int, locs: Locs) -> None:
         """The checks of a checked `write` (typed space; bounds in check mode), without writing:
         an engine that writes inside a CUDA graph checks each replay's slots here, outside it."""
@@ -227,7 +259,8 @@ class HybridSWAPool:
     def write(self, layer_id: int, locs: Locs, k: torch.Tensor, v: torch.Tensor, *,
               checked: bool = True) -> None:
         """Store K/V of ``len(locs)`` tokens. ``locs``: ``[n]`` slots in the layer's sub-pool
-        space; ``k``, ``v``: ``[n, kv_heads, head_dim]``, cast to the sub-pool's dtype.
+        space; ``k``, ``v``: ``[n, kv_heads, head_dim]``, cast to the sub-pool's dtype (an fp8
+        sub-pool quantizes with the layer's scales).
         ``checked=False`` skips the typed-space and bounds checks (stores at whatever rows
         ``locs`` holds), as an engine that embedded only the kernels would."""
         if self.read_only:
@@ -240,8 +273,10 @@ class HybridSWAPool:
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"layer {layer_id}: k/v must be {list(want)}, got "
                              f"{list(k.shape)} / {list(v.shape)}")
-        k_buf[idx] = k.to(pool.dtype)
-        v_buf[idx] = v.to(pool.dtype)
+        local = self.layers_mapping[layer_id][1]
+        idx = idx.to(k_buf.device)
+        store_rows(k_buf, idx, k, pool.k_scales[local])
+        store_rows(v_buf, idx, v, pool.v_scales[local])
         if pool.check_mode:  # padded tokens write the dummy page; keep it poisoned
             k_buf[:pool.page_size] = float("nan")
             v_buf[:pool.page_size] = float("nan")

@@ -61,3 +61,9 @@ class Capabilities:
     """Decode/verify can be captured in CUDA graphs."""
     kv_dtypes: frozenset[str] = field(default_factory=lambda: frozenset({"float16", "bfloat16"}))
     """KV storage dtypes."""
+    fp8_max_head_dim: int | None = None
+    """Largest head dim its fp8 KV path serves on the SM versions in `fp8_limited_archs`."""
+    fp8_limited_archs: frozenset[int] = frozenset()
+    """Where `fp8_max_head_dim` applies (other archs serve fp8 at every head dim it serves)."""
+    fp8_note: str = ""
+    """Why the fp8 head-dim limit is what it is."""

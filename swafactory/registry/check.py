@@ -148,6 +148,18 @@ def _dtype(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterat
         ok = sorted(caps.kv_dtypes)
         yield _r("backend.kv_dtype", f"{caps.name} stores KV as {ok}, got {dt!r}",
                  f"backend.kv_dtype={'bfloat16' if 'bfloat16' in ok else ok[0]}")
+        return
+    if dt != "fp8_e4m3" or caps.fp8_max_head_dim is None or dev.kind != "cuda" or \
+            dev.sm not in caps.fp8_limited_archs:
+        return
+    m = cfg.model
+    for group, geo, layers in (("swa", m.swa, m.swa_layers), ("full", m.full, m.full_layers)):
+        if geo is not None and layers and geo.head_dim > caps.fp8_max_head_dim:
+            note = f" ({caps.fp8_note})" if caps.fp8_note else ""
+            yield _r("backend.kv_dtype",
+                     f"the {len(layers)} {group} layers of {m.name} have head_dim {geo.head_dim}; "
+                     f"{caps.name} reads fp8 KV up to head_dim {caps.fp8_max_head_dim} on "
+                     f"SM{dev.sm}{note}", "backend.kv_dtype=bfloat16, or backend=triton")
 
 
 def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:

@@ -44,9 +44,11 @@ class _Wrapper:
         self.mask = None if custom_mask is None else custom_mask.cpu().bool()
         self.plans += 1
 
-    def run(self, q, paged_kv_cache, return_lse=False):
+    def run(self, q, paged_kv_cache, return_lse=False, k_scale=None, v_scale=None):
         k_cache, v_cache = paged_kv_cache
         assert q.dtype == self.q_dtype and k_cache.dtype == self.kv_dtype
+        # FlashInfer reads fp8 caches with the caller's scales (1.0 when none is given)
+        ks, vs = (k_scale or 1.0), (v_scale or 1.0)
         qo = self.qo.tolist() if not self.decode else list(range(self.kv.numel()))
         kv = self.kv.tolist()
         o = torch.zeros(q.shape, dtype=torch.float32)
@@ -57,8 +59,8 @@ class _Wrapper:
             q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
             nq, nk = q1 - q0, k1 - k0
             rows = self.indices[k0:k1].long()
-            k = k_cache[rows, 0].float().repeat_interleave(group, dim=1)  # [nk, Hq, D]
-            v = v_cache[rows, 0].float().repeat_interleave(group, dim=1)
+            k = (k_cache[rows, 0].float() * ks).repeat_interleave(group, dim=1)  # [nk, Hq, D]
+            v = (v_cache[rows, 0].float() * vs).repeat_interleave(group, dim=1)
             s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * self.scale
             if self.softcap > 0:
                 s = self.softcap * torch.tanh(s / self.softcap)

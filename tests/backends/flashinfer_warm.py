@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 __all__ = ["VARIANTS", "warm"]
 
-# (decode?, Hq, Hkv, head_dim, window_left >= 0?, soft-cap?)
+# (decode?, Hq, Hkv, head_dim, window_left >= 0?, soft-cap?[, fp8 KV?])
 VARIANTS = [
     (True, 32, 16, 256, True, False), (True, 32, 4, 512, False, False),      # gemma4 decode
     (False, 32, 16, 256, False, False), (False, 32, 4, 512, False, False),   # gemma4 prefill
@@ -24,6 +24,8 @@ VARIANTS = [
     (True, 8, 4, 64, True, True), (True, 8, 2, 64, False, True),             # soft-cap
     (False, 8, 4, 64, False, True),
     (False, 32, 8, 128, False, False),                                       # mistral
+    (True, 8, 2, 64, True, False, True), (True, 8, 2, 64, False, False, True),   # fp8 KV, d64
+    (False, 8, 2, 64, False, False, True),
 ]
 
 
@@ -38,16 +40,17 @@ def _warm(v: tuple) -> str:
     import flashinfer
     import torch
 
-    decode, hq, hkv, d, window, softcap = v
+    decode, hq, hkv, d, window, softcap = v[:6]
+    kv_dtype = torch.float8_e4m3fn if len(v) > 6 and v[6] else torch.bfloat16
     t0 = time.time()
     dev = "cuda"
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     n = 16
-    k = torch.randn(n + 1, 1, hkv, d, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(n + 1, 1, hkv, d, dtype=torch.bfloat16, device=dev).to(kv_dtype)
     idx = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
     kv_indptr = torch.tensor([0, n], dtype=torch.int32)
     last = torch.ones(1, dtype=torch.int32)  # host, like the adapter
-    common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=d ** -0.5,
+    common = dict(q_data_type=torch.bfloat16, kv_data_type=kv_dtype, sm_scale=d ** -0.5,
                   logits_soft_cap=2.0 if softcap else None)
     if decode:
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
@@ -59,7 +62,8 @@ def _warm(v: tuple) -> str:
         w.plan(torch.tensor([0, 4], dtype=torch.int32), kv_indptr, idx, last, hq, hkv, d, 1,
                custom_mask=mask, window_left=-1, **common)
         q = torch.randn(4, hq, d, dtype=torch.bfloat16, device=dev)
-    w.run(q, (k, k), return_lse=True)
+    scales = dict(k_scale=0.5, v_scale=0.5) if kv_dtype != torch.bfloat16 else {}
+    w.run(q, (k, k), return_lse=True, **scales)
     torch.cuda.synchronize()
     return f"{v}: {time.time() - t0:.1f}s"
 

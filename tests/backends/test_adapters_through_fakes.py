@@ -68,3 +68,15 @@ def test_run_without_plan_is_refused(backend: str) -> None:
     q = torch.zeros(4, 2 * k.shape[1], k.shape[2])
     with pytest.raises(RuntimeError, match=f"{backend} adapter: these tables were not planned"):
         world.backend.adapter.run(t, q, k, v, window=16, scale=1.0)
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify_tree_2", "dflash_block"])
+def test_flashinfer_reads_fp8_kv_with_each_layers_scales(mode: str, monkeypatch) -> None:
+    """fp8 pools (per-layer scales from the harness) through the FlashInfer adapter: its wrappers
+    are planned with the e4m3 KV dtype and bf16 queries, and each run gets its layer's scales."""
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+    world, cfg = adapter_world("gpt_oss_20b", 1, ["model.sliding_window=8"],
+                               kv_dtype="fp8_e4m3")
+    k_scales = {world.pool.kv_scales(layer)[0] for layer in range(cfg.model.num_layers)}
+    assert len(k_scales) > 1  # per layer: a kernel that used one layer's for all would miss
+    assert_close(run_mode(world, mode, [0, 1, 2], 8), tol=2e-2)

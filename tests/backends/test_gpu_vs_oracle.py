@@ -23,14 +23,15 @@ D64 = ["model.swa.head_dim=64", "model.full.head_dim=64"]  # tiny's 16/32 are no
 GPU_BACKENDS = [b for b in list_backends() if has_adapter(b) and "cuda" in get_capabilities(b).devices]
 
 
-def world(backend, model, extra=(), **kw):
-    """A bf16 world on the GPU built through the registry; skips with its reasons if refused."""
-    overrides = [f"model={model}", f"backend={backend}", "backend.kv_dtype=bfloat16", "spec=none",
-                 "backend.cuda_graph=false", *extra]
+def world(backend, model, extra=(), kv_dtype="bfloat16", **kw):
+    """A bf16 (or ``kv_dtype``) world on the GPU built through the registry; skips with its
+    reasons if refused."""
+    overrides = [f"model={model}", f"backend={backend}", f"backend.kv_dtype={kv_dtype}",
+                 "spec=none", "backend.cuda_graph=false", *extra]
     reasons = swafactory.check(swafactory.compose(overrides), detect_device("cuda"))
     if reasons:
         pytest.skip("; ".join(r.message for r in reasons))
-    return adapter_world(model, 1, extra, device="cuda", kv_dtype="bfloat16", via_registry=True,
+    return adapter_world(model, 1, extra, device="cuda", kv_dtype=kv_dtype, via_registry=True,
                          backend=backend, **kw)
 
 
@@ -68,3 +69,16 @@ def test_shipped_models(backend: str, model: str, mode: str) -> None:
 def test_softcap(backend: str) -> None:
     w, _ = world(backend, "tiny", [*D64, "model.logit_softcap=2.0", "model.sliding_window=5"])
     assert_close(run_mode(w, "decode", [0, 2], 5), BF16)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("model,mode", [("gpt_oss_20b", "decode"), ("gpt_oss_20b", "verify_tree_2"),
+                                        ("gpt_oss_20b", "dflash_block"), ("gemma4", "decode"),
+                                        ("gemma4", "verify_chain")])
+def test_fp8_kv_against_the_dequantized_oracle(backend: str, model: str, mode: str) -> None:
+    """fp8 e4m3 pools with per-layer scales (the harness's); the oracle reads the dequantized
+    history. Backends without fp8, and FlashInfer at Gemma 4's D = 512 on SM90, skip with the
+    registry's reason."""
+    extra = ["model.sliding_window=7", "model.num_layers=6", "model.softmax_scale=0.1"]
+    w, _ = world(backend, model, extra, kv_dtype="fp8_e4m3")
+    assert_close(run_mode(w, mode, [0, 1, 5], 7), BF16)

@@ -18,7 +18,7 @@ CAPABILITIES = Capabilities(
     sinks=True,
     softcap=True,
     cuda_graph=False,  # the kernels are capturable, but no graph-replay path is built yet
-    kv_dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    kv_dtypes=frozenset({"float32", "float16", "bfloat16", "fp8_e4m3"}),
 )
 
 
@@ -28,7 +28,7 @@ class Adapter:
     capabilities = CAPABILITIES
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
-            lse: bool = True):
+            lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
         """One pass → (o, lse); the kernel computes the LSE either way (``lse`` is a hint)."""
         from swafactory.kernels.triton.ops import paged_attention
 
@@ -36,7 +36,7 @@ class Adapter:
         return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_indices.tensor,
                                t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                window=window, scale=scale, softcap=softcap, sinks=sinks,
-                               max_q_len=t.max_q_len)
+                               max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale)
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from swafactory.kernels.triton.merge import combine_splits, interpreting, plan_splits
+from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, interpreting,
+                                             plan_splits)
 from swafactory.kernels.torch_ref import check_contract
 
 __all__ = ["decode_attention", "decode_config"]
@@ -49,7 +50,7 @@ def _kernel(interpret: bool) -> Any:
                       GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-                      PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+                      PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr, CDT: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -68,7 +69,7 @@ def _kernel(interpret: bool) -> Any:
         d = tl.arange(0, D)
         qrow = qi.to(tl.int64)
         q = tl.load(q_ptr + qrow * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=hmask[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+                    mask=hmask[:, None], other=0.0).to(CDT)
         qp = tl.load(q_pos + qi, mask=live, other=0)
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         den = tl.zeros((BLOCK_H,), tl.float32)
@@ -87,7 +88,7 @@ def _kernel(interpret: bool) -> Any:
             if go:
                 rows = tl.load(kv_indices + kv0 + offs, mask=vis, other=0).to(tl.int64)
                 k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                            mask=vis[:, None], other=0.0)
+                            mask=vis[:, None], other=0.0).to(CDT)  # fp8: dequantized in registers
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 if HAS_SOFTCAP:  # cap·tanh(s/cap), tanh written with exp (portable to the interpreter)
                     s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -97,7 +98,7 @@ def _kernel(interpret: bool) -> Any:
                 alpha = tl.exp(m - ref)
                 p = tl.exp(s - ref[:, None])
                 v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
-                            mask=vis[:, None], other=0.0)
+                            mask=vis[:, None], other=0.0).to(CDT)
                 den = den * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m = m_new
@@ -131,12 +132,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      q_pos: torch.Tensor, kv_pos: torch.Tensor, *, mask: torch.Tensor | None = None,
                      mask_indptr: torch.Tensor | None = None, window: int | None = None,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                     num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_splits: int | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged decode under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
     q: [B, Hq, D] (one query per request: qo_indptr = arange(B+1), int32); k_buf, v_buf:
     [rows, Hkv, D] in q's dtype, last dim contiguous; kv_indptr: [B+1] int32; kv_indices:
     [total_kv] int32/int64; q_pos: [B] int32; kv_pos: [total_kv] int32; sinks: [Hq] fp32.
+    fp8 buffers (with ``k_scale``/``v_scale``) are read in q's dtype: k_scale joins the softmax
+    scale and v_scale the output.
     ``num_splits`` overrides the split count (tests); by default it is planned from static sizes.
     """
     if mask is not None or mask_indptr is not None:
@@ -168,7 +172,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     kernel[(nb, hkv, splits)](
         q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos, sk, o, lse, po, plse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), o.stride(0), o.stride(1), hq, float(scale),
+        v_buf.stride(1), o.stride(0), o.stride(1), hq, float(scale) * k_scale,
         float(softcap or 1.0), int(window or 1),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, D=d, SPLITS=splits,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
@@ -176,8 +180,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         # skip invisible tiles only where the list is longer than the window (not trimmed)
         SKIP_EMPTY=window is not None and kv_indices.numel() > nb * (window + block_n),
-        num_warps=warps)
+        CDT=compute_dtype(q.dtype, k_buf.dtype), num_warps=warps)
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
+    if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it
+        o.mul_(v_scale)
     return o, lse
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from swafactory.kernels.triton.merge import combine_splits, interpreting, plan_splits, sm_count
+from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, interpreting,
+                                             plan_splits, sm_count)
 from swafactory.kernels.torch_ref import check_contract
 
 __all__ = ["extend_attention", "extend_config", "extend_splits", "dense_runs"]
@@ -141,7 +142,7 @@ def _kernel(interpret: bool) -> Any:
                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                       HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
                       SKIP_EMPTY: tl.constexpr, DENSE: tl.constexpr, BLOCK_NG: tl.constexpr,
-                      IDX_AHEAD: tl.constexpr):
+                      IDX_AHEAD: tl.constexpr, CDT: tl.constexpr):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
         b = tl.program_id(0)
         kh = tl.program_id(1) // QT
@@ -168,7 +169,7 @@ def _kernel(interpret: bool) -> Any:
         d = tl.arange(0, D)
         qrow = (q0 + ql).to(tl.int64)
         q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=rvalid[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+                    mask=rvalid[:, None], other=0.0).to(CDT)
         qp = tl.load(q_pos + qrow, mask=rvalid, other=0)
         mrow = ql.to(tl.int64) * n
         if HAS_MASK:
@@ -190,7 +191,7 @@ def _kernel(interpret: bool) -> Any:
             else:
                 rows = tl.load(kv_indices + kv0 + offs, mask=inr, other=0).to(tl.int64)
             k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                        mask=inr[:, None], other=0.0)
+                        mask=inr[:, None], other=0.0).to(CDT)  # fp8: dequantized in registers
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if HAS_SOFTCAP:
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -199,7 +200,7 @@ def _kernel(interpret: bool) -> Any:
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
-                        mask=inr[:, None], other=0.0)
+                        mask=inr[:, None], other=0.0).to(CDT)
             den = den * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
@@ -227,7 +228,7 @@ def _kernel(interpret: bool) -> Any:
             if go:
                 rows = tl.load(kv_indices + kv0 + offs, mask=kvis, other=0).to(tl.int64)
                 k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                            mask=kvis[:, None], other=0.0)
+                            mask=kvis[:, None], other=0.0).to(CDT)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 if HAS_SOFTCAP:  # cap·tanh(s/cap), tanh written with exp (portable to the interpreter)
                     s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -237,7 +238,7 @@ def _kernel(interpret: bool) -> Any:
                 alpha = tl.exp(m - ref)
                 p = tl.exp(s - ref[:, None])
                 v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
-                            mask=kvis[:, None], other=0.0)
+                            mask=kvis[:, None], other=0.0).to(CDT)
                 bad = (v * 0.0) != 0.0                              # NaN or ±inf
                 vbad = tl.max(bad.to(tl.int32), axis=1)             # [BLOCK_NG]
                 poisoned = tl.maximum(poisoned, tl.max(tl.where(vis, vbad[None, :], 0), axis=1))
@@ -299,7 +300,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      mask_indptr: torch.Tensor | None = None, window: int | None = None,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      max_q_len: int | None = None, num_splits: int | None = None,
-                     config: tuple[int, ...] | None = None, dense: bool = True
+                     config: tuple[int, ...] | None = None, dense: bool = True,
+                     k_scale: float = 1.0, v_scale: float = 1.0
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged extend/verify under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
@@ -310,7 +312,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     longest request is read from qo_indptr, which syncs a GPU (pass it under CUDA-graph capture).
     ``num_splits`` overrides the KV split count, ``config`` the tile (BLOCK_M, BLOCK_N, warps,
     stages[, pool rows loaded a tile ahead by hand]) and ``dense=False`` turns the dense-run fast
-    path off (tests, benchmarks); by default they are planned from static sizes.
+    path off (tests, benchmarks); by default they are planned from static sizes. fp8 buffers
+    (with ``k_scale``/``v_scale``) are read in q's dtype: k_scale joins the softmax scale and
+    v_scale the output.
     """
     nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                                mask, mask_indptr, sinks)
@@ -357,14 +361,17 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
         dummy_mask, dummy_mi, rng, sk, o, lse, po, plse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), o.stride(0), o.stride(1), hq, qt, splits, float(scale),
+        v_buf.stride(1), o.stride(0), o.stride(1), hq, qt, splits, float(scale) * k_scale,
         float(softcap or 1.0), int(window or 1),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, D=d, SPLIT=splits > 1,
         HAS_MASK=mask is not None, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         SKIP_EMPTY=skip or (mask is None and max_q_len > block_n),
-        DENSE=dense, BLOCK_NG=block_ng, IDX_AHEAD=idx_ahead, num_warps=warps, num_stages=stages)
+        DENSE=dense, BLOCK_NG=block_ng, IDX_AHEAD=idx_ahead,
+        CDT=compute_dtype(q.dtype, k_buf.dtype), num_warps=warps, num_stages=stages)
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
+    if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it
+        o.mul_(v_scale)
     return o, lse

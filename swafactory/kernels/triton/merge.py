@@ -19,12 +19,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["merge_attention_states", "combine_splits", "plan_splits", "interpreting", "sm_count"]
+__all__ = ["merge_attention_states", "combine_splits", "plan_splits", "interpreting", "sm_count",
+           "compute_dtype"]
 
 
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
+    """The Triton dtype a kernel's tiles are multiplied in: the KV dtype (q is cast to it), or
+    q's for a one-byte (fp8) KV, whose tiles are dequantized to it in registers."""
+    import triton.language as tl
+
+    dt = q_dtype if kv_dtype.is_floating_point and kv_dtype.itemsize == 1 else kv_dtype
+    return {torch.float32: tl.float32, torch.float16: tl.float16,
+            torch.bfloat16: tl.bfloat16}[dt]
 
 
 @functools.cache

@@ -34,13 +34,15 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                     q_pos: torch.Tensor, kv_pos: torch.Tensor, *, mask: torch.Tensor | None = None,
                     mask_indptr: torch.Tensor | None = None, window: int | None = None,
                     scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                    max_q_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    max_q_len: int | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention under the kernel contract; returns (o [total_q, Hq, D] in q's dtype, lse
     [total_q, Hq] fp32). Shapes and dtypes as in ``kernels/torch_ref.py``; ``max_q_len`` is an optional
     host-side hint (the longest request's query count) that keeps the call free of device syncs.
+    ``k_scale``/``v_scale``: an fp8 pool's layer scales (stored = K / k_scale).
     """
     kw = dict(mask=mask, mask_indptr=mask_indptr, window=window, scale=scale, softcap=softcap,
-              sinks=sinks)
+              sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     args = (q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos)
     if not q.is_cuda and not interpreting():
         return attention_reference(*args, **kw)

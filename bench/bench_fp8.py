@@ -1,0 +1,156 @@
+"""fp8 e4m3 against bf16 KV: the whole decode step through the factory, per backend (H200).
+
+``python3 bench/bench_factory.py --out $OUT --fp8 flashinfer,triton [--models ...] [--bs 64]``.
+For each (model, backend, batch size) the same requests are built twice, once per KV dtype (the
+pools filled with random K/V; fp8 with the harness's per-layer scales), and one decode cycle is
+timed each way: ``init_forward_metadata`` + ``forward`` over every layer (the K/V write, which
+quantizes for fp8, included), after warm-up and ``gc.freeze()``. The floor is the K/V bytes the
+step reads (an SWA layer only its window) over the copy bandwidth measured in the same run. A
+combination the registry refuses (FlashInfer's fp8 at Gemma 4's D = 512 on SM90) is a row with
+the reason. Writes OUT/fp8-h200.md and .json.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from bench_factory import batch_of, copy_bandwidth, setup, step_inputs
+
+DTYPES = ("bfloat16", "fp8_e4m3")
+
+
+def one_dtype(model: str, backend_name: str, bs: int, ctx: int, dtype: str, do_bench,
+              bw: float) -> dict:
+    """The decode cycle of one KV dtype: ms, floor ms, K/V GB read."""
+    from swafactory.errors import ConfigError
+    from swafactory.harness.kv_quant import set_harness_scales
+
+    try:
+        cfg, pool, alloc, slots, backend = setup(model, bs, ctx, 1, backend_name=backend_name,
+                                                 overrides=(f"backend.kv_dtype={dtype}",))
+    except ConfigError as e:
+        return {"error": "refused: " + "; ".join(r.message for r in e.reasons)}
+    set_harness_scales(pool)
+    batch = batch_of("decode", slots, alloc, bs, ctx)
+    plan = backend.init_forward_metadata(batch)
+    qs, ks, vs, sinks = step_inputs(cfg, pool, batch.total_q)
+    L = cfg.model.num_layers
+
+    def cycle():
+        backend.init_forward_metadata(batch)
+        for layer in range(L):
+            out = backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
+        return out
+
+    cycle()
+    gc.collect()
+    gc.freeze()
+    try:
+        ms = do_bench(cycle, warmup=5, rep=40, return_mode="median")
+        kv_bytes = 0
+        for key, gp in plan.groups.items():
+            layers = [lay for lay, k in plan.layer_groups.items() if k == key]
+            sub = pool.sub_pool(layers[0])
+            row = 2 * sub.num_kv_heads * sub.head_dim * sub.k_bufs[0].element_size()
+            kv_bytes += gp.tables.kv_indices.tensor.numel() * row * len(layers)
+    finally:
+        del backend, pool, alloc, slots, qs, ks, vs
+        gc.unfreeze()
+        torch.cuda.empty_cache()
+    return {"ms": ms, "floor_ms": kv_bytes / bw * 1e3, "kv_gb": kv_bytes / 1e9}
+
+
+def run_fp8(a) -> int:
+    from triton.testing import do_bench
+
+    t0 = time.perf_counter()
+    bw = copy_bandwidth(do_bench)
+    rows = []
+    for model in a.models.split(","):
+        for backend_name in a.fp8.split(","):
+            for bs in (int(x) for x in a.bs.split(",")):
+                r = dict(model=model, backend=backend_name, bs=bs, ctx=a.ctx)
+                for dt in DTYPES:
+                    if time.perf_counter() - t0 > a.deadline:
+                        r[dt] = {"error": "not run: deadline"}
+                        continue
+                    try:
+                        r[dt] = one_dtype(model, backend_name, bs, a.ctx, dt, do_bench, bw)
+                    except Exception as exc:  # noqa: BLE001 - a case's failure is a row
+                        r[dt] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                        gc.unfreeze()
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                python=platform.python_version(), copy_tbs=bw / 1e12, ctx=a.ctx,
+                command=f"python3 bench/bench_factory.py --out $OUT --fp8 {a.fp8} "
+                        f"--models {a.models} --bs {a.bs} --ctx {a.ctx}")
+    print(render(rows, meta, Path(a.out)))
+    return 0
+
+
+def render(rows: list[dict], meta: dict, out: Path) -> str:
+    lines = ["# fp8 e4m3 against bf16 KV, decode through the factory (H200)", "",
+             f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}; copy bandwidth "
+             f"{meta['copy_tbs']:.2f} TB/s; ctx {meta['ctx']}; every layer of the model.", "",
+             f"    {meta['command']}", "",
+             "| model | backend | bs | bf16 cycle ms | fp8 cycle ms | bf16 / fp8 | bf16 floor ms "
+             "| fp8 floor ms | fp8 / its floor | fp8 K/V GB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, f = r.get("bfloat16", {}), r.get("fp8_e4m3", {})
+        cells = []
+        for x in (b, f):
+            cells.append(f"{x['ms']:.2f}" if "ms" in x else x.get("error", "-")[:160])
+        speed = f"{b['ms'] / f['ms']:.2f}×" if "ms" in b and "ms" in f else "-"
+        fl = [f"{x['floor_ms']:.2f}" if "ms" in x else "-" for x in (b, f)]
+        eff = f"{f['ms'] / f['floor_ms']:.2f}×" if "ms" in f else "-"
+        gb = f"{f['kv_gb']:.2f}" if "ms" in f else "-"
+        lines.append(f"| {r['model']} | {r['backend']} | {r['bs']} | {cells[0]} | {cells[1]} | "
+                     f"{speed} | {fl[0]} | {fl[1]} | {eff} | {gb} |")
+    lines += ["", "cycle: `init_forward_metadata` + `forward` over every layer (the K/V write, "
+              "quantizing for fp8, included), `do_bench` median after `gc.freeze()`; floor: the "
+              "K/V bytes the step reads over the copy bandwidth."]
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fp8-h200.md").write_text(text)
+    (out / "fp8-h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    _plot(rows, out / "fp8-h200.png")
+    return text
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Bars per (model, backend, bs): bf16 and fp8 cycle, each beside its floor."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    done = [r for r in rows if "ms" in r.get("bfloat16", {}) or "ms" in r.get("fp8_e4m3", {})]
+    if not done:
+        return
+    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(done)), 3.2))
+    w = 0.2
+    for i, r in enumerate(done):
+        for j, (dt, color) in enumerate((("bfloat16", "tab:blue"), ("fp8_e4m3", "tab:orange"))):
+            x = r.get(dt, {})
+            if "ms" in x:
+                ax.bar(i + (2 * j - 1.5) * w, x["ms"], w, color=color,
+                       label=f"{dt} cycle" if i == 0 else None)
+                ax.bar(i + (2 * j - 0.5) * w, x["floor_ms"], w, color=color, alpha=0.35,
+                       label=f"{dt} floor" if i == 0 else None)
+    ax.set_xticks(range(len(done)), [f"{r['model']}\n{r['backend']} bs{r['bs']}" for r in done],
+                  fontsize=7)
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
