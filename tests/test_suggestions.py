@@ -130,14 +130,16 @@ def test_the_fast_compose_is_hydras_compose() -> None:
         assert _compose(overrides) == want, overrides
 
 
-def test_fp8_on_auto_suggests_a_line_that_works() -> None:
-    # the old code printed `Try: backend=torch spec=eagle3 model=gemma4`, which keeps fp8 and fails
-    overrides = ["backend=auto", "backend.kv_dtype=fp8_e4m3"]
-    old_try = "backend=torch spec=eagle3 model=gemma4".split()
-    assert swafactory.check(_compose(overrides + old_try), CPU), "the oracle must refuse the old line"
-    err = pytest.raises(ConfigError, validate, _compose(overrides), CPU).value
-    assert err.suggestion and not _problems(overrides, err, CPU)
-    assert "torch" not in err.alternatives  # `backend=torch` alone keeps fp8: it would not work
+def test_fp8_suggestions_are_lines_that_work() -> None:
+    # fp8 on auto resolves to a backend that reads it (torch on CPU); a backend that stores no
+    # fp8 is refused with a line that works: switching to torch keeps fp8, which torch reads
+    assert validate(_compose(["backend=auto", "backend.kv_dtype=fp8_e4m3"]), CPU).backend.name == \
+        "torch"
+    for model in ("gemma4", "gpt_oss_20b"):
+        overrides = ["backend=flex", "backend.kv_dtype=fp8_e4m3", f"model={model}"]
+        err = pytest.raises(ConfigError, validate, _compose(overrides), CPU).value
+        assert err.suggestion and not _problems(overrides, err, CPU)
+        assert err.alternatives == ("torch",)
 
 
 def test_a_switch_pins_the_fields_a_user_may_have_typed() -> None:
