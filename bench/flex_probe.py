@@ -9,7 +9,10 @@ each, and prints per mode: ok or the error, compiles, and seconds per shape (fir
     python3 bench/flex_probe.py OUT.json [MODE ...]
 MODE: dynamic (dynamic=True), auto (dynamic=None), static_bucketed (dynamic=False, shapes
 rounded up to powers of two, keys to a multiple of 128), dynamic_bucketed, dynamic_transposed
-(dynamic=True on [B, S, H, D] tensors viewed as [B, H, S, D], as the adapter first did).
+(dynamic=True on [B, S, H, D] tensors viewed as [B, H, S, D], as the adapter first did), and
+issue 17's two fixes for the passes of 9-127 queries that failed: dynamic_pad128 (such passes
+padded to one full 128-query block) and dynamic_force (``kernel_options=
+{"FORCE_USE_FLEX_ATTENTION": True}``: never the flex-decoding kernel).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ SHAPES = [(1, 256, 300), (1, 200, 456), (2, 256, 300), (2, 200, 420), (8, 1, 260
           (8, 6, 900), (3, 512, 700), (8, 1, 1500), (5, 3, 170),
           # extend passes with one 128-query block: where serve runs failed to lower (1da1d66)
           (8, 64, 900), (1, 100, 600), (4, 128, 700)]
-MODES = ["dynamic", "dynamic_transposed", "auto", "static_bucketed", "dynamic_bucketed"]
+MODES = ["dynamic", "dynamic_transposed", "auto", "static_bucketed", "dynamic_bucketed",
+         "dynamic_pad128", "dynamic_force"]
 
 
 def _pow2(n: int) -> int:
@@ -37,13 +41,16 @@ def child(mode: str) -> dict:
     import torch._dynamo
     torch._dynamo.config.recompile_limit = 256
     dyn = {"dynamic": True, "auto": None, "static_bucketed": False, "dynamic_bucketed": True,
-           "dynamic_transposed": True}[mode]
+           "dynamic_transposed": True, "dynamic_pad128": True, "dynamic_force": True}[mode]
+    opts = {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}} if mode == "dynamic_force" else {}
     fn = torch.compile(flex_attention, dynamic=dyn)
     hq, hkv, d, W = 64, 8, 64, 128
     rows = []
     for (b, qm, km) in SHAPES:
         if mode.endswith("bucketed"):
             b, qm, km = _pow2(b), _pow2(qm), -(-km // 128) * 128
+        if mode == "dynamic_pad128" and 8 < qm < 128:
+            qm = 128
         dev = "cuda"
         q = torch.randn(b, hq, qm, d, device=dev, dtype=torch.bfloat16)
         k = torch.randn(b, hkv, km, d, device=dev, dtype=torch.bfloat16)
@@ -63,14 +70,15 @@ def child(mode: str) -> dict:
         try:
             o, aux = fn(q, k, v, block_mask=bm, scale=d ** -0.5, enable_gqa=True,
                         return_aux=__import__("torch.nn.attention.flex_attention",
-                                              fromlist=["AuxRequest"]).AuxRequest(lse=True))
+                                              fromlist=["AuxRequest"]).AuxRequest(lse=True),
+                        **opts)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 — the probe reports any lowering failure
             rows.append({"shape": [b, qm, km], "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             break
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
-        fn(q, k, v, block_mask=bm, scale=d ** -0.5, enable_gqa=True)
+        fn(q, k, v, block_mask=bm, scale=d ** -0.5, enable_gqa=True, **opts)
         torch.cuda.synchronize()
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(), k.float().repeat_interleave(hq // hkv, 1),
