@@ -10,8 +10,10 @@ full blocks run unmasked. Per layer only the gather of the layer's K/V rows and 
 
 Because the keys are gathered, any pool page size works; the price is one K/V copy per layer.
 On CPU it runs FlexAttention's unfused eager path (tests, small shapes). On CUDA the code path
-compiles the kernel with dynamic shapes, which torch 2.11 could not lower for some serving passes
-on the H200 (see ``CAPABILITIES.devices_note``), so the registry refuses flex there for now.
+compiles the kernel with dynamic shapes and forces FlexAttention's prefill kernel for every pass
+(``FORCE_USE_FLEX_ATTENTION``): its flex-decoding kernel, picked for short passes, failed to lower
+passes of 64-100 queries per request on the H200. The registry still refuses flex on CUDA until
+the harness has run it there (see ``CAPABILITIES.devices_note``).
 Sinks use the exact LSE epilogue (`torch_ref.apply_sinks`); FlexAttention's LSE is natural-log.
 """
 from __future__ import annotations
@@ -33,11 +35,13 @@ CAPABILITIES = Capabilities(
     summary="torch FlexAttention on a padded per-request gather; one block mask per pass per forward",
     kernel="FlexAttention (block mask)",
     devices=frozenset({"cpu"}),
-    devices_note="on the H200 (torch 2.11) the compiled kernel passed the 16 small-shape "
-                 "GPU oracle tests, but serve runs failed to lower it (NoValidChoicesError) on "
-                 "extend passes of 64-100 queries per request; bench/flex_probe.py reproduces "
-                 "it (q [1, 100, s] with dynamic=True, [8, 64, s] with static shapes) while "
-                 "passes of ≤ 8 and ≥ 200 queries lower; refused on CUDA until such passes lower",
+    devices_note="on the H200 (torch 2.11) serve runs at 1da1d66 failed to lower the compiled "
+                 "kernel (NoValidChoicesError) on extend passes of 64-100 queries per request "
+                 "(FlexAttention's decoding kernel); at e05dc49 bench/flex_probe.py lowered all "
+                 "15 serve-like shapes, those included, with either fix of issue 17 (passes "
+                 "padded to one 128-query block, or kernel_options FORCE_USE_FLEX_ATTENTION, "
+                 "max abs err 4e-3 against SDPA), and the adapter now forces the prefill "
+                 "kernel; refused on CUDA until the harness has run flex there with the fix",
     max_head_dim=256,
     head_dim_note="swafactory caps FlexAttention at head_dim 256: larger heads are not verified "
                   "on a GPU",
@@ -117,6 +121,9 @@ def _flex():
     return torch.compile(flex_attention, dynamic=True), flex_attention
 
 
+_FORCE_PREFILL = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 @cache  # one score_mod per (cap, device): no per-layer host→device copy, no recompiles
 def _softcap_mod(softcap: float, device: torch.device):
     # a captured tensor, not a float: dynamo turns closure floats into scalar inputs, which
@@ -189,10 +196,12 @@ class Adapter:
         score_mod = None if softcap is None else _softcap_mod(softcap, q.device)
         compiled, eager = _flex()
         fn = compiled if q.is_cuda else eager
+        # CUDA: never the flex-decoding kernel, which did not lower short extend passes (H200)
+        force = {"kernel_options": _FORCE_PREFILL} if q.is_cuda else {}
         with warnings.catch_warnings():  # CPU: the unfused path is the point (tests, small shapes)
             warnings.filterwarnings("ignore", message=".*without torch.compile.*")
             o, lse = fn(qp, kp, vp, score_mod=score_mod, block_mask=p.block_mask, scale=scale,
-                        enable_gqa=hq != hkv, **_lse_kwarg())
+                        enable_gqa=hq != hkv, **_lse_kwarg(), **force)
         lse = getattr(lse, "lse", lse)
         o = o.transpose(1, 2).reshape(b * qmax, hq, d)[p.q_valid]
         lse = lse.transpose(1, 2).reshape(b * qmax, hq)[p.q_valid].float()
