@@ -150,3 +150,24 @@ def test_verify_with_holes_in_the_prefix_and_shuffled_positions(geom):
     batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=1,
                        device="cuda", seed=6)
     _compare(extend_attention, batch, window, _sinks(hq, with_sinks), max_q_len=8)
+
+
+def test_a_new_split_count_compiles_nothing():
+    """The split count follows the batch; each count must not JIT its own kernel mid-serving
+    (with a compiled count, a smoke run's steady steps took 0.5-1.5 s of compiles each)."""
+    from swafactory.kernels.triton.decode import _kernel, decode_attention
+    from swafactory.kernels.triton.merge import _kernels
+
+    batch = make_batch([Req(list(range(300)), [299]) for _ in range(3)], hq=8, hkv=2, d=64,
+                       dtype=torch.bfloat16, device="cuda")
+
+    def variants():
+        stage1, combine = _kernel(False), _kernels(False)[0]
+        return sum(len(c[0]) for c in stage1.device_caches.values()), \
+            sum(len(c[0]) for c in combine.device_caches.values())
+
+    _compare(decode_attention, batch, None, None, num_splits=3)
+    before = variants()
+    for n in (5, 6, 7, 9, 11):
+        _compare(decode_attention, batch, None, None, num_splits=n)
+    assert variants() == before

@@ -8,7 +8,9 @@ in the future, or past the list) are loaded under a mask. So they cost no bytes,
 in the dummy slot or in an evicted row never enters the sum. A tile with no visible key is
 skipped (only
 with a window: the branch costs load pipelining where every tile is visible). Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one
-split, stage 1 writes the final output itself.
+split, stage 1 writes the final output itself. The split count is a runtime argument (only
+"split or not" is compiled in): it follows the batch (`merge.plan_splits`), and a compiled
+count would JIT a new kernel, about a second, whenever a serving step met a new count.
 
 Contract: see ``kernels/torch_ref.py``; here ``mask`` must be None and ``qo_indptr`` = arange(B+1).
 """
@@ -46,9 +48,9 @@ def _kernel(interpret: bool) -> Any:
     def decode_stage1(q_ptr, k_ptr, v_ptr, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                       sinks_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr,
                       stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
-                      stride_ot, stride_oh, Hq, scale, softcap, window,
+                      stride_ot, stride_oh, Hq, n_splits, scale, softcap, window,
                       GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                      D: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      D: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
                       PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr, CDT: tl.constexpr):
         b = tl.program_id(0)
@@ -59,7 +61,7 @@ def _kernel(interpret: bool) -> Any:
         kv0 = tl.load(kv_indptr + b)
         n = tl.load(kv_indptr + b + 1) - kv0
         # equal shares, rounded to whole tiles; the split reads keys [lo, hi) of the request
-        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, n)
         hi = tl.where(live, hi, lo)
@@ -102,7 +104,7 @@ def _kernel(interpret: bool) -> Any:
                 den = den * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m = m_new
-        if SPLITS == 1:
+        if not SPLIT:
             if HAS_SINKS:
                 sk = tl.load(sinks_ptr + heads, mask=hmask, other=float("-inf")).to(tl.float32)
                 m_new = tl.maximum(m, sk)
@@ -115,12 +117,12 @@ def _kernel(interpret: bool) -> Any:
         ok = den != 0  # NaN stays NaN: a visible stale read must show
         o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
         lse = tl.where(ok, ref + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
-        if SPLITS == 1:
+        if not SPLIT:
             tl.store(o_ptr + qrow * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
             tl.store(lse_ptr + qrow * Hq + heads, lse, mask=hmask)
         else:
-            part = (qrow * Hq + heads) * SPLITS + sp
+            part = (qrow * Hq + heads) * n_splits + sp
             tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=hmask[:, None])
             tl.store(plse_ptr + part, lse, mask=hmask)
 
@@ -172,9 +174,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     kernel[(nb, hkv, splits)](
         q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos, sk, o, lse, po, plse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), o.stride(0), o.stride(1), hq, float(scale) * k_scale,
+        v_buf.stride(1), o.stride(0), o.stride(1), hq, splits, float(scale) * k_scale,
         float(softcap or 1.0), int(window or 1),
-        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, D=d, SPLITS=splits,
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, D=d, SPLIT=splits > 1,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else None,

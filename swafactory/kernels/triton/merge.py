@@ -73,7 +73,7 @@ def _kernels(interpret: bool) -> Any:
 
     @triton.jit
     def combine(po_ptr, plse_ptr, sinks_ptr, o_ptr, lse_ptr, stride_ot, stride_oh, H,
-                S: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr):
+                S, D: tl.constexpr, HAS_SINKS: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, D)
@@ -150,7 +150,7 @@ def combine_splits(po: torch.Tensor, plse: torch.Tensor, sinks: torch.Tensor | N
     combine, _ = _kernels(interpreting())
     dummy = plse if sinks is None else sinks
     combine[(total_q, h)](po, plse, dummy, o, lse, o.stride(0), o.stride(1), h,
-                          S=s, D=d, HAS_SINKS=sinks is not None)
+                          s, D=d, HAS_SINKS=sinks is not None)
 
 
 def merge_attention_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
