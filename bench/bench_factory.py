@@ -57,6 +57,29 @@ def config_of(model: str, backend_name: str, device: str = "cuda", overrides: tu
          *overrides]))
 
 
+def step_cycle(backend, batch, qs, ks, vs, sinks):
+    """One step as an engine runs it: ``init_forward_metadata`` + ``forward`` (K/V write and
+    attention) over every layer; returns the callable (it returns the last layer's output)."""
+    def cycle():
+        backend.init_forward_metadata(batch)
+        for layer in range(len(qs)):
+            out = backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
+        return out
+    return cycle
+
+
+def kv_bytes_read(plan, pool) -> int:
+    """K/V bytes one step reads: every group's key list (an SWA layer's only its window) × the
+    row bytes of its sub-pool (K and V, the pool's dtype) × the group's layers."""
+    total = 0
+    for key, gp in plan.groups.items():
+        layers = [lay for lay, k in plan.layer_groups.items() if k == key]
+        sub = pool.sub_pool(layers[0])
+        row = 2 * sub.num_kv_heads * sub.head_dim * sub.k_bufs[0].element_size()
+        total += gp.tables.kv_indices.tensor.numel() * row * len(layers)
+    return total
+
+
 def triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory_out, do_bench) -> dict:
     """The same step through ``backend=triton`` on the same pools (our Triton kernels: the
     issue's "our Triton verify against FlashInfer's custom-mask verify"): cycle time and the
@@ -64,14 +87,7 @@ def triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory_out, do_bench) -> 
     import swafactory
 
     tcfg = config_of(cfg.model.name, "triton")
-    tb = swafactory.build_backend(tcfg, pools=pool)
-    L = cfg.model.num_layers
-
-    def cycle():
-        tb.init_forward_metadata(batch)
-        for layer in range(L):
-            out = tb.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
-        return out
+    cycle = step_cycle(swafactory.build_backend(tcfg, pools=pool), batch, qs, ks, vs, sinks)
 
     diff = float((cycle().float() - factory_out.float()).abs().max())
     return dict(triton_ms=do_bench(cycle, warmup=5, rep=40, return_mode="median"),
@@ -222,12 +238,7 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
     L = m.num_layers
     qs, ks, vs, sinks = step_inputs(cfg, pool, batch.total_q)
 
-    def factory():
-        backend.init_forward_metadata(batch)
-        for layer in range(L):
-            out = backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
-        return out
-
+    factory = step_cycle(backend, batch, qs, ks, vs, sinks)
     raw = Raw(cfg, pool, plan, decode=nodes == 1)
 
     def raw_cycle():
@@ -251,14 +262,9 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
         tri = triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory(), do_bench)
         tri["triton_vs_factory"] = tri["triton_ms"] / t_f
     planning = host_ms(lambda: backend.init_forward_metadata(batch), 30)
-    kv_bytes = 0
-    for key, gp in plan.groups.items():
-        layers = [lay for lay, k in plan.layer_groups.items() if k == key]
-        sub = pool.sub_pool(layers[0])
-        row = 2 * sub.num_kv_heads * sub.head_dim * 2  # K and V, bf16
-        kv_bytes += gp.tables.kv_indices.tensor.numel() * row * len(layers)
+    kv_bytes = kv_bytes_read(plan, pool)
     floor = kv_bytes / bw * 1e3  # the step reads at most as fast as a copy moves bytes
-    del backend, pool, alloc, slots, raw, qs, ks, vs
+    del backend, pool, alloc, slots, raw, qs, ks, vs, factory
     gc.unfreeze()  # the case's objects may be collected again
     torch.cuda.empty_cache()
     return dict(model=model, mode=mode, bs=bs, ctx=ctx, layers=L, factory_ms=t_f, raw_ms=t_r,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench_factory import batch_of, copy_bandwidth, setup, step_inputs
+from bench_factory import (batch_of, copy_bandwidth, kv_bytes_read, setup, step_cycle,
+                           step_inputs)
 
 DTYPES = ("bfloat16", "fp8_e4m3")
 
@@ -39,27 +40,15 @@ def one_dtype(model: str, backend_name: str, bs: int, ctx: int, dtype: str, do_b
     batch = batch_of("decode", slots, alloc, bs, ctx)
     plan = backend.init_forward_metadata(batch)
     qs, ks, vs, sinks = step_inputs(cfg, pool, batch.total_q)
-    L = cfg.model.num_layers
-
-    def cycle():
-        backend.init_forward_metadata(batch)
-        for layer in range(L):
-            out = backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
-        return out
-
+    cycle = step_cycle(backend, batch, qs, ks, vs, sinks)
     cycle()
     gc.collect()
     gc.freeze()
     try:
         ms = do_bench(cycle, warmup=5, rep=40, return_mode="median")
-        kv_bytes = 0
-        for key, gp in plan.groups.items():
-            layers = [lay for lay, k in plan.layer_groups.items() if k == key]
-            sub = pool.sub_pool(layers[0])
-            row = 2 * sub.num_kv_heads * sub.head_dim * sub.k_bufs[0].element_size()
-            kv_bytes += gp.tables.kv_indices.tensor.numel() * row * len(layers)
+        kv_bytes = kv_bytes_read(plan, pool)
     finally:
-        del backend, pool, alloc, slots, qs, ks, vs
+        del backend, pool, alloc, slots, qs, ks, vs, cycle
         gc.unfreeze()
         torch.cuda.empty_cache()
     return {"ms": ms, "floor_ms": kv_bytes / bw * 1e3, "kv_gb": kv_bytes / 1e9}

@@ -258,10 +258,10 @@ class AttentionBackend:
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
-        key, k_buf, v_buf, sub, _, pair = self._entry(layer_id)
-        self._store(layer_id, key, k_buf, v_buf, sub, k, v)
+        key, k_buf, v_buf, sub, kw, pair = self._entry(layer_id)
+        self._store(layer_id, key, k_buf, v_buf, sub, kw, k, v)
 
-    def _store(self, layer_id: int, key: str, k_buf, v_buf, sub, k, v) -> None:
+    def _store(self, layer_id: int, key: str, k_buf, v_buf, sub, kw: dict, k, v) -> None:
         idx = self._writes[key]
         if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
@@ -277,14 +277,9 @@ class AttentionBackend:
             raise ValueError(f"layer {layer_id}: k/v must be [{idx.shape[0]}, "
                              f"{k_buf.shape[1]}, {k_buf.shape[2]}], got {list(k.shape)} / "
                              f"{list(v.shape)}")
-        # index_copy_: one kernel, and less dispatch than ``k_buf[idx] = k`` (host-bound steps)
-        if is_fp8(k_buf.dtype):  # quantized with the layer's scales (the pool's own rule)
-            k_scale, v_scale = self._pool.kv_scales(layer_id)
-            store_rows(k_buf, idx, k, k_scale)
-            store_rows(v_buf, idx, v, v_scale)
-            return
-        k_buf.index_copy_(0, idx, k if k.dtype == k_buf.dtype else k.to(k_buf.dtype))
-        v_buf.index_copy_(0, idx, v if v.dtype == v_buf.dtype else v.to(v_buf.dtype))
+        # the pool's store rule (index_copy_; fp8 quantized with the layer's cached scales)
+        store_rows(k_buf, idx, k, kw.get("k_scale", 1.0))
+        store_rows(v_buf, idx, v, kw.get("v_scale", 1.0))
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
@@ -310,7 +305,7 @@ class AttentionBackend:
         if self.guards and pair not in self._checked:
             self._check_layer(layer_id, g, sub, pair)
         if save_kv:
-            self._store(layer_id, key, k_buf, v_buf, sub, k, v)
+            self._store(layer_id, key, k_buf, v_buf, sub, kw, k, v)
         if self.guards and (q.shape[-1] != k_buf.shape[2] or q.shape[1] % k_buf.shape[1]):
             raise SpaceError(f"layer {layer_id}: q is {q.shape[1]} heads × {q.shape[-1]}, but the "
                              f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "

@@ -80,9 +80,8 @@ CAPABILITIES = Capabilities(
     kv_dtypes=frozenset({"float16", "bfloat16", "fp8_e4m3"}),
     fp8_max_head_dim=256,
     fp8_limited_archs=frozenset({80, 86, 89, 90}),
-    fp8_note="FlashInfer 0.6.18 builds its fp8-KV kernels at head_dim 512 for SM100+ only: "
-             "'No supported CUDA architectures found for major versions [10, 11, 12]' on the "
-             "H200",
+    fp8_note="FlashInfer 0.6.18 builds its fp8-KV kernels at head_dim 512 for SM100+ only: 'No "
+             "supported CUDA architectures found for major versions [10, 11, 12]' on the H200",
 )
 
 
@@ -364,9 +363,8 @@ class Adapter:
         """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32 natural log, or
         None when ``lse`` is False and no sink needs it: the kernel then writes none).
 
-        q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16, or fp8 e4m3 with the
-        layer's ``k_scale``/``v_scale``: FlashInfer folds k_scale into the softmax scale and
-        multiplies the output by v_scale); sinks: [Hq] or None.
+        q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D], bf16/fp16 or fp8 e4m3 read with the
+        layer's ``k_scale``/``v_scale`` (folded in by FlashInfer); sinks: [Hq] or None.
         """
         p = self._passes.of(tables)
         if window != p.window:
@@ -382,9 +380,9 @@ class Adapter:
             self._plan_wrapper(p, sig, q.device)
             self.replans += 1
         want = lse or sinks is not None
-        scales = {} if k_buf.dtype.itemsize > 1 else dict(k_scale=k_scale, v_scale=v_scale)
-        out = p.wrapper.run(q, (self._paged(k_buf), self._paged(v_buf)), return_lse=want,
-                            **scales)
+        paged = (self._paged(k_buf), self._paged(v_buf))
+        out = (p.wrapper.run(q, paged, return_lse=want) if k_buf.dtype.itemsize > 1 else
+               p.wrapper.run(q, paged, return_lse=want, k_scale=k_scale, v_scale=v_scale))
         if not want:
             return out, None
         o, l2 = out

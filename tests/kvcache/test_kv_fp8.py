@@ -85,3 +85,31 @@ def test_scales_must_be_positive_and_finite() -> None:
     v0 = pool.scales_version
     pool.set_kv_scales(0, 0.25, 0.5)
     assert pool.scales_version == v0 + 1
+
+
+def test_the_backends_fast_write_quantizes_with_the_scales_set_after_it_was_built() -> None:
+    """Outside check mode the backend stores K/V itself (not through `pool.write`); it must use
+    each layer's current scales, also ones set after its per-layer entries were cached."""
+    from swafactory.metadata.batch import ForwardBatch, ReqForward
+
+    cfg = swafactory.compose(["model=tiny", "spec=none", "backend=torch",
+                              "backend.kv_dtype=fp8_e4m3"])
+    pool, alloc = build_pools(cfg, 64, 32, check_mode=False)
+    slots = RequestSlots(alloc, ReqToToken(2, 64))
+    slots.open("a")
+    slots.extend("a", 3)
+    backend = swafactory.build_backend(cfg, pools=pool)
+    batch = ForwardBatch.of("extend", [ReqForward("a", slots.reqs["a"].row, 0, 3)],
+                            slots.req_to_token.table, alloc.full_id)
+    sub = pool.sub_pool(2)
+    rows = slots.slots("a", 0, 3).tensor.long()
+    for k_scale, v_scale in ((1.0, 1.0), (0.25, 4.0)):  # the second set after the first forward
+        pool.set_kv_scales(2, k_scale, v_scale)
+        backend.init_forward_metadata(batch)
+        k = torch.randn(3, sub.num_kv_heads, sub.head_dim) * 3
+        v = torch.randn_like(k) * 3
+        q = torch.randn(3, cfg.model.num_attention_heads, sub.head_dim, dtype=torch.bfloat16)
+        backend.forward(q, k, v, 2)
+        k_buf, v_buf, _ = pool.get_kv(2)
+        assert torch.equal(k_buf[rows].view(torch.uint8), (k / k_scale).to(F8).view(torch.uint8))
+        assert torch.equal(v_buf[rows].view(torch.uint8), (v / v_scale).to(F8).view(torch.uint8))
