@@ -1,6 +1,7 @@
 """fp8 e4m3 against bf16 KV: the whole decode step through the factory, per backend (H200).
 
-``python3 bench/bench_factory.py --out $OUT --fp8 flashinfer,triton [--models ...] [--bs 64]``.
+``python3 bench/bench_factory.py --out $OUT --fp8 flashinfer,triton,flashinfer+triton [--bs 64]``
+(``A+B``: kernel A on the SWA layers, B on the full ones, through ``backend.groups.full``).
 For each (model, backend, batch size) the same requests are built twice, once per KV dtype (the
 pools filled with random K/V; fp8 with the harness's per-layer scales), and one decode cycle is
 timed each way: ``init_forward_metadata`` + ``forward`` over every layer (the K/V write, which
@@ -31,9 +32,11 @@ def one_dtype(model: str, backend_name: str, bs: int, ctx: int, dtype: str, do_b
     from swafactory.errors import ConfigError
     from swafactory.harness.kv_quant import set_harness_scales
 
+    swa, _, full = backend_name.partition("+")  # "flashinfer+triton": a kernel per group
+    groups = (f"backend.groups.full={full}",) if full else ()
     try:
-        cfg, pool, alloc, slots, backend = setup(model, bs, ctx, 1, backend_name=backend_name,
-                                                 overrides=(f"backend.kv_dtype={dtype}",))
+        cfg, pool, alloc, slots, backend = setup(model, bs, ctx, 1, backend_name=swa,
+                                                 overrides=(f"backend.kv_dtype={dtype}", *groups))
     except ConfigError as e:
         return {"error": "refused: " + "; ".join(r.message for r in e.reasons)}
     set_harness_scales(pool)

@@ -17,7 +17,7 @@ plan's tables to a kernel and hold no pool logic. CUDA graphs: `init_cuda_graph_
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,8 +55,12 @@ class AttentionBackend:
     """One runner's attention: plans once per forward, runs a kernel once per layer."""
 
     def __init__(self, cfg: SwaFactoryConfig, adapter, view: RunnerView,
-                 windows: Mapping[int, int | None], guards: bool = True) -> None:
+                 windows: Mapping[int, int | None], guards: bool = True,
+                 adapters: Mapping[str, object] | None = None) -> None:
+        """adapter: the kernel of `backend.name`; adapters: registry key → adapter of every
+        kernel a layer group uses (`backend.groups`), ``adapter`` included or not."""
         self.cfg, self.adapter, self.view = cfg, adapter, view
+        self.adapters = {cfg.backend.name: adapter, **(adapters or {})}
         self.windows = dict(windows)
         self.guards = guards
         self.softcap = cfg.model.logit_softcap
@@ -82,8 +86,24 @@ class AttentionBackend:
 
     @property
     def capabilities(self) -> Capabilities:
-        """The adapter's declared capabilities."""
+        """The declared capabilities of `backend.name`'s adapter."""
         return self.adapter.capabilities
+
+    def kernel_of(self, window: int | None) -> str:
+        """Registry key of the kernel that serves a group with ``window`` (None: full)."""
+        return self.cfg.backend.kernel_for(window is not None)
+
+    def _plan_kernels(self, fplan: ForwardPlan, pool, graph: tuple[int, int] | None) -> None:
+        """Each kernel library's host planning (FlashInfer's), over the groups it serves."""
+        sigs = None
+        for name, ad in self.adapters.items():
+            if not hasattr(ad, "plan"):
+                continue
+            mine = fplan if len(self.adapters) == 1 else _only(
+                fplan, {k for k, g in fplan.groups.items() if self.kernel_of(g.window) == name})
+            if mine.groups:
+                sigs = sigs or self._sigs(pool, fplan)
+                ad.plan(mine, pool, sigs=sigs, graph=graph)
 
     @property
     def plan(self) -> ForwardPlan:
@@ -113,8 +133,7 @@ class AttentionBackend:
                      writes=not pool.read_only,
                      skip_spec_translation=f.skip_spec_translation)
         self._pool = pool
-        if hasattr(self.adapter, "plan"):  # kernels with host-side planning (FlashInfer): here
-            self.adapter.plan(fplan, pool, sigs=self._sigs(pool, fplan), graph=graph)
+        self._plan_kernels(fplan, pool, graph)  # kernels with host-side planning: here, once
         return fplan
 
     def _sigs(self, pool, fplan: ForwardPlan) -> dict[str, tuple]:
@@ -144,11 +163,12 @@ class AttentionBackend:
     def init_cuda_graph_state(self, max_bs: int, max_tokens: int) -> None:
         """Ready graphs of up to ``max_bs`` requests × ``max_tokens`` query rows each. Calling
         it again with other limits keeps the buckets already captured."""
-        if not self.capabilities.cuda_graph:
-            raise ConfigError([Reason("backend", "backend.cuda_graph",
-                                      f"{self.capabilities.name} has no CUDA-graph path",
-                                      "backend.cuda_graph=false, or backend=flashinfer",
-                                      rule="cuda_graph")])
+        for ad in self.adapters.values():
+            if not ad.capabilities.cuda_graph:
+                raise ConfigError([Reason("backend", "backend.cuda_graph",
+                                          f"{ad.capabilities.name} has no CUDA-graph path",
+                                          "backend.cuda_graph=false, or backend=flashinfer",
+                                          rule="cuda_graph")])
         if self.cascade:
             raise ConfigError([Reason("backend", "backend.tree_mask",
                                       "a cascade's prefix/expand split depends on the batch, so "
@@ -180,7 +200,7 @@ class AttentionBackend:
         pool = self.view.active_pool if self._frozen is None else self._frozen[0]
         fplan = capture_plan(st, pool, pool.layers_mapping, self.windows, bs=bs, tokens=tokens,
                              mode=mode, writes=not pool.read_only)
-        self.adapter.plan(fplan, pool, sigs=self._sigs(pool, fplan), graph=(bs, tokens))
+        self._plan_kernels(fplan, pool, (bs, tokens))
         st.captured[(bs, tokens)] = pool
         self._pool = pool
         self._set_plan(fplan, graphed=True)
@@ -235,7 +255,8 @@ class AttentionBackend:
                           softcap=self.softcap)
                 if is_fp8(sub.dtype):  # kernels dequantize with the layer's scales
                     kw["k_scale"], kw["v_scale"] = pool.kv_scales(layer)
-                entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id))
+                ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
+                entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad)
             # the pool is held, so its identity cannot be reused by another one
             self._layers = (pool, dict(fplan.layer_groups), entries, version)
 
@@ -258,7 +279,7 @@ class AttentionBackend:
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
-        key, k_buf, v_buf, sub, kw, pair = self._entry(layer_id)
+        key, k_buf, v_buf, sub, kw, pair, _ = self._entry(layer_id)
         self._store(layer_id, key, k_buf, v_buf, sub, kw, k, v)
 
     def _store(self, layer_id: int, key: str, k_buf, v_buf, sub, kw: dict, k, v) -> None:
@@ -300,7 +321,7 @@ class AttentionBackend:
         `init_forward_metadata`.
         """
         del batch
-        key, k_buf, v_buf, sub, kw, pair = self._entry(layer_id)
+        key, k_buf, v_buf, sub, kw, pair, ad = self._entry(layer_id)
         g = self._plan.groups[key]
         if self.guards and pair not in self._checked:
             self._check_layer(layer_id, g, sub, pair)
@@ -313,10 +334,10 @@ class AttentionBackend:
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
         if g.cascade is not None:
             pre, exp = g.cascade
-            o1, l1 = self.adapter.run(pre, q, k_buf, v_buf, **kw)
-            o2, l2 = self.adapter.run(exp, q, k_buf, v_buf, **kw)
-            return self.adapter.merge(o1, l1, o2, l2, sinks)
-        o, _ = self.adapter.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, **kw)
+            o1, l1 = ad.run(pre, q, k_buf, v_buf, **kw)
+            o2, l2 = ad.run(exp, q, k_buf, v_buf, **kw)
+            return ad.merge(o1, l1, o2, l2, sinks)
+        o, _ = ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, **kw)
         return o
 
 
@@ -339,13 +360,23 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
     pool = view.active_pool
     device = detect_device("cuda" if pool.sub_pools[0].device.type == "cuda" else "cpu")
     cfg = validate(cfg, device)
-    module = backend_module(cfg.backend.name)
-    if not hasattr(module, "Adapter"):
-        raise ConfigError([Reason("backend", "backend.name", f"{cfg.backend.name}'s capabilities "
-                                  "are declared but its adapter is not built yet",
-                                  "backend=torch", rule="adapter")])
+    b = cfg.backend
+    names = dict.fromkeys((b.name, *(n for n in (b.groups.swa, b.groups.full) if n)))
+    modules = {n: backend_module(n) for n in names}
+    for n, module in modules.items():
+        if not hasattr(module, "Adapter"):  # check() refused it already; a direct caller may not
+            raise ConfigError([Reason("backend", "backend.name", f"{n}'s capabilities are "
+                                      "declared but its adapter is not built yet",
+                                      "backend=torch", rule="adapter")])
     if windows is None:
         windows = runner_windows(cfg, view)
         if view.role != "draft_reads_target":  # a FROZEN_KV view's pool is a dummy until swapped
             check_own_pool(view, windows)
-    return AttentionBackend(cfg, module.Adapter(), view, windows, guards)
+    adapters = {n: m.Adapter() for n, m in modules.items()}
+    return AttentionBackend(cfg, adapters[b.name], view, windows, guards, adapters=adapters)
+
+
+def _only(fplan: ForwardPlan, keys: set[str]) -> ForwardPlan:
+    """``fplan`` restricted to the groups ``keys`` (what one kernel of several plans)."""
+    return replace(fplan, groups={k: g for k, g in fplan.groups.items() if k in keys},
+                   layer_groups={l: k for l, k in fplan.layer_groups.items() if k in keys})

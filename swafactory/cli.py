@@ -36,16 +36,19 @@ def _short(ids: str, limit: int = 18) -> str:
 def render_plan(plan: PlanSummary, console: Console) -> None:
     """Print the plan table and the pool bytes."""
     t = Table(title=f"swafactory plan: {plan.combination} on {plan.device}", title_justify="left")
+    kernels = list(dict.fromkeys(r.kernel for r in plan.rows))
+    per_group = len(kernels) > 1  # a kernel per layer group (backend.groups): say which is whose
     for col in ("worker", "group", "layers", "#", "pool", "index space", "KV heads×dim", "window",
-                "tree", "resolver", "bytes/request"):
+                *(("kernel",) if per_group else ()), "tree", "resolver", "bytes/request"):
         t.add_column(col, no_wrap=col in ("layers", "KV heads×dim", "bytes/request"))
     for r in plan.rows:
         t.add_row(r.worker, r.group, _short(r.layers), str(r.num_layers), r.pool, r.index_space,
-                  f"{r.kv_heads}×{r.head_dim}", str(r.window) if r.window else "-", r.tree,
+                  f"{r.kv_heads}×{r.head_dim}", str(r.window) if r.window else "-",
+                  *((r.backend,) if per_group else ()), r.tree,
                   r.resolver, _mib(r.bytes_per_request) if r.bytes_per_request else "-")
     console.print(t)
     console.print(
-        f"kernel: {plan.rows[0].kernel if plan.rows else '-'}; page_size {plan.page_size}; kv_dtype "
+        f"kernel: {', '.join(kernels) or '-'}; page_size {plan.page_size}; kv_dtype "
         f"{plan.kv_dtype}; spec {plan.spec} (draft KV: {plan.draft_kv}); "
         f"{plan.max_running_requests} requests × {plan.context_len} tokens\n"
         f"bytes per context token past the window: hybrid {plan.hybrid_bytes_per_token:,} B vs "

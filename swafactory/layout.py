@@ -32,6 +32,8 @@ class GroupRow(BaseModel):
     kv_heads: int
     head_dim: int
     window: int | None
+    backend: str
+    """Registry key of the kernel that serves the group (`backend.groups` may differ per group)."""
     kernel: str
     tree: str
     resolver: str
@@ -90,7 +92,10 @@ def frozen_draft_binding(cfg: SwaFactoryConfig) -> tuple[int, ...]:
 def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
     """The plan for a validated (auto-resolved) config."""
     m, b, s = cfg.model, cfg.backend, cfg.spec
-    caps = get_capabilities(b.name)
+    def kernel(window: int | None) -> dict[str, str]:  # a group's kernel: its key and its words
+        name = b.kernel_for(window is not None)
+        return dict(backend=name, kernel=get_capabilities(name).kernel)
+
     tree = b.tree_mask if s.is_tree else "-"
     sizing = pool_sizing(cfg)
     rows = []
@@ -100,10 +105,10 @@ def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
             worker="target", group=g.kind, layers=compress_ids(g.layers), num_layers=len(g.layers),
             pool=g.pool,
             index_space="swa" if translated else "full", kv_heads=g.num_kv_heads,
-            head_dim=g.head_dim, window=g.window, kernel=caps.kernel, tree=tree, resolver=b.resolver,
+            head_dim=g.head_dim, window=g.window, **kernel(g.window), tree=tree, resolver=b.resolver,
             bytes_per_token_layer=g.bytes_per_token_layer, tokens_per_request=g.tokens_per_request,
             bytes_per_request=g.bytes_per_request))
-    rows.extend(_draft_rows(cfg, caps.kernel, tree, sizing.draft_bytes_per_request))
+    rows.extend(_draft_rows(cfg, kernel, tree, sizing.draft_bytes_per_request))
     hybrid_marginal = sum(g.bytes_per_token_layer * len(g.layers) for g in sizing.groups
                           if g.tokens_per_request == sizing.context_len)
     full_tokens = cfg.workload.max_running_requests * cfg.workload.context_len
@@ -121,7 +126,8 @@ def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
         swa_pool_tokens=int(full_tokens * effective_ratio(cfg)) if split else 0)
 
 
-def _draft_rows(cfg: SwaFactoryConfig, kernel: str, tree: str, draft_bytes: int) -> list[GroupRow]:
+def _draft_rows(cfg: SwaFactoryConfig, kernel, tree: str, draft_bytes: int) -> list[GroupRow]:
+    """The draft runner's rows; ``kernel(window)`` names the kernel of a group."""
     m, s, b = cfg.model, cfg.spec, cfg.backend
     if s.draft_kv == "own_pool":
         geo = m.full or m.swa
@@ -130,7 +136,7 @@ def _draft_rows(cfg: SwaFactoryConfig, kernel: str, tree: str, draft_bytes: int)
             worker="draft", group="own", layers=compress_ids(range(s.draft_num_layers)),
             num_layers=s.draft_num_layers, pool="draft (own)",
             index_space="full", kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
-            window=None, kernel=kernel, tree=tree, resolver=f"{b.resolver} → none",
+            window=None, **kernel(None), tree=tree, resolver=f"{b.resolver} → none",
             bytes_per_token_layer=2 * geo.num_kv_heads * geo.head_dim * KV_DTYPE_BYTES[b.kv_dtype],
             tokens_per_request=cfg.workload.context_len, bytes_per_request=draft_bytes)]
     if s.draft_kv != "target_pool":
@@ -144,12 +150,13 @@ def _draft_rows(cfg: SwaFactoryConfig, kernel: str, tree: str, draft_bytes: int)
         geo = m.swa if kind == "swa" else m.full
         assert geo is not None
         split = kind == "swa" and m.hybrid_pool
+        window = m.sliding_window if kind == "swa" else None
         rows.append(GroupRow(
             worker="draft", group=kind, layers=f"{compress_ids(mine)} → target "
                                                f"{compress_ids([bound[j] for j in mine])}",
             num_layers=len(mine), pool=f"target {'swa' if split else 'full'} (read)",
             index_space="swa" if split else "full", kv_heads=geo.num_kv_heads,
-            head_dim=geo.head_dim, window=m.sliding_window if kind == "swa" else None, kernel=kernel,
+            head_dim=geo.head_dim, window=window, **kernel(window),
             tree=tree, resolver=f"{b.resolver} → allocator" if split else b.resolver,
             bytes_per_token_layer=0, tokens_per_request=0, bytes_per_request=0))
     return rows

@@ -8,6 +8,7 @@ wins, then field overrides in order) and validated by the schema. A test holds i
 """
 from __future__ import annotations
 
+import copy
 import random
 from functools import cache
 
@@ -38,7 +39,8 @@ FIELDS = {
     "workload.swa_full_tokens_ratio": ["0.01", "0.1", "0.5", "1.0", "auto"],
     "workload.context_len": ["512", "8192"], "model.attention_sinks": ["true", "false"],
     "model.logit_softcap": ["30.0", "null"], "model.sliding_window": ["16", "4096"],
-    "parallel.tp": ["1", "2", "3"]}
+    "parallel.tp": ["1", "2", "3"], "backend.groups.full": ["null", "triton", "flash_attn"],
+    "backend.groups.swa": ["null", "flashinfer", "torch"]}
 
 
 @cache
@@ -73,8 +75,8 @@ def _compose(overrides: list[str]) -> SwaFactoryConfig | None:
             choices[o.key_or_group] = o.value()
         else:
             fields.append((o.key_or_group, o.value()))
-    data = {**{g: dict(_yaml(f"{g}/{n}.yaml")) for g, n in choices.items()},
-            **{k: dict(v) for k, v in rest.items()}}
+    # deep copies: an override of a nested field (backend.groups.full) must not edit the cache
+    data = copy.deepcopy({**{g: _yaml(f"{g}/{n}.yaml") for g, n in choices.items()}, **rest})
     for key, value in fields:
         *parents, leaf = key.split(".")
         node = data

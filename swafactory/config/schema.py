@@ -17,7 +17,7 @@ from swafactory.errors import FieldError
 
 __all__ = ["Geometry", "ModelSpec", "SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec",
            "FrozenKVMTPSpec", "DFlashSpec", "StandaloneSpec", "BackendSpec", "WorkloadSpec",
-           "RunSpec", "FaultsSpec", "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
+           "GroupKernels", "RunSpec", "FaultsSpec", "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
 
 LayerType = Literal["sliding_attention", "full_attention"]
 _PATTERN_CODES = {"S": "sliding_attention", "F": "full_attention"}
@@ -130,6 +130,30 @@ class ModelSpec(_Frozen):
 
 
 # ---------------------------------------------------------------- backend, workload, run
+def _known_backend(name: str, auto: bool) -> str:
+    from swafactory.registry.table import list_backends  # the registry owns the key set
+    known = (*(("auto",) if auto else ()), *list_backends())
+    if name not in known:
+        raise ValueError(f"unknown backend {name!r}; registered: {', '.join(known)}")
+    return name
+
+
+class GroupKernels(_Frozen):
+    """A kernel per layer group (null: `backend.name`'s). The planner, the resolver and the typed
+    spaces stay shared; only the kernel that reads a group's tables changes."""
+
+    swa: str | None = None
+    """Registry key of the kernel for the layers with a window (e.g. `flash_attn`, which reads
+    Gemma 4's head_dim-256 SWA layers but not its head_dim-512 full layers)."""
+    full: str | None = None
+    """Registry key of the kernel for the layers without a window."""
+
+    @field_validator("swa", "full")
+    @classmethod
+    def _known(cls, name: str | None) -> str | None:
+        return None if name is None else _known_backend(name, auto=False)
+
+
 class BackendSpec(_Frozen):
     """Which kernel family serves attention, and how it is wired."""
 
@@ -145,15 +169,18 @@ class BackendSpec(_Frozen):
     """KV-source policy: `auto` = the truth table; the others pin one answer."""
     kv_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3"] = "bfloat16"
     """Storage dtype of the KV pools."""
+    groups: GroupKernels = GroupKernels()
+    """A kernel per layer group (`backend.groups.full=triton`): each group is validated against
+    its own kernel's capabilities."""
 
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
-        from swafactory.registry.table import list_backends  # the registry owns the key set
-        known = ("auto", *list_backends())
-        if name not in known:
-            raise ValueError(f"unknown backend {name!r}; registered: {', '.join(known)}")
-        return name
+        return _known_backend(name, auto=True)
+
+    def kernel_for(self, sliding: bool) -> str:
+        """Registry key of the kernel serving layers with (``sliding``) or without a window."""
+        return (self.groups.swa if sliding else self.groups.full) or self.name
 
 
 class WorkloadSpec(_Frozen):

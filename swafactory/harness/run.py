@@ -17,6 +17,7 @@ from swafactory.harness.setup import Parts, build_parts, pool_sizes
 from swafactory.harness.workers import Check, Worker
 from swafactory.registry.device import DeviceInfo, detect_device
 from swafactory.registry.select import validate
+from swafactory.registry.check import kernel_groups
 from swafactory.registry.table import get_capabilities
 
 __all__ = ["run", "tolerance_for"]
@@ -237,7 +238,7 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, b
     if parts and parts.draft_pool is not None and parts.draft_pool.is_split:
         draft_kind = "own split pool sharing the target's mapping"
     parts_desc = {
-        "kernel": get_capabilities(b.name).kernel,
+        "kernel": ", ".join(get_capabilities(n).kernel for n in kernel_groups(cfg)),
         "resolver": f"resolve_kv_source policy={b.resolver}, every forward",
         "planner": "metadata.plan, once per forward",
         "translator": "kvcache.translate (typed Locs)",

@@ -20,28 +20,74 @@ __all__ = ["check"]
 
 
 def check(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[Reason]:
-    """All reasons ``cfg`` cannot run on ``device``; empty means it can. `auto` must be resolved."""
+    """All reasons ``cfg`` cannot run on ``device``; empty means it can. `auto` must be resolved.
+
+    Each kernel is checked against the layer groups it serves (`kernel_groups`): a kernel named
+    by `backend.groups.<g>` is held to group g's geometry only, and its reasons name that field.
+    """
     if cfg.backend.name == "auto":
         raise ValueError("resolve backend=auto first (registry.select.resolve_auto)")
-    caps = get_capabilities(cfg.backend.name)
     reasons: list[Reason] = []
-    for rule in (_adapter, _device, _packages, _page_size, _head_dims, _geometry, _window, _tree, _dflash,
-                 _sinks, _softcap, _dtype, _cuda_graph, _resolver, _sizing, _parallel):
-        reasons.extend(replace(r, rule=rule.__name__.lstrip("_")) for r in rule(cfg, caps, device))
-    return reasons
+    for name, groups in kernel_groups(cfg).items():
+        caps = get_capabilities(name)
+        for rule in _KERNEL_RULES:
+            for r in rule(cfg, caps, device, groups):
+                reasons.append(_scoped(r, rule, cfg, name, groups))
+    caps = get_capabilities(cfg.backend.name)
+    for rule in _CONFIG_RULES:
+        reasons.extend(replace(r, rule=rule.__name__.lstrip("_")) for r in rule(cfg, caps, device, ()))
+    seen: set[tuple[str, str]] = set()  # a rule every kernel breaks alike is said once
+    return [r for r in reasons if (r.field, r.message) not in seen
+            and not seen.add((r.field, r.message))]
+
+
+def kernel_groups(cfg: SwaFactoryConfig) -> dict[str, tuple[str, ...]]:
+    """Registry key → the layer groups (`swa`, `full`) of the model it serves; `backend.name`
+    first. A group without layers is served by nobody here (a draft runner's layers still
+    follow `backend.kernel_for`)."""
+    m, b = cfg.model, cfg.backend
+    out: dict[str, tuple[str, ...]] = {b.name: ()}
+    for group, layers in (("swa", m.swa_layers), ("full", m.full_layers)):
+        if layers:
+            name = b.kernel_for(group == "swa")
+            out[name] = (*out.get(name, ()), group)
+    if not out[b.name] and len(out) > 1:
+        del out[b.name]  # every group has its own kernel: backend.name serves none of them
+    return out
+
+
+def _scoped(r: Reason, rule, cfg: SwaFactoryConfig, name: str, groups: tuple[str, ...]) -> Reason:
+    """A reason of a group's own kernel names the field that chose it."""
+    r = replace(r, rule=rule.__name__.lstrip("_"))
+    if name == cfg.backend.name:
+        return r
+    field = "backend.groups." + "/".join(groups)
+    return replace(r, part="backend", field=field if r.field == "backend.name" else r.field,
+                   message=f"{field}={name}: {r.message}",
+                   fix=r.fix if r.field != "backend.name" else f"{field}=null")
+
+
+def _served(cfg: SwaFactoryConfig, groups: tuple[str, ...]) -> Iterator[tuple[str, object, tuple]]:
+    """(group, geometry, layer ids) of each group in ``groups`` that has layers."""
+    m = cfg.model
+    for group, geo, layers in (("swa", m.swa, m.swa_layers), ("full", m.full, m.full_layers)):
+        if group in groups and geo is not None and layers:
+            yield group, geo, layers
 
 
 def _r(field: str, message: str, fix: str | None = None) -> Reason:
     return Reason(field.split(".")[0], field, message, fix)
 
 
-def _adapter(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _adapter(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     if not has_adapter(caps.name):
         yield _r("backend.name", f"swafactory declares {caps.name}'s capabilities but has no "
                                  f"adapter that calls its kernels yet, so nothing can run on it")
 
 
-def _device(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _device(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     name = caps.name
     if dev.kind == "cpu":
         if "cpu" in caps.devices:
@@ -62,14 +108,16 @@ def _device(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Itera
                                  f"({caps.arch_note})")
 
 
-def _packages(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _packages(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     for module, requirement in caps.requires:
         if module not in dev.packages:
             yield _r("backend.name", f"{caps.name} needs the `{module}` package, which is not "
                                      f"installed", f"pip install '{requirement}'")
 
 
-def _page_size(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _page_size(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     ps = cfg.backend.page_size
     if caps.page_sizes is not None and ps not in caps.page_sizes:
         ok = sorted(caps.page_sizes)
@@ -77,12 +125,10 @@ def _page_size(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> It
                  f"backend.page_size={ok[-1]}")
 
 
-def _head_dims(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
-    m = cfg.model
-    for group, geo, layers in (("swa", m.swa, m.swa_layers), ("full", m.full, m.full_layers)):
-        if geo is None or not layers:
-            continue
-        d = geo.head_dim
+def _head_dims(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
+    for group, geo, layers in _served(cfg, groups):
+        m, d = cfg.model, geo.head_dim
         too_big = caps.max_head_dim is not None and d > caps.max_head_dim
         not_listed = caps.head_dims is not None and d not in caps.head_dims
         if too_big or not_listed:
@@ -94,19 +140,22 @@ def _head_dims(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> It
                      f"serves {limit}{note}")
 
 
-def _geometry(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _geometry(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     m = cfg.model
-    if (not caps.per_group_geometry and m.swa_layers and m.full_layers and m.swa != m.full):
+    if not caps.per_group_geometry and len(groups) == 2 and m.swa != m.full:
         yield _r("model.name", f"{caps.name} plans one head geometry, but {m.name}'s sliding and "
                                "full layers differ in KV heads or head_dim")
 
 
-def _window(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
-    if cfg.model.swa_layers and not caps.sliding_window:
+def _window(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
+    if "swa" in groups and not caps.sliding_window:
         yield _r("model.name", f"{caps.name} cannot apply a sliding window")
 
 
-def _tree(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _tree(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     spec, b = cfg.spec, cfg.backend
     if not spec.is_tree:
         return
@@ -124,25 +173,29 @@ def _tree(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterato
                                       f"{b.page_size}", "backend.page_size=1")
 
 
-def _dflash(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _dflash(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     if cfg.spec.algorithm == "dflash" and not caps.non_causal_draft:
         yield _r("spec.algorithm", f"dflash drafts a block with non-causal attention inside it, "
                                    f"which {caps.name} cannot mask")
 
 
-def _sinks(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _sinks(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     if cfg.model.attention_sinks and not caps.sinks:
         note = f" ({caps.sinks_note})" if caps.sinks_note else ""
         yield _r("model.attention_sinks", f"{cfg.model.name} uses attention sinks, which "
                                           f"{caps.name} does not serve here{note}")
 
 
-def _softcap(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _softcap(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     if cfg.model.logit_softcap is not None and not caps.softcap:
         yield _r("model.logit_softcap", f"{caps.name} has no logit soft-capping")
 
 
-def _dtype(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _dtype(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     dt = cfg.backend.kv_dtype
     if dt not in caps.kv_dtypes:
         ok = sorted(caps.kv_dtypes)
@@ -153,16 +206,17 @@ def _dtype(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterat
             dev.sm not in caps.fp8_limited_archs:
         return
     m = cfg.model
-    for group, geo, layers in (("swa", m.swa, m.swa_layers), ("full", m.full, m.full_layers)):
-        if geo is not None and layers and geo.head_dim > caps.fp8_max_head_dim:
+    for group, geo, layers in _served(cfg, groups):
+        if geo.head_dim > caps.fp8_max_head_dim:
             note = f" ({caps.fp8_note})" if caps.fp8_note else ""
             yield _r("backend.kv_dtype",
                      f"the {len(layers)} {group} layers of {m.name} have head_dim {geo.head_dim}; "
                      f"{caps.name} reads fp8 KV up to head_dim {caps.fp8_max_head_dim} on "
-                     f"SM{dev.sm}{note}", "backend.kv_dtype=bfloat16, or backend=triton")
+                     f"SM{dev.sm}{note}", f"backend.groups.{group}=triton")
 
 
-def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     if not cfg.backend.cuda_graph:
         return
     if not caps.cuda_graph:
@@ -175,7 +229,8 @@ def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> I
                  "a captured graph cannot replay it", "backend.tree_mask=custom_mask")
 
 
-def _resolver(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _resolver(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     m, spec, policy = cfg.model, cfg.spec, cfg.backend.resolver
     split = bool(m.swa_layers) and m.hybrid_pool
     if not split or policy == "auto":
@@ -193,7 +248,8 @@ def _resolver(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Ite
                  "backend.resolver=auto")
 
 
-def _sizing(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _sizing(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     m, w = cfg.model, cfg.workload
     if not (m.swa_layers and m.hybrid_pool and m.sliding_window) or w.swa_full_tokens_ratio == "auto":
         return
@@ -208,7 +264,8 @@ def _sizing(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Itera
                  f"= {need} (DESIGN invariant 6)", f"workload.swa_full_tokens_ratio={min(1.0, ratio)}")
 
 
-def _parallel(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Iterator[Reason]:
+def _parallel(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
+            groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     tp, m = cfg.parallel.tp, cfg.model
     if tp == 1:
         return
@@ -228,3 +285,9 @@ def _parallel(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo) -> Ite
             yield _r(f"model.{group}.num_kv_heads",
                      f"{kv} KV heads neither split over {tp} ranks nor replicate evenly onto them "
                      "(need kv % tp == 0, or tp % kv == 0 to replicate)", fix)
+
+
+# rules of one kernel against the groups it serves; rules of the configuration, checked once
+_KERNEL_RULES = (_adapter, _device, _packages, _page_size, _head_dims, _geometry, _window, _tree,
+                 _dflash, _sinks, _softcap, _dtype, _cuda_graph)
+_CONFIG_RULES = (_resolver, _sizing, _parallel)

@@ -88,11 +88,18 @@ def suggest(cfg: SwaFactoryConfig, device: DeviceInfo, reasons: list[Reason],
     preferred working backend; each other backend repaired with its own reasons' fixes."""
     if (fixed := _repair(cfg, device, _fixes(reasons), rounds=1)) is not None:
         return fixed
+    pref = AUTO_PREFERENCE.get(device.kind, ())
+    order = [*pref, *(b for b in list_backends() if b not in pref)]
+    # one layer group on another kernel keeps the chosen kernel for the rest (fp8 at D = 512)
+    for group in _refused_groups(cfg, reasons):
+        for name in order:
+            if name != cfg.backend.kernel_for(group == "swa"):
+                s = Suggestion(fields=((f"backend.groups.{group}", name),))
+                if (fixed := _verify(cfg, device, s)[0]) is not None:
+                    return fixed
     # the current spec and model, spelled out to make a whole combination; they change nothing
     same = tuple((g, n) for g, n in (("spec", cfg.spec.name), ("model", cfg.model.name))
                  if _option(g, n) is not None)
-    pref = AUTO_PREFERENCE.get(device.kind, ())
-    order = [*pref, *(b for b in list_backends() if b not in pref)]
     if alternatives:
         return Suggestion((("backend", min(alternatives, key=order.index)), *same))
     for name in order:
@@ -101,6 +108,20 @@ def suggest(cfg: SwaFactoryConfig, device: DeviceInfo, reasons: list[Reason],
         if (fixed := _repair(cfg, device, Suggestion((("backend", name), *same)))) is not None:
             return fixed
     return None
+
+
+def _refused_groups(cfg: SwaFactoryConfig, reasons: list[Reason]) -> list[str]:
+    """Layer groups a reason is about (a group's head_dim, or its kernel's field), when the
+    model has both groups: moving that group alone to another kernel may be the whole fix."""
+    if not (cfg.model.swa_layers and cfg.model.full_layers):
+        return []
+    out = []
+    for r in reasons:
+        for g in ("swa", "full"):
+            if g not in out and (r.field in (f"model.{g}.head_dim", f"backend.groups.{g}") or
+                                 f" {g} layers of " in r.message):
+                out.append(g)
+    return out
 
 
 # ------------------------------------------------------------------ replaying the overrides

@@ -82,3 +82,19 @@ def test_fp8_kv_against_the_dequantized_oracle(backend: str, model: str, mode: s
     extra = ["model.sliding_window=7", "model.num_layers=6", "model.softmax_scale=0.1"]
     w, _ = world(backend, model, extra, kv_dtype="fp8_e4m3")
     assert_close(run_mode(w, mode, [0, 1, 5], 7), BF16)
+
+
+@pytest.mark.parametrize("swa,full,kv_dtype", [("flash_attn", "flashinfer", "bfloat16"),
+                                               ("flash_attn", "triton", "bfloat16"),
+                                               ("flashinfer", "triton", "fp8_e4m3")])
+@pytest.mark.parametrize("mode", MODES)
+def test_gemma4_a_kernel_per_group(swa: str, full: str, kv_dtype: str, mode: str) -> None:
+    """Gemma 4 at its real head dims, each group on its own kernel (`backend.groups.full`):
+    flash-attn-4 reads the D = 256 SWA layers, FlashInfer or our Triton the D = 512 full ones;
+    fp8 KV on FlashInfer's SWA layers and Triton's full ones (FlashInfer has no D = 512 fp8 on
+    SM90)."""
+    extra = ["model.sliding_window=8", "model.num_layers=12", f"backend.groups.full={full}"]
+    w, cfg = world(swa, "gemma4", extra, kv_dtype=kv_dtype)
+    assert (cfg.model.swa.head_dim, cfg.model.full.head_dim) == (256, 512)
+    assert set(w.backend.adapters) == {swa, full}
+    assert_close(run_mode(w, mode, [0, 5], 8), BF16)

@@ -123,14 +123,18 @@ def test_cli_writes_a_valid_report_and_a_png(tmp_path) -> None:
 
 
 def test_triton_backend_under_the_interpreter_on_tiny(tmp_path) -> None:
+    """triton through the CLI, on the full layers and the draft's; the SWA layers on torch through
+    `backend.groups.swa` (a kernel per layer group; triton's windows run in the backend tests)."""
     pytest.importorskip("triton")
     out = subprocess.run([sys.executable, "-m", "swafactory", "backend=triton", "model=tiny",
-                          "spec=eagle3", "backend.kv_dtype=float32", f"hydra.run.dir={tmp_path}"],
+                          "backend.groups.swa=torch", "spec=eagle3", "backend.kv_dtype=float32",
+                          f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     r = Report.model_validate_json((tmp_path / "report.json").read_text())
     assert r.backend == "triton" and r.status == "ok" and r.checks == r.passed > 0
+    assert r.parts["kernel"].startswith("triton") and "torch" in r.parts["kernel"]
 
 
 @pytest.mark.parametrize("fault", ["none", "window_off_by_one", "pool_cached_at_init"])
