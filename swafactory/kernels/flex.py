@@ -12,8 +12,7 @@ Because the keys are gathered, any pool page size works; the price is one K/V co
 On CPU it runs FlexAttention's unfused eager path (tests, small shapes). On CUDA the code path
 compiles the kernel with dynamic shapes and forces FlexAttention's prefill kernel for every pass
 (``FORCE_USE_FLEX_ATTENTION``): its flex-decoding kernel, picked for short passes, failed to lower
-passes of 64-100 queries per request on the H200. The registry still refuses flex on CUDA until
-the harness has run it there (see ``CAPABILITIES.devices_note``).
+passes of 64-100 queries per request on the H200 (``CAPABILITIES.devices_note``).
 Sinks use the exact LSE epilogue (`torch_ref.apply_sinks`); FlexAttention's LSE is natural-log.
 """
 from __future__ import annotations
@@ -34,14 +33,12 @@ CAPABILITIES = Capabilities(
     name="flex",
     summary="torch FlexAttention on a padded per-request gather; one block mask per pass per forward",
     kernel="FlexAttention (block mask)",
-    devices=frozenset({"cpu"}),
-    devices_note="on the H200 (torch 2.11) serve runs at 1da1d66 failed to lower the compiled "
-                 "kernel (NoValidChoicesError) on extend passes of 64-100 queries per request "
-                 "(FlexAttention's decoding kernel); at e05dc49 bench/flex_probe.py lowered all "
-                 "15 serve-like shapes, those included, with either fix of issue 17 (passes "
-                 "padded to one 128-query block, or kernel_options FORCE_USE_FLEX_ATTENTION, "
-                 "max abs err 4e-3 against SDPA), and the adapter now forces the prefill "
-                 "kernel; refused on CUDA until the harness has run flex there with the fix",
+    devices=frozenset({"cpu", "cuda"}),
+    devices_note="on CUDA the adapter compiles with dynamic shapes and forces FlexAttention's "
+                 "prefill kernel (kernel_options FORCE_USE_FLEX_ATTENTION): at 1da1d66 its "
+                 "flex-decoding kernel failed to lower extend passes of 64-100 queries per "
+                 "request (NoValidChoicesError); bench/flex_probe.py at e05dc49 lowered all 15 "
+                 "serve-like shapes with the forced kernel",
     max_head_dim=256,
     head_dim_note="swafactory caps FlexAttention at head_dim 256: larger heads are not verified "
                   "on a GPU",
