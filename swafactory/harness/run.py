@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -173,8 +174,8 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
         check = ("space" if isinstance(exc, SpaceError) else
                  "capacity" if isinstance(exc, CapacityError) else "kernel")
         mismatch = Mismatch(step=loop.step if loop else 0, worker=worker, mode=mode, layer=-1,
-                            group="-", request="-", error=f"{type(exc).__name__}: {exc}",
-                            check=check)
+                            group="-", request="-", error=f"{type(exc).__name__}: {exc}"
+                            + _raised_at(exc), check=check)
     books: dict[str, int] = {}
     if mismatch is None:  # every request finished: every slot and row must be back
         books = leaks.leaked(parts)
@@ -214,6 +215,20 @@ def _graph_use(workers) -> str:
         return "on, no forward was graphable"
     return (f"{sum(g.captures for g in gs)} captures, {sum(g.replays for g in gs)} replays "
             f"({', '.join(f'{m}×{t}' for x in workers for m, t in x.graphs)})")
+
+
+def _raised_at(exc: BaseException) -> str:
+    """Where an exception left swafactory's code (the deepest frame of ours), so a kernel that
+    raised in a sweep names its line without a traceback: `` (at kernels/flex.py:88 in
+    padded_pass)``; empty when no frame is ours."""
+    import traceback
+
+    ours = [(f, Path(f.filename).as_posix()) for f in traceback.extract_tb(exc.__traceback__)]
+    ours = [(f, p) for f, p in ours if "/swafactory/" in p]
+    if not ours:
+        return ""
+    f, path = ours[-1]
+    return f" (at {path.rsplit('/swafactory/', 1)[1]}:{f.lineno} in {f.name})"
 
 
 def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, books) -> Report:
