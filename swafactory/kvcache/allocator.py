@@ -37,6 +37,7 @@ class _PagedSlots:
     """Slot-level operations shared by both allocators, built on ``alloc_pages``/``free_pages``."""
 
     page_size: int
+    device: torch.device
 
     def available_pages(self) -> int:
         raise NotImplementedError
@@ -96,10 +97,13 @@ class _PagedSlots:
         total = sum(need)
         if total > self.available_pages():
             return None
-        pages = self.alloc_pages(total) if total else torch.empty(0, dtype=torch.int64)
+        # no new page (every token fits its request's last page, page_size > 1): the slots
+        # still come back on the allocator's device (on CUDA a host tensor broke the table write)
+        pages = (self.alloc_pages(total) if total else
+                 torch.empty(0, dtype=torch.int64, device=self.device))
         assert pages is not None  # admission checked above
         device = pages.device
-        host_pages = pages.cpu()  # one read for the whole batch, not one per request
+        host_pages = pages.cpu() if total else pages  # one read for the batch; none if no page
         out, cursor = [], 0
         for last, n, t, k in zip(lasts, lens, take, need):
             if t:

@@ -192,3 +192,14 @@ def test_random_serving_sequences_keep_invariants(kind: str, P: int, ops) -> Non
         h.apply(*op)
         h.check()
     h.finish_all()
+
+
+@pytest.mark.parametrize("make", [lambda: TokenAllocator(64, 16, "meta"),
+                                  lambda: SWAAllocator(64, 32, 16, "meta")])
+def test_an_extend_within_the_last_page_returns_slots_on_the_allocators_device(make) -> None:
+    """No new page needed (3 tokens after slot 17 of page 1): the slots still come back on the
+    allocator's device (a host tensor broke the table write on CUDA at page 16, flex's serve
+    runs on the H200), and nothing is read back from it. "meta" stands in for CUDA: it holds
+    no data, so a read back would raise."""
+    slots = make().alloc_extend(torch.tensor([17]), [3])
+    assert slots.device.type == "meta" and slots.shape == (3,)
