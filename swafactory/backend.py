@@ -130,7 +130,7 @@ class AttentionBackend:
         if f.allocator_pool_for_own_pool_draft and source is not None and source.pool is not pool:
             lmap = {j: source.pool.layers_mapping[j] for j in lmap}  # FAULT: reads keyed on it
         fplan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
-                     writes=not pool.read_only,
+                     writes=not pool.read_only, page_size=pool.sub_pools[0].page_size,
                      skip_spec_translation=f.skip_spec_translation)
         self._pool = pool
         self._plan_kernels(fplan, pool, graph)  # kernels with host-side planning: here, once

@@ -1,8 +1,11 @@
 """FlashInfer: BatchDecode / BatchPrefill (custom mask) wrappers, one set per layer group.
 
-Layout. Pool buffers ``[rows, Hkv, D]`` are FlashInfer's NHD paged cache with page size 1 once
-viewed as ``[rows, 1, Hkv, D]``: ``kv_indices`` are our slot rows, ``last_page_len`` is all ones.
-Whatever the pool's own page size, the planner's tables are a page-size-1 view of it.
+Layout. Pool buffers ``[rows, Hkv, D]`` with page size P are FlashInfer's NHD paged cache once
+viewed as ``[rows / P, P, Hkv, D]``: the pool's own pages, never a page-size-1 view of them when
+P > 1. The planner starts every key list on a page start and a request's slots run through its
+pages in order, so its page ids are every P-th listed row // P, and ``last_page_len`` is what its
+list leaves in the last page (`page_table`). Keys of the first page before the window are still
+allocated (eviction frees whole pages) and masked by position like every other backend's.
 
 Kernels. A forward whose requests all have one query and no structure mask (decode) runs the
 tensor-core decode wrapper with ``window_left = W - 1``: the key list ends at the query's own
@@ -53,7 +56,7 @@ from swafactory.metadata.vector import to_device
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
-__all__ = ["CAPABILITIES", "Adapter", "custom_mask", "packed_custom_mask", "apply_sinks"]
+__all__ = ["CAPABILITIES", "Adapter", "page_table", "custom_mask", "packed_custom_mask", "apply_sinks"]
 
 _LN2 = math.log(2.0)
 # Split-KV partials of one prefill pass: a 256-token chunk of Gemma 4's full layers (32 q heads ×
@@ -195,7 +198,7 @@ class _Pass:
     indices: torch.Tensor
     """[total_kv] int32 slot rows on the device."""
     last: torch.Tensor
-    """[B] int32 ones on the host (page size 1; plan checks it beside the host indptrs)."""
+    """[B] int32 on the host: keys in each request's last page (all ones at page size 1)."""
     mask: torch.Tensor | None
     """Packed visibility, uint8 on the device (prefill passes only; `packed_custom_mask`)."""
     mask_off: torch.Tensor | None = None
@@ -204,6 +207,28 @@ class _Pass:
     wrapper: object = field(default=None, repr=False)
     graph: tuple[int, int] | None = None
     """(bucket, tokens per request) when planned for a CUDA-graph bucket, else None."""
+    page: int = 1
+    """The pool's page size: ``kv_host``/``indices`` count pages of it, ``last`` keys."""
+
+
+def page_table(kv_host: torch.Tensor, rows: torch.Tensor,
+               page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pass's key lists as FlashInfer's page table of the pool's own pages.
+
+    kv_host: [B+1] int32 host offsets into ``rows``; rows: [n] int32 slot rows on the device, each
+    request's starting on a page start and running through its pages' slots in order (the
+    planner's and the allocator's rule). Returns (page indptr [B+1] int32 on the host, page ids
+    [pages] int32 on the device: every ``page``-th row // page, last page lengths [B] int32 on the
+    host; an empty list has 0 pages and length ``page``, so FlashInfer counts 0 keys). Host
+    arithmetic and one gather: nothing is read back."""
+    kv_len = (kv_host[1:] - kv_host[:-1]).long()
+    pages = (kv_len + page - 1) // page
+    ptr = torch.zeros(kv_len.numel() + 1, dtype=torch.int64)
+    torch.cumsum(pages, 0, out=ptr[1:])
+    b = torch.repeat_interleave(torch.arange(kv_len.numel()), pages)
+    first = kv_host[:-1].long()[b] + (torch.arange(int(ptr[-1])) - ptr[b]) * page
+    ids = rows[to_device(first, rows.device)] // page
+    return ptr.to(torch.int32), ids.to(torch.int32), (kv_len - (pages - 1) * page).to(torch.int32)
 
 
 Signature = tuple
@@ -235,6 +260,7 @@ class Adapter:
         """id of a pool buffer [rows, Hkv, D] → (it, its [rows, 1, Hkv, D] page view): a view op
         costs 2 µs of host time per buffer per layer; cleared when the planned pool changes."""
         self._views_pool = None
+        self._page = 1  # the planned pool's page size
         self.replans = 0
         """Passes re-planned inside `run` because a layer's signature differed from the one
         given to `plan` (0 in an engine whose config matches its model)."""
@@ -248,6 +274,7 @@ class Adapter:
         """
         self._passes.clear()
         self._max_rows = max(sp.rows for sp in pool.sub_pools)
+        self._page = pool.sub_pools[0].page_size
         if pool is not self._views_pool:  # views of a former pool's buffers are let go
             self._views.clear()
             self._views_pool = pool
@@ -287,15 +314,20 @@ class Adapter:
                 per = (tokens + 7) // 8
                 mask = torch.cat([mask, mask.new_full((pad * per,), 255)])
                 mask_off = torch.cat([mask_off, mask_off[-1] + per * step])
-        return _Pass(key, role, window, decode, qo_host, kv_host, indices,
-                     self._last(qo_host.numel() - 1), mask, mask_off,
-                     graph=graph)
+        if self._page == 1:
+            last = self._last(qo_host.numel() - 1)
+        else:  # the pool's own pages (padding requests: the dummy page 0, one key)
+            kv_host, indices, last = page_table(kv_host, indices, self._page)
+        return _Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
+                     graph=graph, page=self._page)
 
     def _paged(self, buf: torch.Tensor) -> torch.Tensor:
-        """``buf`` [rows, Hkv, D] as FlashInfer's page-size-1 NHD cache [rows, 1, Hkv, D]."""
+        """``buf`` [rows, Hkv, D] as FlashInfer's NHD cache of the pool's pages
+        [rows / P, P, Hkv, D]."""
         v = self._views.get(id(buf))
         if v is None or v[0] is not buf:
-            v = self._views[id(buf)] = (buf, buf.unsqueeze(1))
+            view = buf.view(buf.shape[0] // self._page, self._page, *buf.shape[1:])
+            v = self._views[id(buf)] = (buf, view)
         return v[1]
 
     def _last(self, n: int) -> torch.Tensor:
@@ -347,10 +379,10 @@ class Adapter:
         common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale,
                       logits_soft_cap=softcap)
         if p.decode:
-            w.plan(p.kv_host, p.indices, p.last, hq, hkv, d, 1,
+            w.plan(p.kv_host, p.indices, p.last, hq, hkv, d, p.page,
                    window_left=flashinfer_window_left(p.window), **common)
         else:  # the window is inside the mask: FlashInfer's own would count from kv_len - q_len
-            w.plan(p.qo_host, p.kv_host, p.indices, p.last, hq, hkv, d, 1,
+            w.plan(p.qo_host, p.kv_host, p.indices, p.last, hq, hkv, d, p.page,
                    packed_custom_mask=p.mask, window_left=-1, **common)
             if p.graph is not None:  # its plan wrote bit offsets: the kernel reads byte offsets
                 off = self._mask_off[(p.group, p.role, p.decode, p.graph)]

@@ -140,14 +140,14 @@ def group_key(sub_pool: str, window: int | None) -> str:
 
 
 def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None]], source,
-                 writes: bool, skip_translation: bool,
-                 impl: str) -> tuple[dict[str, GroupPlan], HostBatch]:
+                 writes: bool, skip_translation: bool, impl: str,
+                 page_size: int = 1) -> tuple[dict[str, GroupPlan], HostBatch]:
     """Every group's tables, vectorized over requests. The per-request host numbers of all
     groups travel in one host→device copy; groups with the same window starts share one key
     list (e.g. an SWA window longer than every context); nothing is read back. Returns the
     groups and the forward's host numbers."""
     table, need_mask = batch.req_to_token, batch.needs_mask
-    h, pack = HostBatch(batch, need_mask), Pack()
+    h, pack = HostBatch(batch, need_mask, page_size), Pack()
     fused = impl == "triton" or (impl == "auto" and table.is_cuda and keys_triton.available())
     qo = np.zeros(h.B + 1, dtype=np.int64)
     np.cumsum(h.q_len + h.zeros, out=qo[1:])
@@ -240,19 +240,25 @@ def _cumsum0(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _split_cascade(g: GroupPlan, kv_nodes: torch.Tensor) -> GroupPlan:
+def _split_cascade(g: GroupPlan, kv_nodes: torch.Tensor, page_size: int = 1) -> GroupPlan:
     """``g`` with its cascade: the (already translated) key list of each request split into a
     mask-free prefix pass (its committed keys) and an expand pass (the step's nodes, with their
     structure columns of the mask), vectorized like the main tables: the per-request numbers come
     from host lengths in one copy, and nothing is read back.
 
-    kv_nodes: [B] int64 on the host, the step's nodes among each request's keys."""
+    kv_nodes: [B] int64 on the host, the step's nodes among each request's keys. With pages
+    (page_size > 1) the expand pass starts on the page that holds the first node: its committed
+    keys before the nodes are visible to every query (the mask's columns say so), and both
+    passes start on a page (the key list does), as a kernel reading whole pages needs."""
     t = g.tables
     B = t.batch_size
     kv_host = t.kv_host.long()
     kvl = kv_host[1:] - kv_host[:-1]
     q_len = (t.qo_host[1:] - t.qo_host[:-1]).long()
-    pre, exp = kvl - kv_nodes, kv_nodes
+    pre = kvl - kv_nodes
+    if page_size > 1:
+        pre = pre - pre % page_size
+    exp = kvl - pre
     pre_ptr, exp_ptr, m_ptr = _cumsum0(pre), _cumsum0(exp), _cumsum0(q_len * exp)
     main_mptr = _cumsum0(q_len * kvl)
     host = torch.cat([pre, exp, q_len * exp, pre_ptr, exp_ptr, m_ptr, kv_host[:-1],
@@ -303,7 +309,7 @@ def _layer_groups(mapping: tuple, windows: tuple) -> tuple[Mapping, Mapping[int,
 def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          windows: Mapping[int, int | None], source, *, cascade: bool = False,
          writes: bool = True, skip_spec_translation: bool = False,
-         impl: str = "auto") -> ForwardPlan:
+         impl: str = "auto", page_size: int = 1) -> ForwardPlan:
     """Plan one forward.
 
     layers_mapping: the *active* pool's ``layer -> (sub_pool, local_id)`` (physical, after any
@@ -315,15 +321,17 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     sets it; the typed index spaces then refuse the tables. impl: how the key lists are built:
     ``torch`` (a running sum and a gather per list), ``triton`` (every list, its translation
     and the write slots in one launch: `keys_triton`), ``auto`` (triton on CUDA tables).
+    page_size: the pool's; key lists (and cascade halves) then start on a page start (SWA
+    window starts are floored to one), so a kernel can read the pool's own pages.
     """
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     keys, layer_groups = _layer_groups(tuple(layers_mapping.items()),
                                        tuple((j, windows[j]) for j in layers_mapping))
     skip = skip_spec_translation and batch.has_tree
-    groups, h = _plan_vector(batch, keys, source, writes, skip, impl)
+    groups, h = _plan_vector(batch, keys, source, writes, skip, impl, page_size)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
-        groups = {k: _split_cascade(g, kv_nodes) for k, g in groups.items()}
+        groups = {k: _split_cascade(g, kv_nodes, page_size) for k, g in groups.items()}
     return ForwardPlan(batch.mode, groups, layer_groups,
                        source.rule if source is not None else "none", h.total_q)

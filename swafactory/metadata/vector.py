@@ -148,8 +148,9 @@ class HostBatch:
     """A forward's per-request numbers as host tensors: one pass over the requests, shared by
     every layer group (they see the same requests; only window starts differ)."""
 
-    def __init__(self, batch: ForwardBatch, need_mask: bool) -> None:
+    def __init__(self, batch: ForwardBatch, need_mask: bool, page_size: int = 1) -> None:
         reqs, table = batch.reqs, batch.req_to_token
+        self.page_size = page_size
         self.B = B = len(reqs)
         self.C = C = table.shape[1]
         rows = [r.row for r in reqs]
@@ -199,10 +200,14 @@ class HostBatch:
 
     def starts(self, window: int | None) -> np.ndarray:
         """[B] int64: each request's first key slot: ``first query position - W + 1``, never
-        past its prefix (queries see the step's nodes from the prefix on)."""
+        past its prefix (queries see the step's nodes from the prefix on), floored to a page
+        start (page_size > 1): a kernel that reads whole pages gets lists that start on one.
+        The keys before the window in that first page are still allocated (eviction frees whole
+        pages only) and every kernel masks them by position."""
         if window is None:
             return self.zeros
-        return np.minimum(np.maximum(self.pre + self.fqd - (window - 1), 0), self.pre)
+        st = np.minimum(np.maximum(self.pre + self.fqd - (window - 1), 0), self.pre)
+        return st - st % self.page_size if self.page_size > 1 else st
 
 
 def key_pieces(h: HostBatch, start: np.ndarray, pack: Pack, running: bool = True) -> dict:

@@ -3,7 +3,10 @@
 It reproduces exactly what the adapter has to get right, so the adapter's plumbing (masks,
 windows, index lists, the base-2 LSE, sinks, cascade) is tested on machines without a GPU:
 
-* paged NHD caches ``[pages, page_size, Hkv, D]`` read through ``indices`` (page size 1 here);
+* paged NHD caches ``[pages, page_size, Hkv, D]`` read through page ``indices`` and
+  ``last_page_len`` (a request's keys: its pages' slots in order, ``(n - 1) · page_size + last``
+  of them); the cache's page size must be the planned one, and every run records it in
+  ``runs`` (a test can tell a page-size-1 view of a paged pool);
 * ``window_left`` counted from ``kv_len - q_len + i`` (query i's *list* position, not its token
   position): the reason the adapter puts windows into the custom mask for multi-query passes;
 * a custom mask, flattened per request, row-major ``[q_len, kv_len]``; given packed
@@ -22,7 +25,10 @@ import types
 
 import torch
 
-__all__ = ["module"]
+__all__ = ["module", "runs"]
+
+runs: list[int] = []
+"""The page size of every run's cache, in order."""
 
 
 class _Wrapper:
@@ -36,8 +42,8 @@ class _Wrapper:
 
     def _common(self, hq, hkv, d, page_size, window_left=-1, sm_scale=None,
                 logits_soft_cap=None, q_data_type=None, kv_data_type=None, custom_mask=None):
-        assert page_size == 1 and hq % hkv == 0
-        self.hq, self.hkv, self.d = hq, hkv, d
+        assert hq % hkv == 0
+        self.hq, self.hkv, self.d, self.page = hq, hkv, d, page_size
         self.window_left, self.scale = window_left, sm_scale or d ** -0.5
         self.softcap = logits_soft_cap or 0.0
         self.q_dtype, self.kv_dtype = q_data_type, kv_data_type
@@ -47,10 +53,13 @@ class _Wrapper:
     def run(self, q, paged_kv_cache, return_lse=False, k_scale=None, v_scale=None):
         k_cache, v_cache = paged_kv_cache
         assert q.dtype == self.q_dtype and k_cache.dtype == self.kv_dtype
+        assert k_cache.shape[1] == self.page, (k_cache.shape, self.page)
+        runs.append(self.page)
+        k_cache, v_cache = k_cache.flatten(0, 1)[:, None], v_cache.flatten(0, 1)[:, None]
         # FlashInfer reads fp8 caches with the caller's scales (1.0 when none is given)
         ks, vs = (k_scale or 1.0), (v_scale or 1.0)
         qo = self.qo.tolist() if not self.decode else list(range(self.kv.numel()))
-        kv = self.kv.tolist()
+        kv = self.kv.tolist()  # per-request key rows from the pages
         o = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:2], -math.inf)
         group = self.hq // self.hkv
@@ -58,7 +67,7 @@ class _Wrapper:
         for b in range(len(kv) - 1):
             q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
             nq, nk = q1 - q0, k1 - k0
-            rows = self.indices[k0:k1].long()
+            rows = self.rows[k0:k1]
             k = (k_cache[rows, 0].float() * ks).repeat_interleave(group, dim=1)  # [nk, Hq, D]
             v = (v_cache[rows, 0].float() * vs).repeat_interleave(group, dim=1)
             s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * self.scale
@@ -85,6 +94,19 @@ class _Wrapper:
         return (o, lse) if return_lse else o
 
 
+def _key_rows(indptr, indices, last, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's page table → (key offsets [B+1], key rows of the flattened cache)."""
+    indptr, indices, last = indptr.cpu().long(), indices.cpu().long(), last.cpu().long()
+    n = indptr[1:] - indptr[:-1]
+    assert bool(((last >= 1) & (last <= P)).all()), last
+    kv_len = torch.where(n > 0, (n - 1) * P + last, 0)
+    rows = [(indices[indptr[b]:indptr[b + 1], None] * P + torch.arange(P)).reshape(-1)[:kv_len[b]]
+            for b in range(n.numel())]
+    off = torch.zeros(n.numel() + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(kv_len, 0)
+    return off, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+
+
 class _Decode(_Wrapper):
     def __init__(self, workspace, layout="NHD", use_tensor_cores=False, **kw) -> None:
         super().__init__(workspace, layout)
@@ -92,16 +114,15 @@ class _Decode(_Wrapper):
 
     def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, **kw) -> None:
         assert "custom_mask" not in kw
-        self.kv, self.indices = indptr.cpu(), indices.cpu()
-        assert bool((last_page_len.cpu() == 1).all())
+        self.kv, self.rows = _key_rows(indptr, indices, last_page_len, page_size)
         self._common(hq, hkv, d, page_size, **kw)
 
 
 class _Prefill(_Wrapper):
     def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size,
              packed_custom_mask=None, **kw) -> None:
-        self.qo, self.kv, self.indices = qo_indptr.cpu(), kv_indptr.cpu(), indices.cpu()
-        assert bool((last_page_len.cpu() == 1).all())
+        self.qo = qo_indptr.cpu()
+        self.kv, self.rows = _key_rows(kv_indptr, indices, last_page_len, page_size)
         self._common(hq, hkv, d, page_size, **kw)
         self.packed = None
         if packed_custom_mask is not None:

@@ -175,3 +175,31 @@ def test_wrappers_are_planned_in_init_forward_metadata_and_no_lse_is_asked(fake)
     backend.init_forward_metadata(batch)
     backend.forward(q, k, k.clone(), 5)
     assert ad.replans == 1
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("tree_mask", ["custom_mask", "cascade"])
+@pytest.mark.parametrize("mode", ["decode", "extend_prefix", "verify_chain", "verify_tree_4",
+                                  "draft_decode", "dflash_block"])
+def test_native_pages_reach_flashinfer(fake, page: int, tree_mask: str, mode: str) -> None:
+    """At page size P the adapter hands FlashInfer the pool's own pages ([rows/P, P, Hkv, D],
+    page ids, last-page lengths), never a page-size-1 view: the fake refuses a cache whose page
+    size is not the planned one and records each run's. Windows start mid-page (W = 20 at P =
+    16 or 64), the step's nodes share a page with committed keys, and a cascade's halves both
+    start on a page; every output equals the oracle."""
+    import flashinfer_fake
+    from test_backends_vs_oracle import assert_close, run_mode
+
+    flashinfer_fake.runs.clear()
+    world, _ = adapter_world("tiny", page, ["model.sliding_window=20"], tree_mask=tree_mask)
+    assert_close(run_mode(world, mode, [0, 2], 20))
+    assert flashinfer_fake.runs and set(flashinfer_fake.runs) == {page}
+
+
+def test_page_table_of_lists_that_start_on_a_page() -> None:
+    """Two requests at P = 4: rows 8-13 (pages 2, 3; 2 keys in the last), none, rows 20-23."""
+    kv_host = torch.tensor([0, 6, 6, 10], dtype=torch.int32)
+    rows = torch.tensor([8, 9, 10, 11, 12, 13, 20, 21, 22, 23], dtype=torch.int32)
+    ptr, ids, last = fi.page_table(kv_host, rows, 4)
+    assert ptr.tolist() == [0, 2, 2, 3] and ids.tolist() == [2, 3, 5]
+    assert last.tolist() == [2, 4, 4]  # the empty list: 0 pages, FlashInfer counts 0 keys

@@ -23,16 +23,16 @@ D64 = ["model.swa.head_dim=64", "model.full.head_dim=64"]  # tiny's 16/32 are no
 GPU_BACKENDS = [b for b in list_backends() if has_adapter(b) and "cuda" in get_capabilities(b).devices]
 
 
-def world(backend, model, extra=(), kv_dtype="bfloat16", **kw):
-    """A bf16 (or ``kv_dtype``) world on the GPU built through the registry; skips with its
-    reasons if refused."""
+def world(backend, model, extra=(), kv_dtype="bfloat16", page=1, **kw):
+    """A bf16 (or ``kv_dtype``) world on the GPU built through the registry, pages of ``page``
+    slots; skips with its reasons if refused."""
     overrides = [f"model={model}", f"backend={backend}", f"backend.kv_dtype={kv_dtype}",
-                 "spec=none", "backend.cuda_graph=false", *extra]
+                 "spec=none", "backend.cuda_graph=false", f"backend.page_size={page}", *extra]
     reasons = swafactory.check(swafactory.compose(overrides), detect_device("cuda"))
     if reasons:
         pytest.skip("; ".join(r.message for r in reasons))
-    return adapter_world(model, 1, extra, device="cuda", kv_dtype=kv_dtype, via_registry=True,
-                         backend=backend, **kw)
+    return adapter_world(model, page, extra, device="cuda", kv_dtype=kv_dtype,
+                         via_registry=True, backend=backend, **kw)
 
 
 def gemma4_extra(backend: str) -> list[str]:
@@ -98,3 +98,15 @@ def test_gemma4_a_kernel_per_group(swa: str, full: str, kv_dtype: str, mode: str
     assert (cfg.model.swa.head_dim, cfg.model.full.head_dim) == (256, 512)
     assert set(w.backend.adapters) == {swa, full}
     assert_close(run_mode(w, mode, [0, 5], 8), BF16)
+
+
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("mode", ["decode", "extend_prefix", "verify_chain", "verify_tree_4",
+                                  "draft_decode", "dflash_block"])
+def test_flashinfer_reads_the_pools_own_pages(page: int, mode: str) -> None:
+    """FlashInfer on the pool's native pages (issue 17 item 2), GPT-OSS geometry with sinks:
+    windows that start mid-page, nodes sharing a page with committed keys."""
+    extra = ["model.sliding_window=20", "model.num_layers=4", "model.softmax_scale=0.1"]
+    w, _ = world("flashinfer", "gpt_oss_20b", extra, page=page)
+    assert w.backend.adapter._page == page
+    assert_close(run_mode(w, mode, [0, 1], 20), BF16)

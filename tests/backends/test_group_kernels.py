@@ -90,11 +90,15 @@ def test_a_group_kernel_is_validated_against_its_own_group_only() -> None:
     assert [(r.rule, r.field) for r in reasons] == [("head_dims", "model.full.head_dim")]
     assert reasons[0].message.startswith("backend.groups.full=flash_attn: the 10 full layers of "
                                          "gemma4 have head_dim 512")
-    # a kernel the device cannot run names the group's field, and unsetting it is the fix
-    flex = swafactory.check(swafactory.compose(["backend=flashinfer", "model=gemma4", "spec=none",
-                                                "backend.groups.swa=flex"]), H200)
-    assert {r.field for r in flex} == {"backend.groups.swa"}
-    assert all(r.fix == "backend.groups.swa=null" for r in flex)
+    # a kernel the device cannot run (trtllm_mha: SM100, no adapter) names the group's field,
+    # and unsetting it is the fix
+    trt = swafactory.check(swafactory.compose(["backend=flashinfer", "model=gemma4", "spec=none",
+                                               "backend.groups.swa=trtllm_mha"]), H200)
+    assert {"adapter", "device"} <= {r.rule for r in trt}
+    assert all(r.message.startswith("backend.groups.swa=trtllm_mha: ") for r in trt)
+    named = [r for r in trt if r.rule in ("adapter", "device")]
+    assert all(r.field == "backend.groups.swa" and r.fix == "backend.groups.swa=null"
+               for r in named)
 
 
 def test_fp8_gemma4_on_flashinfer_moves_only_the_512_layers() -> None:
