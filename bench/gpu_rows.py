@@ -96,9 +96,11 @@ def _cell_state(rows: list[dict]) -> str:
 
 
 def _plain(r: dict) -> bool:
-    """A row of the combination as shipped: fp8 KV and per-group kernels (`backend.groups`) are
-    other combinations, listed with their overrides in the table, never counted in the grid."""
-    return not any(k in r["extra"] for k in ("backend.kv_dtype", "backend.groups"))
+    """A row of the combination as shipped: fp8 KV, per-group kernels (`backend.groups`) and other
+    page sizes are other combinations, listed with their overrides in the table, never counted
+    in the grid."""
+    return not any(k in r["extra"] for k in ("backend.kv_dtype", "backend.groups",
+                                             "backend.page_size"))
 
 
 def grid(rows: list[dict]) -> str:
