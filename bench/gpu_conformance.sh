@@ -53,14 +53,21 @@ for stage in $STAGES; do
         # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS), in
         # parallel: each is a short smoke run, and every one must exit 1 with its report
         mkdir -p "$OUT/faults"
+        # fault:spec[:model[:override]]; the model defaults to gemma4 (sinks need gpt_oss_20b,
+        # fp8 on flashinfer needs gemma4's D = 512 layers on triton)
         for pair in skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash \
                     pool_cached_at_init:frozen_kv_mtp window_off_by_one:none \
                     no_swa_eviction:none no_draft_headroom:eagle \
-                    leak_rejected_draft_slots:eagle; do
-            ( python3 -m swafactory backend=flashinfer model=gemma4 workload=smoke \
-                faults="${pair%%:*}" spec="${pair##*:}" \
-                hydra.run.dir="$OUT/faults/${pair%%:*}" > "$OUT/faults/${pair%%:*}.log" 2>&1
-              echo "fault ${pair%%:*} (spec ${pair##*:}): exit $?" ) &
+                    leak_rejected_draft_slots:eagle plan_without_window:none \
+                    sink_dropped:none:gpt_oss_20b tree_mask_not_rebased:eagle3 \
+                    premature_free_on_reject:eagle \
+                    paged_free_stale_mapping:none:gemma4:backend.page_size=16 \
+                    fp8_descale_dropped:none:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton; do
+            IFS=: read -r fault spec model extra <<< "$pair"
+            ( python3 -m swafactory backend=flashinfer model="${model:-gemma4}" workload=smoke \
+                faults="$fault" spec="$spec" ${extra//,/ } \
+                hydra.run.dir="$OUT/faults/$fault" > "$OUT/faults/$fault.log" 2>&1
+              echo "fault $fault (spec $spec): exit $?" ) &
         done > "$OUT/faults.txt"
         wait
         cat "$OUT/faults.txt" ;;

@@ -131,7 +131,9 @@ class AttentionBackend:
             lmap = {j: source.pool.layers_mapping[j] for j in lmap}  # FAULT: reads keyed on it
         fplan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
                      writes=not pool.read_only, page_size=pool.sub_pools[0].page_size,
-                     skip_spec_translation=f.skip_spec_translation)
+                     skip_spec_translation=f.skip_spec_translation,
+                     plan_without_window=f.plan_without_window,
+                     tree_mask_not_rebased=f.tree_mask_not_rebased)
         self._pool = pool
         self._plan_kernels(fplan, pool, graph)  # kernels with host-side planning: here, once
         return fplan
@@ -253,10 +255,13 @@ class AttentionBackend:
                 k_buf, v_buf, sub = pool.get_kv(layer)
                 kw = dict(window=fplan.groups[key].window, scale=self._scale(sub),
                           softcap=self.softcap)
-                if is_fp8(sub.dtype):  # kernels dequantize with the layer's scales
-                    kw["k_scale"], kw["v_scale"] = pool.kv_scales(layer)
+                scales = pool.kv_scales(layer) if is_fp8(sub.dtype) else (1.0, 1.0)
+                if is_fp8(sub.dtype) and not (self.faults.fp8_descale_dropped and
+                                              self.windows.get(layer) is None):
+                    kw["k_scale"], kw["v_scale"] = scales  # kernels dequantize
+                # else FAULT fp8_descale_dropped: the full layers' reads skip the scales
                 ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
-                entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad)
+                entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad, scales)
             # the pool is held, so its identity cannot be reused by another one
             self._layers = (pool, dict(fplan.layer_groups), entries, version)
 
@@ -279,10 +284,10 @@ class AttentionBackend:
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
-        key, k_buf, v_buf, sub, kw, pair, _ = self._entry(layer_id)
-        self._store(layer_id, key, k_buf, v_buf, sub, kw, k, v)
+        key, k_buf, v_buf, sub, _, _, _, scales = self._entry(layer_id)
+        self._store(layer_id, key, k_buf, v_buf, sub, scales, k, v)
 
-    def _store(self, layer_id: int, key: str, k_buf, v_buf, sub, kw: dict, k, v) -> None:
+    def _store(self, layer_id: int, key: str, k_buf, v_buf, sub, scales: tuple, k, v) -> None:
         idx = self._writes[key]
         if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
@@ -299,8 +304,8 @@ class AttentionBackend:
                              f"{k_buf.shape[1]}, {k_buf.shape[2]}], got {list(k.shape)} / "
                              f"{list(v.shape)}")
         # the pool's store rule (index_copy_; fp8 quantized with the layer's cached scales)
-        store_rows(k_buf, idx, k, kw.get("k_scale", 1.0))
-        store_rows(v_buf, idx, v, kw.get("v_scale", 1.0))
+        store_rows(k_buf, idx, k, scales[0])
+        store_rows(v_buf, idx, v, scales[1])
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
@@ -321,12 +326,14 @@ class AttentionBackend:
         `init_forward_metadata`.
         """
         del batch
-        key, k_buf, v_buf, sub, kw, pair, ad = self._entry(layer_id)
+        if self.faults.sink_dropped:
+            sinks = None  # FAULT: the kernel takes sinks= and ignores it
+        key, k_buf, v_buf, sub, kw, pair, ad, scales = self._entry(layer_id)
         g = self._plan.groups[key]
         if self.guards and pair not in self._checked:
             self._check_layer(layer_id, g, sub, pair)
         if save_kv:
-            self._store(layer_id, key, k_buf, v_buf, sub, kw, k, v)
+            self._store(layer_id, key, k_buf, v_buf, sub, scales, k, v)
         if self.guards and (q.shape[-1] != k_buf.shape[2] or q.shape[1] % k_buf.shape[1]):
             raise SpaceError(f"layer {layer_id}: q is {q.shape[1]} heads × {q.shape[-1]}, but the "
                              f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "

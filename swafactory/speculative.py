@@ -145,22 +145,25 @@ class SpecStep:
     spec: the validated spec config; slots: the shared `RequestSlots`; pools: every pool that
     holds K/V of the step's nodes at the target's full slots (the target's; an own draft
     pool); draft_writes: the draft writes its own pool (not FROZEN_KV); frozen_query: see
-    `FrozenQuery`; leak_rejected_draft_slots: the fault switch (`RequestSlots.truncate`).
+    `FrozenQuery`; leak_rejected_draft_slots, premature_free_window: fault switches
+    (`RequestSlots.truncate`).
     """
 
     def __init__(self, spec, slots: RequestSlots, pools: Sequence[object], *, draft_writes: bool,
                  frozen_query: FrozenQuery = "reread",
-                 leak_rejected_draft_slots: bool = False) -> None:
+                 leak_rejected_draft_slots: bool = False,
+                 premature_free_window: int | None = None) -> None:
         self.spec, self.slots, self.pools = spec, slots, [p for p in pools if p is not None]
         self.draft_writes, self.frozen_query = draft_writes, frozen_query
-        self.leak = leak_rejected_draft_slots
+        self.leak, self.premature = leak_rejected_draft_slots, premature_free_window
 
     def _rf(self, r: _Req, prefix: int, nodes: int, **kw) -> ReqForward:
         return req_forward(self.slots, r.rid, prefix, nodes, **kw)
 
     def truncate(self, rid: Hashable, new_len: int) -> None:
         """Free the rejected draft slots past ``new_len``."""
-        self.slots.truncate(rid, new_len, leak_rejected_draft_slots=self.leak)
+        self.slots.truncate(rid, new_len, leak_rejected_draft_slots=self.leak,
+                            premature_free_window=self.premature)
 
     def run(self, reqs: Sequence[_Req], hooks: SpecHooks) -> list[int]:
         """Draft, verify, accept, commit, draft-extend; returns each request's accepted length

@@ -290,6 +290,24 @@ class FaultsSpec(_Frozen):
     leak_rejected_draft_slots: bool = False
     """Rejected draft slots are freed in the full pool but not in the SWA pool (spec-decoding
     leak; sglang's "SWA Pool Mem Leak", #27789)."""
+    plan_without_window: bool = False
+    """SWA groups are planned without their window: the key lists are still trimmed, but no
+    kernel masks the window (FlashInfer planned without window_left, sglang #31501, #35208)."""
+    sink_dropped: bool = False
+    """Kernels accept the attention sinks and ignore them (FlashInfer 0.6/0.7 FA2/FA3 paged runs
+    on SM90; vLLM #49795, #52148, sglang #11634)."""
+    fp8_descale_dropped: bool = False
+    """The full-attention layers read fp8 K/V without their scales (one path drops the descale;
+    vLLM #42580, #41651)."""
+    tree_mask_not_rebased: bool = False
+    """Tree verify trims the prefix by depth, but nodes' positions (so the window bound) come from
+    their flat slot index, not their depth (sglang #39160, #39287, #9279, #32269)."""
+    paged_free_stale_mapping: bool = False
+    """With pages > 1, SWA eviction frees whole pages but zeroes the full→SWA mapping per token:
+    the page's other positions stay mapped to a free SWA page (sglang #27779)."""
+    premature_free_on_reject: bool = False
+    """SWA slots are evicted against the step's speculative length before rejected drafts move
+    the boundary back, so slots still in the window are freed (vLLM #47728, #47282)."""
 
     @property
     def active(self) -> list[str]:

@@ -99,7 +99,9 @@ class Generator:
         self.spec = None if s.algorithm == "none" else SpecStep(
             s, parts.slots, (parts.pool, parts.draft_pool),
             draft_writes=parts.draft is not None and parts.draft.writes, frozen_query="mtp",
-            leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots)
+            leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots,
+            premature_free_window=(self.cfg.model.sliding_window
+                                   if self.cfg.faults.premature_free_on_reject else None))
         self.nodes: dict[Hashable, list[int]] = {}     # this step's node tokens
         self.scores: dict[Hashable, list[float]] = {}  # a tree's cumulative log-probs
         self.rows: dict[Hashable, torch.Tensor] = {}   # the last forward's logits per request
@@ -155,7 +157,8 @@ class Generator:
         W, I = m.sliding_window, self.cfg.workload.eviction_interval
         for r in self.running:
             self.evicted += self.p.slots.evict_out_of_window(
-                r.rid, eviction_floor(r.committed, r.prefilling, self.frozen), W, I)
+                r.rid, eviction_floor(r.committed, r.prefilling, self.frozen), W, I,
+                paged_free_stale_mapping=self.cfg.faults.paged_free_stale_mapping)
 
     def _prefill(self, reqs: list[GenReq]) -> None:
         chunk = self.cfg.workload.chunk_size

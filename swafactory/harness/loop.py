@@ -70,7 +70,9 @@ class Loop:
         self.spec_step = SpecStep(
             self.cfg.spec, parts.slots, (parts.pool, parts.draft_pool),
             draft_writes=parts.draft is not None and parts.draft.writes, frozen_query="reread",
-            leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots)
+            leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots,
+            premature_free_window=(self.cfg.model.sliding_window
+                                   if self.cfg.faults.premature_free_on_reject else None))
 
     # ------------------------------------------------------------------ plumbing
     def _rf(self, r: Req, prefix: int, nodes: int, **kw) -> ReqForward:
@@ -144,7 +146,8 @@ class Loop:
         reread = self.cfg.spec.draft_kv == "target_pool"  # FROZEN_KV re-reads position L-1
         for r in self.running:
             low = eviction_floor(r.committed, r.prefilling, reread)
-            n = self.p.slots.evict_out_of_window(r.rid, low, W, I)
+            n = self.p.slots.evict_out_of_window(
+                r.rid, low, W, I, paged_free_stale_mapping=self.cfg.faults.paged_free_stale_mapping)
             if n:
                 r.fresh_eviction = True
                 self.evicted += n

@@ -363,10 +363,20 @@ class SWAAllocator(_PagedSlots):
         self.swa.free_pages(first[live] // self.page_size)
         self.full_to_swa[page_rows(pages, self.page_size)] = 0
 
-    def free_swa(self, slots: torch.Tensor) -> None:
-        """Free the SWA pages behind the full ``slots`` (``[n]`` int64); whole pages when P > 1."""
+    def free_swa(self, slots: torch.Tensor, *, stale_mapping: bool = False) -> None:
+        """Free the SWA pages behind the full ``slots`` (``[n]`` int64); whole pages when P > 1.
+
+        stale_mapping: the fault switch of sglang #27779: whole pages are freed, but the mapping
+        is zeroed for ``slots`` only, so the rest of a page stays mapped to a free SWA page."""
         slots = slots.reshape(-1)
-        self.free_swa_pages(torch.unique(slots[slots > 0] // self.page_size))
+        slots = slots[slots > 0]
+        if not stale_mapping:
+            self.free_swa_pages(torch.unique(slots // self.page_size))
+            return
+        pages = torch.unique(slots // self.page_size).to(self.device, torch.int64)
+        first = self.full_to_swa[pages * self.page_size]  # FAULT: per-token clear, page free
+        self.swa.free_pages(first[first > 0] // self.page_size)
+        self.full_to_swa[slots.to(self.device)] = 0
 
 
 def pool_use(alloc, space: str) -> float:

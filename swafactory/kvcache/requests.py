@@ -124,7 +124,8 @@ class RequestSlots:
                              f"{asked}; {have} free")
 
     def truncate(self, rid: Hashable, new_len: int, *,
-                 leak_rejected_draft_slots: bool = False) -> int:
+                 leak_rejected_draft_slots: bool = False,
+                 premature_free_window: int | None = None) -> int:
         """Release positions ``[new_len, kv_len)`` (rejected draft tokens); returns pages freed.
 
         Pages entirely past ``new_len`` are freed, full and SWA together; the page holding
@@ -132,8 +133,13 @@ class RequestSlots:
         next extend. ``leak_rejected_draft_slots`` is the fault-injection switch: only the full
         pages are freed, the SWA pages behind them stay allocated and still mapped (an engine
         that frees rejected drafts in the full allocator but never calls ``free_swa``).
+        ``premature_free_window`` is the switch of vLLM #47728: first evict out of that window
+        against the step's speculative length, as if every draft were accepted, then move the
+        boundary back (SWA slots still in the window are freed).
         """
         s = self._get(rid)
+        if premature_free_window and isinstance(self.allocator, SWAAllocator):
+            self.evict_out_of_window(rid, s.kv_len, premature_free_window)  # FAULT
         if not 0 <= new_len <= s.kv_len:
             raise ValueError(f"request {rid!r}: cannot truncate {s.kv_len} positions to {new_len}")
         if new_len < s.swa_evicted:
@@ -152,7 +158,7 @@ class RequestSlots:
         return drop.numel()
 
     def evict_out_of_window(self, rid: Hashable, seq_len: int, window: int,
-                            interval: int = 1) -> int:
+                            interval: int = 1, *, paged_free_stale_mapping: bool = False) -> int:
         """Free the SWA slots no later query can see; returns the number of positions evicted.
 
         ``seq_len``: the first position a later query can have (the committed length). A query at
@@ -160,6 +166,9 @@ class RequestSlots:
         The frontier is page-floored (whole SWA pages are freed), never moves back, and moves only
         when it would advance by at least ``interval`` positions (batching the frees, as sglang's
         ``SGLANG_SWA_EVICTION_INTERVAL``). Full slots stay until the request finishes.
+        ``paged_free_stale_mapping`` is the fault switch of sglang #27779: the frontier is not
+        floored, the pages of the evicted positions are freed whole, and only those positions'
+        mapping entries are zeroed (`SWAAllocator.free_swa`).
         """
         if not isinstance(self.allocator, SWAAllocator):
             raise TypeError("window eviction needs an SWAAllocator (the pool is not split)")
@@ -171,9 +180,16 @@ class RequestSlots:
                              "allocated positions")
         P = self.page_size
         frontier = max(0, seq_len - window + 1) // P * P
+        row = self.req_to_token.table[s.row]
+        if paged_free_stale_mapping and P > 1:  # FAULT: token frontier, whole pages freed
+            frontier = max(0, seq_len - window + 1)
+            if frontier - s.swa_evicted < interval:
+                return 0
+            self.allocator.free_swa(row[s.swa_evicted:frontier].long(), stale_mapping=True)
+            evicted, s.swa_evicted = frontier - s.swa_evicted, frontier
+            return evicted
         if frontier - s.swa_evicted < interval:
             return 0
-        row = self.req_to_token.table[s.row]
         self.allocator.free_swa_pages(row[s.swa_evicted:frontier:P].long() // P)
         evicted, s.swa_evicted = frontier - s.swa_evicted, frontier
         return evicted

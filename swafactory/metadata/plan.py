@@ -140,14 +140,14 @@ def group_key(sub_pool: str, window: int | None) -> str:
 
 
 def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None]], source,
-                 writes: bool, skip_translation: bool, impl: str,
-                 page_size: int = 1) -> tuple[dict[str, GroupPlan], HostBatch]:
+                 writes: bool, skip_translation: bool, impl: str, page_size: int = 1,
+                 flat_tree: bool = False) -> tuple[dict[str, GroupPlan], HostBatch]:
     """Every group's tables, vectorized over requests. The per-request host numbers of all
     groups travel in one host→device copy; groups with the same window starts share one key
     list (e.g. an SWA window longer than every context); nothing is read back. Returns the
     groups and the forward's host numbers."""
     table, need_mask = batch.req_to_token, batch.needs_mask
-    h, pack = HostBatch(batch, need_mask, page_size), Pack()
+    h, pack = HostBatch(batch, need_mask, page_size, flat_tree), Pack()
     fused = impl == "triton" or (impl == "auto" and table.is_cuda and keys_triton.available())
     qo = np.zeros(h.B + 1, dtype=np.int64)
     np.cumsum(h.q_len + h.zeros, out=qo[1:])
@@ -309,7 +309,8 @@ def _layer_groups(mapping: tuple, windows: tuple) -> tuple[Mapping, Mapping[int,
 def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          windows: Mapping[int, int | None], source, *, cascade: bool = False,
          writes: bool = True, skip_spec_translation: bool = False,
-         impl: str = "auto", page_size: int = 1) -> ForwardPlan:
+         impl: str = "auto", page_size: int = 1,
+         plan_without_window: bool = False, tree_mask_not_rebased: bool = False) -> ForwardPlan:
     """Plan one forward.
 
     layers_mapping: the *active* pool's ``layer -> (sub_pool, local_id)`` (physical, after any
@@ -323,15 +324,22 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     and the write slots in one launch: `keys_triton`), ``auto`` (triton on CUDA tables).
     page_size: the pool's; key lists (and cascade halves) then start on a page start (SWA
     window starts are floored to one), so a kernel can read the pool's own pages.
+    plan_without_window: the fault switch of sglang #31501: windowed groups keep their trimmed
+    key lists but are planned with no window, so no kernel masks it. tree_mask_not_rebased:
+    the switch of sglang #39160: lists are trimmed by depth as always, but tree nodes' positions
+    (and so the window bound) come from their flat slot index.
     """
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     keys, layer_groups = _layer_groups(tuple(layers_mapping.items()),
                                        tuple((j, windows[j]) for j in layers_mapping))
     skip = skip_spec_translation and batch.has_tree
-    groups, h = _plan_vector(batch, keys, source, writes, skip, impl, page_size)
+    groups, h = _plan_vector(batch, keys, source, writes, skip, impl, page_size,
+                             tree_mask_not_rebased and batch.has_tree)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
         groups = {k: _split_cascade(g, kv_nodes, page_size) for k, g in groups.items()}
+    if plan_without_window:  # FAULT: the window is dropped from the plan, the trim stays
+        groups = {k: replace(g, window=None) for k, g in groups.items()}
     return ForwardPlan(batch.mode, groups, layer_groups,
                        source.rule if source is not None else "none", h.total_q)

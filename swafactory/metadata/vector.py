@@ -103,8 +103,10 @@ class _ShapeTables:
 
 
 @lru_cache(maxsize=4096)
-def _shape_tables(s: StepShape) -> _ShapeTables:
-    d = s.depths
+def _shape_tables(s: StepShape, flat: bool = False) -> _ShapeTables:
+    """flat: the fault switch of sglang #39160: a node's position is prefix + its node index
+    (its flat slot), not prefix + its depth."""
+    d = tuple(range(s.nodes)) if flat else s.depths  # FAULT when flat
     queries = np.array([(i, d[i]) for i in range(s.query_from, s.nodes)],
                        dtype=np.int64).reshape(-1, 2)
     inc = [d[0] + 1] + [d[i] - d[i - 1] for i in range(1, s.kv_nodes)] if s.kv_nodes else []
@@ -148,7 +150,8 @@ class HostBatch:
     """A forward's per-request numbers as host tensors: one pass over the requests, shared by
     every layer group (they see the same requests; only window starts differ)."""
 
-    def __init__(self, batch: ForwardBatch, need_mask: bool, page_size: int = 1) -> None:
+    def __init__(self, batch: ForwardBatch, need_mask: bool, page_size: int = 1,
+                 flat_tree_positions: bool = False) -> None:
         reqs, table = batch.reqs, batch.req_to_token
         self.page_size = page_size
         self.B = B = len(reqs)
@@ -161,7 +164,7 @@ class HostBatch:
         self.row_c = np.array(rows, dtype=np.int64) * C
         self.pre = np.array([r.prefix_len for r in reqs], dtype=np.int64)
         self.shapes = batch.step_shapes
-        self.tables = [_shape_tables(s) for s in self.shapes]
+        self.tables = [_shape_tables(s, flat_tree_positions) for s in self.shapes]
         self.of = None  # shape index of each request, when there are several
         if len(self.shapes) > 1:
             index = {s: k for k, s in enumerate(self.shapes)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import swafactory
-from test_conformance import FAULTS
+from test_conformance import FAULT_OVERRIDES, FAULTS
 
 FP8 = ("backend=torch", "workload=smoke", "model=gpt_oss_20b", "backend.kv_dtype=fp8_e4m3")
 
@@ -30,5 +30,6 @@ def test_bf16_runs_report_no_fp8_error() -> None:
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_each_fault_is_still_caught_with_fp8_kv(fault: str) -> None:
     spec, check = FAULTS[fault]
-    r = swafactory.run(swafactory.compose([*FP8, f"spec={spec}", f"faults={fault}"]))
+    extra = [o for o in FAULT_OVERRIDES.get(fault, ()) if not o.startswith("backend.kv_dtype")]
+    r = swafactory.run(swafactory.compose([*FP8, f"spec={spec}", f"faults={fault}", *extra]))
     assert r.status == "failed" and r.mismatch.check == check, r.mismatch
