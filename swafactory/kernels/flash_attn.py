@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swafactory.kernels.flex import padded_pass
+from swafactory.kernels.flex import gather_or_zeros, padded_pass
 from swafactory.metadata.plan import PassCache
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.registry.capabilities import Capabilities
@@ -86,7 +86,7 @@ def _is_natural(tables, pp) -> bool:
     q_len = (qo[1:] - qo[:-1])[:, None]
     ki, qi = torch.arange(kvmax, device=kv.device), torch.arange(qmax, device=kv.device)
     kv_rows = torch.where(ki < kv_len, kv[:-1, None] + ki, 0)
-    kpos = tables.kv_pos.long()[kv_rows]  # [B, kvmax]
+    kpos = gather_or_zeros(tables.kv_pos.long(), kv_rows)  # [B, kvmax]
     consecutive = ((kpos - kpos[:, :1] == ki) | (ki >= kv_len)).all()
     q_rows = torch.where(qi < q_len, qo[:-1, None] + qi, 0)
     own = kv_len - q_len + qi  # index of each query's own key

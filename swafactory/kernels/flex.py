@@ -27,7 +27,7 @@ from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 
-__all__ = ["CAPABILITIES", "Adapter", "padded_pass"]
+__all__ = ["CAPABILITIES", "Adapter", "padded_pass", "gather_or_zeros"]
 
 CAPABILITIES = Capabilities(
     name="flex",
@@ -87,7 +87,9 @@ def padded_pass(tables, window: int | None) -> _Padded:
     q_rows = torch.where(q_valid, qo[:-1, None] + qi[None, :], 0)
     kv_rows = torch.where(kv_valid, kv[:-1, None] + ki[None, :], 0)
     q_pos = tables.q_pos.long()[q_rows]  # [B, qmax]
-    kv_pos = tables.kv_pos.long()[kv_rows]
+    # a pass may have no key at all (a paged cascade's prefix half when every prefix is shorter
+    # than a page): the padding's row 0 does not exist then, so read from one zero
+    kv_pos = gather_or_zeros(tables.kv_pos.long(), kv_rows)
     d = q_pos[:, :, None] - kv_pos[:, None, :]
     if tables.mask is not None:
         mi = tables.mask_indptr.long()
@@ -98,9 +100,14 @@ def padded_pass(tables, window: int | None) -> _Padded:
         vis = (d >= 0) & q_valid[:, :, None] & kv_valid[:, None, :]
     if window is not None:
         vis = vis & (d < window)
-    kv_index = tables.kv_indices.tensor.long()[kv_rows]
+    kv_index = gather_or_zeros(tables.kv_indices.tensor.long(), kv_rows)
     return _Padded(q_rows.reshape(-1), q_valid.reshape(-1), kv_index.reshape(-1),
                    kv_valid.reshape(-1), vis, (b, qmax, kvmax))
+
+
+def gather_or_zeros(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``values[rows]``; zeros when ``values`` is empty (every row is padding then)."""
+    return values[rows] if values.numel() else torch.zeros_like(rows)
 
 
 @cache
