@@ -139,7 +139,7 @@ def test_triton_backend_under_the_interpreter_on_tiny(tmp_path) -> None:
     pytest.importorskip("triton")
     out = subprocess.run([sys.executable, "-m", "swafactory", "backend=triton", "model=tiny",
                           "backend.groups.swa=torch", "spec=eagle3", "backend.kv_dtype=float32",
-                          f"hydra.run.dir={tmp_path}"],
+                          "workload.num_requests=2", f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
