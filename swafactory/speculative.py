@@ -33,7 +33,7 @@ from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.metadata.batch import ForwardMode, ReqForward
 
-__all__ = ["SpecHooks", "SpecStep", "FrozenQuery", "req_forward", "alloc_upto", "level_bounds",
+__all__ = ["SpecHooks", "SpecStep", "fault_switches", "FrozenQuery", "req_forward", "alloc_upto", "level_bounds",
            "seeded_tree", "seeded_accept", "greedy_path", "children",
            "eviction_floor"]
 
@@ -113,6 +113,15 @@ def greedy_path(parents: Sequence[int] | None, tokens: Sequence[int],
         if not nxt:
             return path
         path.append(nxt[0])
+
+
+def fault_switches(cfg) -> dict:
+    """`SpecStep`'s fault-switch arguments from a config's ``faults`` (every runner's step
+    reproduces the same engine bugs)."""
+    f = cfg.faults
+    return dict(leak_rejected_draft_slots=f.leak_rejected_draft_slots,
+                premature_free_window=(cfg.model.sliding_window if f.premature_free_on_reject
+                                       else None))
 
 
 def eviction_floor(committed: int, prefilling: bool, frozen: bool) -> int:

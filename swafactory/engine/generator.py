@@ -24,8 +24,8 @@ from swafactory.engine.build import Parts, model_dtype
 from swafactory.engine.report_model import GenStep
 from swafactory.kvcache.allocator import pool_use
 from swafactory.metadata.batch import ForwardMode, ReqForward
-from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, greedy_path,
-                                    level_bounds, req_forward)
+from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, fault_switches,
+                                    greedy_path, level_bounds, req_forward)
 
 __all__ = ["GenReq", "Generator", "MASK_TOKEN", "tie_tolerance"]
 
@@ -99,9 +99,7 @@ class Generator:
         self.spec = None if s.algorithm == "none" else SpecStep(
             s, parts.slots, (parts.pool, parts.draft_pool),
             draft_writes=parts.draft is not None and parts.draft.writes, frozen_query="mtp",
-            leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots,
-            premature_free_window=(self.cfg.model.sliding_window
-                                   if self.cfg.faults.premature_free_on_reject else None))
+            **fault_switches(self.cfg))
         self.nodes: dict[Hashable, list[int]] = {}     # this step's node tokens
         self.scores: dict[Hashable, list[float]] = {}  # a tree's cumulative log-probs
         self.rows: dict[Hashable, torch.Tensor] = {}   # the last forward's logits per request

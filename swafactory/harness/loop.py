@@ -19,8 +19,8 @@ from swafactory.harness.setup import Parts
 from swafactory.harness.workers import Check, History, Worker
 from swafactory.kvcache.allocator import pool_use
 from swafactory.metadata.batch import ForwardMode, ReqForward
-from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, req_forward,
-                                    seeded_accept, seeded_tree)
+from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, fault_switches,
+                                    req_forward, seeded_accept, seeded_tree)
 
 __all__ = ["Req", "Loop", "Mismatched"]
 
@@ -70,9 +70,7 @@ class Loop:
         self.spec_step = SpecStep(
             self.cfg.spec, parts.slots, (parts.pool, parts.draft_pool),
             draft_writes=parts.draft is not None and parts.draft.writes, frozen_query="reread",
-            leak_rejected_draft_slots=self.cfg.faults.leak_rejected_draft_slots,
-            premature_free_window=(self.cfg.model.sliding_window
-                                   if self.cfg.faults.premature_free_on_reject else None))
+            **fault_switches(self.cfg))
 
     # ------------------------------------------------------------------ plumbing
     def _rf(self, r: Req, prefix: int, nodes: int, **kw) -> ReqForward:

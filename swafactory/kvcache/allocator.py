@@ -350,10 +350,13 @@ class SWAAllocator(_PagedSlots):
         self.free_swa_pages(pages)
         self.full.free_pages(pages)
 
-    def free_swa_pages(self, pages: torch.Tensor) -> None:
+    def free_swa_pages(self, pages: torch.Tensor, *,
+                       stale_rows: torch.Tensor | None = None) -> None:
         """Free the SWA pages behind full ``pages`` (``[n]`` int64) and zero their mapping.
 
         Pages already evicted (mapping 0) are skipped; the full pages stay allocated.
+        stale_rows: the fault switch of sglang #27779: only these full slots' mapping entries
+        are zeroed, so the rest of each freed page stays mapped to a free SWA page.
         """
         pages = pages.reshape(-1).to(self.device, torch.int64)
         if pages.numel() == 0:
@@ -361,22 +364,13 @@ class SWAAllocator(_PagedSlots):
         first = self.full_to_swa[pages * self.page_size]
         live = first > 0
         self.swa.free_pages(first[live] // self.page_size)
-        self.full_to_swa[page_rows(pages, self.page_size)] = 0
+        rows = page_rows(pages, self.page_size) if stale_rows is None else stale_rows  # FAULT
+        self.full_to_swa[rows.to(self.device)] = 0
 
-    def free_swa(self, slots: torch.Tensor, *, stale_mapping: bool = False) -> None:
-        """Free the SWA pages behind the full ``slots`` (``[n]`` int64); whole pages when P > 1.
-
-        stale_mapping: the fault switch of sglang #27779: whole pages are freed, but the mapping
-        is zeroed for ``slots`` only, so the rest of a page stays mapped to a free SWA page."""
+    def free_swa(self, slots: torch.Tensor) -> None:
+        """Free the SWA pages behind the full ``slots`` (``[n]`` int64); whole pages when P > 1."""
         slots = slots.reshape(-1)
-        slots = slots[slots > 0]
-        if not stale_mapping:
-            self.free_swa_pages(torch.unique(slots // self.page_size))
-            return
-        pages = torch.unique(slots // self.page_size).to(self.device, torch.int64)
-        first = self.full_to_swa[pages * self.page_size]  # FAULT: per-token clear, page free
-        self.swa.free_pages(first[first > 0] // self.page_size)
-        self.full_to_swa[slots.to(self.device)] = 0
+        self.free_swa_pages(torch.unique(slots[slots > 0] // self.page_size))
 
 
 def pool_use(alloc, space: str) -> float:

@@ -168,7 +168,7 @@ class RequestSlots:
         ``SGLANG_SWA_EVICTION_INTERVAL``). Full slots stay until the request finishes.
         ``paged_free_stale_mapping`` is the fault switch of sglang #27779: the frontier is not
         floored, the pages of the evicted positions are freed whole, and only those positions'
-        mapping entries are zeroed (`SWAAllocator.free_swa`).
+        mapping entries are zeroed (`SWAAllocator.free_swa_pages`' ``stale_rows``).
         """
         if not isinstance(self.allocator, SWAAllocator):
             raise TypeError("window eviction needs an SWAAllocator (the pool is not split)")
@@ -179,18 +179,18 @@ class RequestSlots:
             raise ValueError(f"request {rid!r}: seq_len {seq_len} exceeds its {s.kv_len} "
                              "allocated positions")
         P = self.page_size
-        frontier = max(0, seq_len - window + 1) // P * P
-        row = self.req_to_token.table[s.row]
-        if paged_free_stale_mapping and P > 1:  # FAULT: token frontier, whole pages freed
-            frontier = max(0, seq_len - window + 1)
-            if frontier - s.swa_evicted < interval:
-                return 0
-            self.allocator.free_swa(row[s.swa_evicted:frontier].long(), stale_mapping=True)
-            evicted, s.swa_evicted = frontier - s.swa_evicted, frontier
-            return evicted
+        frontier = max(0, seq_len - window + 1)
+        if not paged_free_stale_mapping:
+            frontier = frontier // P * P
         if frontier - s.swa_evicted < interval:
             return 0
-        self.allocator.free_swa_pages(row[s.swa_evicted:frontier:P].long() // P)
+        row = self.req_to_token.table[s.row]
+        if paged_free_stale_mapping:  # FAULT: the pages of the positions, their entries only
+            stale = row[s.swa_evicted:frontier].long()
+            pages = torch.unique(stale // P)
+        else:
+            stale, pages = None, row[s.swa_evicted:frontier:P].long() // P
+        self.allocator.free_swa_pages(pages, stale_rows=stale)
         evicted, s.swa_evicted = frontier - s.swa_evicted, frontier
         return evicted
 

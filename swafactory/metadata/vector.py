@@ -210,7 +210,7 @@ class HostBatch:
         if window is None:
             return self.zeros
         st = np.minimum(np.maximum(self.pre + self.fqd - (window - 1), 0), self.pre)
-        return st - st % self.page_size if self.page_size > 1 else st
+        return st - st % self.page_size
 
 
 def key_pieces(h: HostBatch, start: np.ndarray, pack: Pack, running: bool = True) -> dict:
