@@ -50,9 +50,11 @@ for stage in $STAGES; do
             hydra.sweep.dir="$OUT/$NAME" > "$OUT/$NAME.log" 2>&1
         head -3 "$OUT/$NAME/matrix.md" ;;
     faults)
-        # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS), in
-        # parallel: each is a short smoke run, and every one must exit 1 with its report
+        # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS), JOBS
+        # at a time: each is a short smoke run, and every one must exit 1 with its report
         mkdir -p "$OUT/faults"
+        # graphs: a batch that shrinks inside its bucket of 4 (faults=none is the clean twin)
+        SHRINK=workload.max_running_requests=4,workload.num_requests=6
         # fault:spec[:model[:override]]; the model defaults to gemma4 (sinks need gpt_oss_20b,
         # fp8 on flashinfer needs gemma4's D = 512 layers on triton)
         for pair in skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash \
@@ -62,8 +64,11 @@ for stage in $STAGES; do
                     sink_dropped:none:gpt_oss_20b tree_mask_not_rebased:eagle3 \
                     premature_free_on_reject:eagle \
                     paged_free_stale_mapping:none:gemma4:backend.page_size=16 \
-                    fp8_descale_dropped:none:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton; do
+                    fp8_descale_dropped:none:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton \
+                    graph_pad_stale_swa_loc:none:gemma4:backend.cuda_graph=true,$SHRINK \
+                    none:none:gemma4:backend.cuda_graph=true,$SHRINK; do
             IFS=: read -r fault spec model extra <<< "$pair"
+            while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
             ( python3 -m swafactory backend=flashinfer model="${model:-gemma4}" workload=smoke \
                 faults="$fault" spec="$spec" ${extra//,/ } \
                 hydra.run.dir="$OUT/faults/$fault" > "$OUT/faults/$fault.log" 2>&1

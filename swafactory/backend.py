@@ -165,10 +165,12 @@ class AttentionBackend:
     def init_cuda_graph_state(self, max_bs: int, max_tokens: int) -> None:
         """Ready graphs of up to ``max_bs`` requests × ``max_tokens`` query rows each. Calling
         it again with other limits keeps the buckets already captured."""
-        for ad in self.adapters.values():
-            if not ad.capabilities.cuda_graph:
+        dev = self.view.active_pool.sub_pools[0].device
+        for ad in self.adapters.values():  # off CUDA the contract's planning serves an emulation
+            caps = ad.capabilities
+            if not (caps.replays_graphs(dev.type) or caps.cuda_graph):
                 raise ConfigError([Reason("backend", "backend.cuda_graph",
-                                          f"{ad.capabilities.name} has no CUDA-graph path",
+                                          f"{caps.name} has no graph path on {dev.type}",
                                           "backend.cuda_graph=false, or backend=flashinfer",
                                           rule="cuda_graph")])
         if self.cascade:
@@ -182,7 +184,6 @@ class AttentionBackend:
         if self._graph is not None:
             self._graph.max_bs, self._graph.max_tokens = max_bs, max_tokens
             return
-        dev = self.view.active_pool.sub_pools[0].device
         self._graph = GraphState(max_bs, max_tokens, torch.device(dev))
 
     def _graph_state(self) -> GraphState:
@@ -231,7 +232,8 @@ class AttentionBackend:
                 if g.write_locs is not None and key not in seen:
                     seen.add(key)
                     self._pool.check(layer, g.write_locs)
-        self._set_plan(bucket_writes(st, fplan, bs, tokens), graphed=True)
+        self._set_plan(bucket_writes(st, fplan, bs, tokens,
+                                     stale_swa=self.faults.graph_pad_stale_swa_loc), graphed=True)
         return self._plan
 
     # --- the per-layer hot path -----------------------------------------------------------------

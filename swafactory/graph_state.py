@@ -93,9 +93,13 @@ def capture_plan(state: GraphState, pool, layers_mapping, windows, *, bs: int, t
     return ForwardPlan(mode, groups, layer_groups, "graph capture", bs * tokens)
 
 
-def bucket_writes(state: GraphState, plan: ForwardPlan, bs: int, tokens: int) -> ForwardPlan:
+def bucket_writes(state: GraphState, plan: ForwardPlan, bs: int, tokens: int, *,
+                  stale_swa: bool = False) -> ForwardPlan:
     """``plan`` with each group's write slots copied into its static buffer (rows past the
-    batch's set to the dummy row 0): the tensors the captured writes index."""
+    batch's set to the dummy row 0): the tensors the captured writes index.
+
+    stale_swa: FAULT graph_pad_stale_swa_loc (sglang #24743): the SWA groups' padding rows keep
+    the slots an earlier, larger replay wrote there, so padding K/V lands in live SWA slots."""
     rows = bs * tokens
     groups = {}
     for key, g in plan.groups.items():
@@ -103,5 +107,5 @@ def bucket_writes(state: GraphState, plan: ForwardPlan, bs: int, tokens: int) ->
             groups[key] = g
             continue
         groups[key] = replace(g, write_locs=g.write_locs.copy_into(
-            state.write_buffer(key, bs, tokens)))
+            state.write_buffer(key, bs, tokens), pad=not (stale_swa and g.window is not None)))
     return replace(plan, groups=groups, total_q=rows)

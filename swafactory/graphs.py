@@ -7,13 +7,15 @@ of a bucket captures it: `init_forward_metadata_capture`, one eager warm-up pass
 a side stream, then the capture of each layer's K/V write and attention. Every batch then plans
 with `init_forward_metadata_replay` (which refills the captured buffers: tables, masks and write
 slots), copies its q, k and v into the graph's static inputs and replays. Padding rows write the
-dummy row and come back as garbage, cut off. Batches may shrink or grow between replays; each
+dummy row and come back as garbage, cut off. On CPU (a backend with ``graph_emulation``) a
+bucket's step is recorded instead of captured and each replay re-runs it over the same buffers.
+Batches may shrink or grow between replays; each
 request may have up to ``tokens`` queries. An engine whose layer l's q comes from layer l − 1
 captures its own step with the same three calls.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,15 +23,35 @@ import torch
 from swafactory.errors import ConfigError, Reason
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 
-__all__ = ["GraphedAttention", "BUCKETS"]
+__all__ = ["GraphedAttention", "RecordedStep", "BUCKETS"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Default batch-size buckets (requests per graph)."""
 
 
+class RecordedStep:
+    """A CPU stand-in for a captured graph (``graph_emulation``): replay re-runs the recorded
+    step over the same static inputs and copies into the same static outputs, so the backend's
+    replay planning (the buffers refilled in place, the padding rows) runs as on a GPU.
+
+    step: reads only static inputs; returns a tensor or ``key → tensor`` (kept as ``out``)."""
+
+    def __init__(self, step: Callable[[], torch.Tensor | dict[int, torch.Tensor]]) -> None:
+        self.step = step
+        self.out = step()
+
+    def replay(self) -> None:
+        new = self.step()
+        if isinstance(new, torch.Tensor):
+            self.out.copy_(new)
+            return
+        for key, o in new.items():
+            self.out[key].copy_(o)
+
+
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | RecordedStep
     q: dict[int, torch.Tensor]
     """layer → [n·tokens, Hq, D] static input."""
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -51,11 +73,12 @@ class GraphedAttention:
                  dtype: torch.dtype, buckets: Sequence[int] = BUCKETS,
                  sinks: Mapping[int, torch.Tensor] | None = None,
                  mode: ForwardMode | None = None) -> None:
-        caps = backend.capabilities
-        if not caps.cuda_graph:
-            raise ConfigError([Reason("backend", "backend.cuda_graph",
-                                      f"{caps.name} has no CUDA-graph path", "backend.cuda_graph=false",
-                                      rule="cuda_graph")])
+        kind = backend.view.active_pool.sub_pools[0].device.type
+        for ad in backend.adapters.values():
+            if not ad.capabilities.replays_graphs(kind):
+                raise ConfigError([Reason("backend", "backend.cuda_graph",
+                                          f"{ad.capabilities.name} has no graph path on {kind}",
+                                          "backend.cuda_graph=false", rule="cuda_graph")])
         self.backend, self.layers, self.tokens, self.dtype = backend, dict(layers), tokens, dtype
         self.buckets = tuple(sorted(buckets))
         self.sinks = dict(sinks or {})
@@ -67,6 +90,11 @@ class GraphedAttention:
         if st is None or st.max_bs < self.buckets[-1] or st.max_tokens < tokens:
             backend.init_cuda_graph_state(max(self.buckets[-1], st.max_bs if st else 0),
                                           max(tokens, st.max_tokens if st else 0))
+
+    @property
+    def captured_on_device(self) -> bool:
+        """True for CUDA graphs; False where replays are emulated (CPU)."""
+        return self.backend.view.active_pool.sub_pools[0].device.type == "cuda"
 
     def bucket(self, batch_size: int) -> int:
         """The smallest bucket that holds ``batch_size`` requests."""
@@ -91,11 +119,15 @@ class GraphedAttention:
             st = self._graphs[n] = self._capture(n, q, kv)
         self.backend.init_forward_metadata_replay(batch, n, self.tokens)
         rows = batch.total_q
+        # padding rows carry no request's data (an engine's padded tokens are not any request's
+        # tokens either): zeros, not the stale rows of an earlier, larger batch
         for layer, x in q.items():
             st.q[layer][:rows].copy_(x)
+            st.q[layer][rows:].zero_()
         for layer, (k, v) in (kv or {}).items():
-            st.kv[layer][0][:rows].copy_(k)
-            st.kv[layer][1][:rows].copy_(v)
+            for buf, new in zip(st.kv[layer], (k, v)):
+                buf[:rows].copy_(new)
+                buf[rows:].zero_()
         st.graph.replay()
         self.replays += 1
         return {layer: o[:rows] for layer, o in st.out.items()}
@@ -114,6 +146,10 @@ class GraphedAttention:
         for layer, (k, _) in (kv or {}).items():
             kvs[layer] = (k.new_zeros(rows, *k.shape[1:]), k.new_zeros(rows, *k.shape[1:]))
         self.backend.init_forward_metadata_capture(n, self.tokens, self.mode)
+        self.captures += 1
+        if dev.type != "cuda":  # emulated (the backend's graph_emulation)
+            rec = RecordedStep(lambda: self._attend(qs, kvs))
+            return _Captured(rec, qs, kvs, rec.out)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: kernel JIT, not captured (writes: dummy row)
@@ -122,5 +158,4 @@ class GraphedAttention:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self._attend(qs, kvs)
-        self.captures += 1
         return _Captured(graph, qs, kvs, out)

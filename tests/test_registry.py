@@ -143,7 +143,12 @@ def test_tree_rules_strategy_and_paged_trees() -> None:
 
 def test_cuda_graph_and_dtype_rules() -> None:
     cfg = swafactory.compose(["backend=torch", "backend.cuda_graph=true", "backend.kv_dtype=fp8_e4m3"])
-    assert rules(cfg, CPU) == {"cuda_graph@backend.cuda_graph"}  # torch reads fp8 with scales
+    assert rules(cfg, CPU) == set()  # torch reads fp8 with scales, and emulates graphs on CPU
+    assert rules(cfg, H200) == {"cuda_graph@backend.cuda_graph"}  # but captures none on CUDA
+    on_cpu = swafactory.compose(["backend=flashinfer", "backend.cuda_graph=true"])
+    why = [r for r in swafactory.check(on_cpu, CPU) if r.field == "backend.cuda_graph"]
+    assert len(why) == 1 and "need a CUDA device" in why[0].message
+    assert "backend=torch" in why[0].fix  # the CPU way to run the graph contract
     flex = swafactory.compose(["backend=flex", "backend.kv_dtype=fp8_e4m3", "model=gpt_oss_20b"])
     assert "dtype@backend.kv_dtype" in rules(flex, CPU)
     graphs = swafactory.compose(["backend=flashinfer", "backend.cuda_graph=true"])

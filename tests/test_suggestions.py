@@ -144,9 +144,25 @@ def test_fp8_suggestions_are_lines_that_work() -> None:
         assert err.alternatives == ("torch",)
 
 
-def test_a_switch_pins_the_fields_a_user_may_have_typed() -> None:
+def test_a_switch_pins_the_fields_a_user_may_have_typed(monkeypatch) -> None:
     # trtllm_mha's YAML has cuda_graph: true, so a config cannot tell whether the user also typed
-    # `backend.cuda_graph=true`; `backend=torch` keeps it if typed, and torch has no graph path
+    # `backend.cuda_graph=true`; `backend=torch` keeps it if typed, and this torch has no graph
+    # path (the shipped one emulates graphs on CPU, which makes the pin unnecessary there)
+    import dataclasses
+
+    from swafactory.kernels import torch_ref
+    from swafactory.registry import table
+    monkeypatch.setattr(torch_ref, "CAPABILITIES",
+                        dataclasses.replace(torch_ref.CAPABILITIES, graph_emulation=False))
+    table.get_capabilities.cache_clear()
+    try:
+        _pins_what_may_have_been_typed()
+    finally:
+        monkeypatch.undo()
+        table.get_capabilities.cache_clear()  # the shipped torch again for later tests
+
+
+def _pins_what_may_have_been_typed() -> None:
     plain = ["backend=trtllm_mha", "spec=eagle", "model=gemma4"]
     typed = [*plain, "backend.cuda_graph=true"]
     assert _compose(plain) == _compose(typed)

@@ -308,6 +308,9 @@ class FaultsSpec(_Frozen):
     premature_free_on_reject: bool = False
     """SWA slots are evicted against the step's speculative length before rejected drafts move
     the boundary back, so slots still in the window are freed (vLLM #47728, #47282)."""
+    graph_pad_stale_swa_loc: bool = False
+    """On CUDA-graph replay, the SWA groups' padding rows keep the write slots of an earlier,
+    larger replay: padding K/V lands in live SWA slots of other requests (sglang #24743)."""
 
     @property
     def active(self) -> list[str]:

@@ -8,7 +8,8 @@ A forward packs the batch's query tokens into one sequence ``[1, T]`` with per-t
 With ``graphs=True`` (``backend.cuda_graph=true``) every forward but a prefill (``extend``)
 replays a CUDA graph of the whole model call, captured per bucket (requests rounded up to
 `BUCKETS`, queries per request to a power of two) through the backend's graph contract
-(`swafactory.graph_state`): the engine's own step, each layer's q from the layer before.
+(`swafactory.graph_state`): the engine's own step, each layer's q from the layer before. On CPU
+(the torch backend's ``graph_emulation``) the step is recorded and re-run over its buffers.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from swafactory.errors import SpaceError
+from swafactory.graphs import RecordedStep
 from swafactory.integrations.transformers import ATTENTION, register, routing
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
@@ -124,8 +126,10 @@ class Runner:
         graph, s_ids, s_pos, s_logits = st
         rows = batch.total_q
         self.backend.init_forward_metadata_replay(batch, *bucket)
-        s_ids[0, :rows].copy_(ids[0])
-        s_pos[0, :rows].copy_(pos[0])
+        # padding rows are token 0 at position 0: no request's token (not an earlier batch's)
+        for static, new in ((s_ids, ids), (s_pos, pos)):
+            static[0, :rows].copy_(new[0])
+            static[0, rows:].zero_()
         graph.replay()
         self.graph_use["replays"] += 1
         return s_logits[0, :rows].clone()  # the static buffer is the next replay's
@@ -136,6 +140,13 @@ class Runner:
         self.backend.init_forward_metadata_capture(bs, tokens, mode)
         call = lambda: self.model(input_ids=ids, position_ids=pos,  # noqa: E731
                                   use_cache=False).logits
+        self.graph_use["captures"] += 1
+        if self.device.type != "cuda":  # emulated: the backend's graph_emulation (CPU)
+            def step():
+                with routing(self.backend, writes=self.writes):
+                    return call()
+            rec = RecordedStep(step)
+            return rec, ids, pos, rec.out
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
@@ -145,5 +156,4 @@ class Runner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), routing(self.backend, writes=self.writes):
             logits = call()
-        self.graph_use["captures"] += 1
         return graph, ids, pos, logits

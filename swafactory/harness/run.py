@@ -213,7 +213,8 @@ def _graph_use(workers) -> str:
     gs = [g for x in workers for g in x.graphs.values()]
     if not gs:
         return "on, no forward was graphable"
-    return (f"{sum(g.captures for g in gs)} captures, {sum(g.replays for g in gs)} replays "
+    how = "captures" if gs[0].captured_on_device else "recorded (emulated: no CUDA here)"
+    return (f"{sum(g.captures for g in gs)} {how}, {sum(g.replays for g in gs)} replays "
             f"({', '.join(f'{m}×{t}' for x in workers for m, t in x.graphs)})")
 
 

@@ -49,6 +49,7 @@ CAPABILITIES = Capabilities(
     sinks=True,
     sinks_note="sink logits join the softmax denominator",
     softcap=True,
+    graph_emulation=True,  # CPU: backend.cuda_graph=true re-runs a bucket's step over its buffers
     kv_dtypes=frozenset({"float32", "float16", "bfloat16", "fp8_e4m3"}),
 )
 
@@ -187,7 +188,15 @@ class Adapter:
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
-        """One pass → (o, lse); the kernel computes the LSE either way (``lse`` is a hint)."""
+        """One pass → (o, lse); the kernel computes the LSE either way (``lse`` is a hint).
+        q rows past the tables' are a graph bucket's padding: they read nothing (o = 0)."""
+        n = tables.q_pos.numel()
+        if q.shape[0] > n:
+            o, lse = attend(tables, q[:n], k_buf, v_buf, window=window, scale=scale,
+                            softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+            pad = q.shape[0] - n
+            return (torch.cat([o, o.new_zeros(pad, *o.shape[1:])]),
+                    torch.cat([lse, lse.new_full((pad, lse.shape[1]), -math.inf)]))
         return attend(tables, q, k_buf, v_buf, window=window, scale=scale, softcap=softcap,
                       sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 

@@ -91,16 +91,16 @@ class Locs:
         return cls(space, pool_id, torch.zeros(n, dtype=torch.int64, device=device),
                    _origin=_TRANSLATED)
 
-    def copy_into(self, buffer: torch.Tensor) -> Locs:
-        """These ``[n]`` slot ids copied into ``buffer[:n]`` (the rest set to the dummy slot 0),
-        as Locs of the same space over ``buffer``: a CUDA graph's static write slots, refilled
-        in place. buffer: ``[m ≥ n]`` int64 on the same device."""
+    def copy_into(self, buffer: torch.Tensor, *, pad: bool = True) -> Locs:
+        """These ``[n]`` slot ids copied into ``buffer[:n]`` (the rest set to the dummy slot 0,
+        unless ``pad`` is False), as Locs of the same space over ``buffer``: a CUDA graph's
+        static write slots, refilled in place. buffer: ``[m ≥ n]`` int64 on the same device."""
         n = len(self)
         if buffer.dim() != 1 or buffer.numel() < n or buffer.dtype != torch.int64:
             raise ValueError(f"copy_into needs an int64 [m >= {n}] buffer, got "
                              f"{buffer.dtype} {list(buffer.shape)}")
         buffer[:n].copy_(self.tensor.reshape(-1), non_blocking=True)
-        if n < buffer.numel():
+        if n < buffer.numel() and pad:
             buffer[n:].zero_()
         return self._derive(buffer, self.page_size)
 

@@ -59,6 +59,10 @@ class Capabilities:
     """Logit soft-capping."""
     cuda_graph: bool = False
     """Decode/verify can be captured in CUDA graphs."""
+    graph_emulation: bool = False
+    """On CPU, ``backend.cuda_graph=true`` runs the graph contract without CUDA graphs: a bucket's
+    step is recorded once over static buffers and each replay re-runs it over the same buffers,
+    refilled in place (bucket padding and in-place refill, testable without a GPU)."""
     kv_dtypes: frozenset[str] = field(default_factory=lambda: frozenset({"float16", "bfloat16"}))
     """KV storage dtypes."""
     fp8_max_head_dim: int | None = None
@@ -67,3 +71,8 @@ class Capabilities:
     """Where `fp8_max_head_dim` applies (other archs serve fp8 at every head dim it serves)."""
     fp8_note: str = ""
     """Why the fp8 head-dim limit is what it is."""
+
+    def replays_graphs(self, device_kind: str) -> bool:
+        """Serves ``backend.cuda_graph=true`` on ``device_kind`` (captured on CUDA, emulated on
+        CPU)."""
+        return self.cuda_graph if device_kind == "cuda" else self.graph_emulation

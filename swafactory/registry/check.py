@@ -219,11 +219,13 @@ def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
             groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
     if not cfg.backend.cuda_graph:
         return
-    if not caps.cuda_graph:
-        yield _r("backend.cuda_graph", f"{caps.name} has no CUDA-graph path", "backend.cuda_graph=false")
-    elif dev.kind != "cuda":
-        yield _r("backend.cuda_graph", f"CUDA graphs need a CUDA device; this device is {dev.kind}",
-                 "backend.cuda_graph=false")
+    if not caps.replays_graphs(dev.kind) and caps.cuda_graph:
+        yield _r("backend.cuda_graph", f"{caps.name} captures CUDA graphs, which need a CUDA "
+                 f"device; this device is {dev.kind}", "backend.cuda_graph=false, or backend=torch "
+                 "(replays emulated on CPU)")
+    elif not caps.replays_graphs(dev.kind):
+        where = "a CUDA-graph path" if dev.kind == "cuda" else f"a graph replay on {dev.kind}"
+        yield _r("backend.cuda_graph", f"{caps.name} has no {where}", "backend.cuda_graph=false")
     if cfg.backend.tree_mask == "cascade":
         yield _r("backend.tree_mask", "a cascade's prefix/expand split depends on each batch, so "
                  "a captured graph cannot replay it", "backend.tree_mask=custom_mask")

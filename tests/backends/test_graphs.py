@@ -7,6 +7,7 @@ backends without graphs, and the adapter's padding through the FlashInfer fake.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -25,6 +26,8 @@ from test_flashinfer_host import adapter_world
 
 def test_backends_without_graphs_are_refused_naming_the_field() -> None:
     world, _ = make_world("tiny", 1)
+    ad = world.backend.adapter
+    ad.capabilities = dataclasses.replace(ad.capabilities, graph_emulation=False)
     with pytest.raises(ConfigError) as e:
         GraphedAttention(world.backend, {0: (8, 16)}, tokens=1, dtype=torch.float32)
     assert "backend.cuda_graph" in str(e.value) and "backend.cuda_graph=false" in str(e.value)
@@ -82,12 +85,68 @@ def test_padding_to_the_bucket_reads_the_dummy_row(monkeypatch) -> None:
 
 def test_graph_contract_refusals(monkeypatch) -> None:
     world, _ = make_world("tiny", 1)
+    ad = world.backend.adapter
+    ad.capabilities = dataclasses.replace(ad.capabilities, graph_emulation=False)
     with pytest.raises(ConfigError, match="backend.cuda_graph"):
         world.backend.init_cuda_graph_state(8, 1)
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
     world, _ = adapter_world("tiny", 1, ["model.sliding_window=5", "backend.tree_mask=cascade"])
     with pytest.raises(ConfigError, match="backend.tree_mask=custom_mask"):
         world.backend.init_cuda_graph_state(8, 1)
+
+
+# --- emulated on CPU (torch's graph_emulation) -----------------------------------------------
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stale) -> None:
+    """Replays on CPU (the step recorded, re-run over the same buffers) equal eager attention as
+    batches shrink and grow; padding rows write the dummy row. With the graph_pad_stale_swa_loc
+    switch, a shrunk batch's SWA padding rows write the slots an earlier replay wrote there."""
+    world, cfg = make_world("gpt_oss_20b", 1, ["model.sliding_window=8", "model.num_layers=4"])
+    layers = [0, 1]  # SWA, full
+    if stale:
+        world.backend.faults = world.backend.faults.model_copy(
+            update={"graph_pad_stale_swa_loc": True})
+    _open_all(world, layers)
+    m = cfg.model
+    shapes = {l: (m.num_attention_heads, m.geometry(l).head_dim) for l in layers}
+    sinks = dict(world.sinks) if world.sinks else {}
+    graphed = GraphedAttention(world.backend, shapes, tokens=1, dtype=torch.float32,
+                               buckets=(4, 8), sinks=sinks)
+    assert not graphed.captured_on_device
+    gen = torch.Generator().manual_seed(1)
+    swa_key = None
+    for bs in (8, 6, 3, 7):
+        reqs = [world.req(r, world.kv_len(r), 1) for r in range(bs)]
+        for r in range(bs):
+            world.slots.extend(r, 1)
+        batch = ForwardBatch.of("decode", reqs, world.slots.req_to_token.table,
+                                world.alloc.full_id)
+        q = {l: torch.randn(bs, *shapes[l], generator=gen) for l in layers}
+        kv = {l: tuple(torch.randn(bs, m.geometry(l).num_kv_heads, shapes[l][1], generator=gen)
+                       for _ in range(2)) for l in layers}
+        out = graphed.forward(batch, q, kv)
+        plan = world.backend.plan
+        for l in layers:
+            g = plan.group(l)
+            k_buf, v_buf, sub = world.pool.get_kv(l)
+            if g.window is not None:
+                swa_key = g.key
+                rows = g.write_locs.tensor.tolist()
+                live = [s for s in rows[bs:] if s]  # padding rows that write a real slot
+                assert bool(live) == (stale and bs in (6, 7)), (bs, rows)
+                # requests 6 and 7's last K/V, in the window, overwritten by the padding's zeros
+                assert all(k_buf[s].abs().sum() == 0 for s in live)
+            else:
+                assert g.write_locs.tensor.tolist()[bs:] == [0] * (len(g.write_locs) - bs)
+            if stale:
+                continue  # the stale writes corrupt live slots: the eager check would fail
+            ref, _ = attend(world.backend.init_forward_metadata(batch).group(l).tables, q[l],
+                            k_buf, v_buf, window=g.window, scale=sub.head_dim ** -0.5,
+                            sinks=sinks.get(l))
+            torch.testing.assert_close(out[l], ref)
+            graphed.backend.init_forward_metadata_replay(batch, graphed.bucket(bs), 1)
+    assert swa_key is not None and graphed.captures == 2 and graphed.replays == 4
 
 
 # --- on the GPU -------------------------------------------------------------------------------

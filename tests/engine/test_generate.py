@@ -1,8 +1,8 @@
 """run=generate: HF model definitions on swafactory attention, checked against transformers.
 
 Every family is lossless against spec=none and its logits match transformers' eager forward; a
-self-speculating copy reaches the ideal accept length; the seed faults are caught end to end with
-the guards off; a save_pretrained checkpoint generates the same tokens as the weights it saved.
+self-speculating copy reaches the ideal accept length; the seed faults and the silent ones of
+issue 19 are caught end to end with the guards off; a save_pretrained checkpoint generates the same tokens as the weights it saved.
 Shapes are tiny (short prompts past a 16-token window, a few tokens out) to stay cheap on 2 cores.
 """
 from __future__ import annotations
@@ -51,18 +51,36 @@ def test_every_family_is_lossless_and_matches_transformers(model: str, spec: str
         assert checks["draft_logits"].status == "ok"
 
 
-@pytest.mark.parametrize(("fault", "spec", "symptom"), [
-    ("skip_spec_translation", "eagle3", "kernel"),          # full slots index the SWA pool: OOB
-    ("allocator_pool_for_own_pool_draft", "dflash", "draft_logits"),
-    ("pool_cached_at_init", "frozen_kv_mtp", "kernel"),     # the dummy pool's geometry
+@pytest.mark.parametrize(("fault", "spec", "model", "symptom"), [
+    ("skip_spec_translation", "eagle3", "tiny", "kernel"),  # full slots index the SWA pool: OOB
+    ("allocator_pool_for_own_pool_draft", "dflash", "tiny", "draft_logits"),
+    ("pool_cached_at_init", "frozen_kv_mtp", "tiny", "kernel"),  # the dummy pool's geometry
+    # issue 19: wrong numbers with no error, so only the logits show them
+    ("plan_without_window", "none", "tiny", "logits"),  # prompts pass W = 16
+    ("tree_mask_not_rebased", "eagle3", "tiny", "logits"),  # a tree's deep nodes
+    ("sink_dropped", "none", "gpt_oss_20b", "logits"),  # GPT-OSS's sinks
 ])
-def test_seed_faults_are_caught_end_to_end_without_guards(fault: str, spec: str,
-                                                          symptom: str) -> None:
-    r = _gen("model=tiny", f"spec={spec}", f"faults={fault}", "run.guards=false")
+def test_faults_are_caught_end_to_end_without_guards(fault: str, spec: str, model: str,
+                                                     symptom: str) -> None:
+    geometry = GEOMETRY.get(model, [f"model={model}"])
+    r = _gen(*geometry, f"spec={spec}", f"faults={fault}", "run.guards=false")
     assert r.status == "failed" and r.caught_by == symptom, (r.caught_by, r.checks)
     assert not {"space", "nan"} & set(r.failed_checks), "the guards were off"
-    clean = _gen("model=tiny", f"spec={spec}", "run.guards=false")
+    clean = _gen(*geometry, f"spec={spec}", "run.guards=false")
     assert clean.status == "ok", (clean.caught_by, clean.checks)
+
+
+def test_graph_replays_generate_losslessly_and_stale_padding_shows_in_the_logits() -> None:
+    """backend.cuda_graph=true on CPU (the torch backend records each bucket's model call and
+    re-runs it over the same buffers): lossless; graph_pad_stale_swa_loc, with batches that
+    shrink inside a bucket of 4, writes padding K/V into live SWA slots: the logits are off."""
+    load = ["model=tiny", "spec=eagle3", "backend.cuda_graph=true", "workload.num_requests=6",
+            "workload.max_running_requests=4"]
+    r = _gen(*load)
+    assert r.status == "ok" and r.lossless is True, (r.caught_by, r.checks)
+    assert r.cuda_graphs["target"]["replays"] > 0 and r.cuda_graphs["draft"]["replays"] > 0
+    bad = _gen(*load, "faults=graph_pad_stale_swa_loc", "run.guards=false")
+    assert bad.status == "failed" and bad.caught_by == "logits", (bad.caught_by, bad.checks)
 
 
 def test_the_guards_catch_a_seed_fault_first() -> None:

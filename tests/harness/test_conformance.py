@@ -61,6 +61,7 @@ def test_tree_verify_by_cascade() -> None:
     assert r.status == "ok" and r.parts["tree"] == "cascade"
 
 
+GRAPHS_SHRINK = ["workload.max_running_requests=4", "workload.num_requests=6"]
 FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "skip_spec_translation": ("eagle3", "space"),
     "allocator_pool_for_own_pool_draft": ("dflash", "space"),
@@ -78,10 +79,23 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "premature_free_on_reject": ("eagle", "nan"),  # a freed in-window slot reads the dummy
     "tree_mask_not_rebased": ("eagle3", "oracle"),  # nodes past depth lose window-edge keys
     "paged_free_stale_mapping": ("none", "nan"),  # a freed page's mapped rows are read
+    "graph_pad_stale_swa_loc": ("none", "oracle"),  # padding zeros land in a live SWA slot
 }
 # what a fault needs to bite besides its spec (the CPU runs use gpt_oss_20b, sinks included)
 FAULT_OVERRIDES = {"fp8_descale_dropped": ["backend.kv_dtype=fp8_e4m3"],
-                   "paged_free_stale_mapping": ["backend.page_size=16"]}
+                   "paged_free_stale_mapping": ["backend.page_size=16"],
+                   # graphs (emulated on CPU), and a batch that shrinks inside its bucket of 4
+                   "graph_pad_stale_swa_loc": ["backend.cuda_graph=true", *GRAPHS_SHRINK]}
+
+
+@pytest.mark.parametrize("spec", ["none", "eagle3"])
+def test_graph_replays_pass_as_batches_shrink_inside_a_bucket(spec: str) -> None:
+    """The clean twin of graph_pad_stale_swa_loc's run: the same load through graphs (recorded
+    and re-run on CPU) passes, and its batches did shrink inside a bucket."""
+    r = _run(f"spec={spec}", "model=gpt_oss_20b", "backend.cuda_graph=true", *GRAPHS_SHRINK)
+    assert r.status == "ok", r.mismatch
+    use = r.parts["cuda_graphs"]
+    assert "recorded (emulated" in use and " 0 replays" not in use, use
 
 
 def test_leaked_names_every_pool_and_a_split_draft_pool_shares_the_target_count() -> None:
