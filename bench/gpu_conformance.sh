@@ -53,7 +53,9 @@ for stage in $STAGES; do
         # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS), JOBS
         # at a time: each is a short smoke run, and every one must exit 1 with its report
         mkdir -p "$OUT/faults"
-        # graphs: a batch that shrinks inside its bucket of 4 (faults=none is the clean twin)
+        # graphs: a batch that shrinks inside its bucket of 4 (faults=none is the clean twin), on
+        # gpt_oss_20b: one zeroed key of gemma4's 1024-key window moves its outputs by less than
+        # bf16's own error (call 27.1), one of GPT-OSS's 128 does not
         SHRINK=workload.max_running_requests=4,workload.num_requests=6
         # fault:spec[:model[:override]]; the model defaults to gemma4 (sinks need gpt_oss_20b,
         # fp8 on flashinfer needs gemma4's D = 512 layers on triton)
@@ -65,8 +67,8 @@ for stage in $STAGES; do
                     premature_free_on_reject:eagle \
                     paged_free_stale_mapping:none:gemma4:backend.page_size=16 \
                     fp8_descale_dropped:none:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton \
-                    graph_pad_stale_swa_loc:none:gemma4:backend.cuda_graph=true,$SHRINK \
-                    none:none:gemma4:backend.cuda_graph=true,$SHRINK; do
+                    graph_pad_stale_swa_loc:none:gpt_oss_20b:backend.cuda_graph=true,$SHRINK \
+                    none:none:gpt_oss_20b:backend.cuda_graph=true,$SHRINK; do
             IFS=: read -r fault spec model extra <<< "$pair"
             while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
             ( python3 -m swafactory backend=flashinfer model="${model:-gemma4}" workload=smoke \
