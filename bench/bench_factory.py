@@ -18,6 +18,8 @@ same). Times are ``triton.testing.do_bench`` medians after warm-up.
 
     python3 bench/bench_factory.py --out $OUT [--models gemma4,gpt_oss_20b] [--modes ...] [--bs ...]
     python3 bench/bench_factory.py --out $OUT --fp8 flashinfer,triton --bs 64   (bench_fp8.py)
+    python3 bench/bench_factory.py --out $OUT --pages flashinfer,flash_attn --models gpt_oss_20b \
+        --bs 64   (bench_pages.py)
 
 Writes OUT/factory-h200.md, .json and .png (step time against batch size: factory, raw, floor;
 planning time against batch size).
@@ -407,11 +409,19 @@ def main() -> int:
     ap.add_argument("--fp8", default="",
                     help="instead: fp8 against bf16 KV decode through these backends "
                          "(bench/bench_fp8.py), e.g. flashinfer,triton")
+    ap.add_argument("--pages", default="",
+                    help="instead: page size 1 against the pool's own pages, decode through "
+                         "these backends (bench/bench_pages.py), e.g. flashinfer,flash_attn")
+    ap.add_argument("--page-sizes", default="1,16,128")
     a = ap.parse_args()
     if a.fp8:
         from bench_fp8 import run_fp8
 
         return run_fp8(a)
+    if a.pages:
+        from bench_pages import run_pages
+
+        return run_pages(a)
     import flashinfer
     from triton.testing import do_bench
 

@@ -1,8 +1,9 @@
-"""flash-attn-4 (CuTe DSL): `flash_attn_varlen_func` over a page-size-1 view of the pool.
+"""flash-attn-4 (CuTe DSL): `flash_attn_varlen_func` over the pool's pages.
 
-Layout. Pool buffers ``[rows, Hkv, D]`` viewed as ``[rows, 1, Hkv, D]`` are FA4's paged cache
-with one token per page, so a request's key rows are its ``page_table`` row and ``seqused_k`` its
-key count. FA4 aligns causality and its window bottom-right in *index* space (query i of a
+Layout. Pool buffers ``[rows, Hkv, D]`` viewed as ``[rows / P, P, Hkv, D]`` are FA4's paged
+cache at the pool's page size P, so a request's pages are its ``page_table`` row and
+``seqused_k`` its key count (natural passes). Expanded passes list keys one by one, so they read
+a page-size-1 view ``[rows, 1, Hkv, D]`` whose page table holds rows. FA4 aligns causality and its window bottom-right in *index* space (query i of a
 sequence sees key j iff ``j ≤ i + kv_len − q_len`` and ``j ≥ i + kv_len − q_len − left``).
 
 Two shapes of a pass, chosen once per forward (`Adapter.plan`):
@@ -41,7 +42,7 @@ PAGED_MAX_HEAD_DIM = 128
 
 CAPABILITIES = Capabilities(
     name="flash_attn",
-    summary="flash-attn-4 varlen over a page-size-1 page table; masks as per-query key lists",
+    summary="flash-attn-4 varlen over the pool's page table; masks as per-query key lists",
     kernel="flash-attn-4 varlen (cute)",
     devices=frozenset({"cuda"}),
     cuda_archs=frozenset({90, 100, 103}),
@@ -74,6 +75,11 @@ class _FaPass:
     empty: torch.Tensor | None
     """[total_q] bool: rows that see no key (expanded cascade halves), or None."""
     window: int | None
+    pages: torch.Tensor | None = None
+    """[n, ceil(S / P)] int32 page ids of the pool's own pages (natural passes at page size P >
+    1: each list starts on a page start and runs through its pages in order), else None."""
+    page: int = 1
+    """P: the pool's page size that ``pages`` indexes."""
 
 
 def _is_natural(tables, pp) -> bool:
@@ -95,16 +101,22 @@ def _is_natural(tables, pp) -> bool:
     return bool(consecutive & at_end & (q_len <= kv_len).all())
 
 
-def plan_pass(tables, window: int | None) -> _FaPass:
-    """FA4 arguments for one pass. tables: `metadata.AttnTables`."""
+def plan_pass(tables, window: int | None, page: int = 1) -> _FaPass:
+    """FA4 arguments for one pass. tables: `metadata.AttnTables`; page: the pool's page size.
+
+    A natural pass at ``page`` > 1 reads the pool's own pages: its key lists start on a page
+    start (the planner floors SWA starts to a page) and run through their pages' slots in order
+    (the allocator's rule), so every ``page``-th row names a page. Expanded passes list each
+    query's keys one by one, which pages cannot express: they keep the page-size-1 view."""
     pp = padded_pass(tables, window)
     b, qmax, kvmax = pp.shape
     dev = tables.qo_indptr.device
     kv_rows = pp.kv_index.view(b, kvmax)
     if _is_natural(tables, pp):
         kv_len = pp.kv_valid.view(b, kvmax).sum(1)
+        pages = (kv_rows[:, ::page] // page).to(torch.int32) if page > 1 else None
         return _FaPass(True, tables.qo_indptr.to(torch.int32), qmax, kv_rows.to(torch.int32),
-                       kv_len.to(torch.int32), kv_rows, None, window)
+                       kv_len.to(torch.int32), kv_rows, None, window, pages, page)
     vis = pp.vis.view(b * qmax, kvmax)[pp.q_valid]  # [total_q, kvmax]
     counts = vis.sum(1)
     width = max(1, int(counts.max())) if counts.numel() else 1
@@ -131,14 +143,17 @@ class Adapter:
 
     def __init__(self) -> None:
         self._passes: PassCache = PassCache("flash_attn")
+        self.runs_by_page: dict[int, int] = {}
+        """Page size of the cache view → paged runs (1: the page-size-1 view), for the tests."""
 
     def plan(self, forward_plan, pool, *, sigs=None, graph=None) -> None:
         """FA4 arguments for every pass of ``forward_plan`` (once per forward)."""
-        del pool, sigs, graph  # no host-planned kernel signature; no graph path
+        del sigs, graph  # no host-planned kernel signature; no graph path
         self._passes.clear()
+        page = pool.sub_pools[0].page_size if pool is not None else 1
         for g in forward_plan.groups.values():
             for _, t in g.passes:
-                self._passes.put(t, plan_pass(t, g.window))
+                self._passes.put(t, plan_pass(t, g.window, page))
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True):
@@ -157,9 +172,14 @@ class Adapter:
             kw.update(causal=True, window_size=flash_attn_window_size(window))
         else:
             kw.update(causal=False, window_size=(None, None))
-        if q.shape[-1] <= PAGED_MAX_HEAD_DIM:
+        if q.shape[-1] <= PAGED_MAX_HEAD_DIM and p.pages is not None:  # the pool's own pages
+            k, v = (b.view(b.shape[0] // p.page, p.page, *b.shape[1:]) for b in (k_buf, v_buf))
+            kw["page_table"] = p.pages
+        elif q.shape[-1] <= PAGED_MAX_HEAD_DIM:
             k, v = k_buf.unsqueeze(1), v_buf.unsqueeze(1)  # [rows, page_size 1, Hkv, D]
             kw["page_table"] = p.page_table
+        if "page_table" in kw:
+            self.runs_by_page[k.shape[1]] = self.runs_by_page.get(k.shape[1], 0) + 1
         else:  # b9's paged loader is broken for tile_n < 128 (see the module docstring)
             k, v = k_buf[p.rows], v_buf[p.rows]  # [n, S, Hkv, D]
         o, lse = _varlen()(q, k, v, **kw)

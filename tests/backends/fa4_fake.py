@@ -3,7 +3,8 @@
 What the adapter has to get right, reproduced so its plumbing is tested without a GPU:
 
 * ``cu_seqlens_q`` varlen queries ``[total_q, Hq, D]``; keys either paged (``[pages, page_size,
-  Hkv, D]`` read through an int32 ``page_table``) or batched ``[B, S, Hkv, D]``; ``seqused_k``
+  Hkv, D]`` read through an int32 ``page_table``: key j is slot j % page_size of page
+  ``page_table[b, j // page_size]``) or batched ``[B, S, Hkv, D]``; ``seqused_k``
   per sequence; ``cu_seqlens_k`` refused beside a page table;
 * causality and the window in *index* space, aligned bottom-right: query i sees key j iff
   ``i + sk - sq - left <= j <= i + sk - sq + right`` (None = unbounded, causal sets right = 0);
@@ -32,7 +33,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     assert cu_seqlens_q is not None and cu_seqlens_q.dtype == torch.int32
     assert seqused_k is not None and seqused_k.dtype == torch.int32
     assert isinstance(window_size, tuple) and len(window_size) == 2
-    calls.append(dict(causal=causal, window_size=window_size, paged=page_table is not None))
+    calls.append(dict(causal=causal, window_size=window_size, paged=page_table is not None,
+                      page_size=k.shape[1] if page_table is not None else None))
     d = q.shape[-1]
     if page_table is not None:
         assert cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"
@@ -51,11 +53,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     for b in range(len(qo) - 1):
         q0, q1, sk = qo[b], qo[b + 1], used[b]
         sq = q1 - q0
-        if page_table is not None:
-            rows = page_table[b, :sk].long()
-            kb = k[rows, 0].float()  # page size 1
-            vb = v[rows, 0].float()
-            assert k.shape[1] == 1, "the fake reads page size 1 only"
+        if page_table is not None:  # key j is slot j % P of page page_table[b, j // P]
+            page = k.shape[1]
+            j = torch.arange(sk)
+            pages = page_table[b, j // page].long()
+            kb, vb = k[pages, j % page].float(), v[pages, j % page].float()
         else:
             kb, vb = k[b, :sk].float(), v[b, :sk].float()
         kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)

@@ -53,3 +53,20 @@ def test_head_dim_256_runs_without_a_page_table(fake) -> None:
     w, _ = world("gemma3_4b", 1, ["model.sliding_window=7", "model.num_layers=4"])
     assert_close(run_mode(w, "verify_tree_2", [0, 1], 7))
     assert fa4_fake.calls and not any(c["paged"] for c in fa4_fake.calls)
+
+
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("mode", ["decode", "extend_prefix", "verify_chain", "verify_tree_4",
+                                  "dflash_block"])
+def test_natural_passes_read_the_pools_own_pages(fake, page: int, mode: str) -> None:
+    """At page size P the natural passes (decode, extend, chain verify) hand FA4 the pool's own
+    pages ([rows/P, P, Hkv, D] and page ids), never the page-size-1 view; only the expanded
+    passes (trees, DFlash blocks: one key list per query) read page size 1. Windows start mid-page
+    (W = 20) and every output equals the oracle."""
+    w, _ = world("tiny", page, ["model.sliding_window=20"])
+    assert_close(run_mode(w, mode, [0, 2], 20))
+    natural = [c["page_size"] for c in fa4_fake.calls if c["causal"]]
+    expanded = [c["page_size"] for c in fa4_fake.calls if not c["causal"]]
+    assert natural and set(natural) == {page}, natural
+    assert set(expanded) <= {1}
+    assert bool(expanded) == (mode in ("verify_tree_4", "dflash_block"))

@@ -110,3 +110,16 @@ def test_flashinfer_reads_the_pools_own_pages(page: int, mode: str) -> None:
     w, _ = world("flashinfer", "gpt_oss_20b", extra, page=page)
     assert_close(run_mode(w, mode, [0, 1], 20), BF16)
     assert w.backend.adapter._page == page  # planned on the pool's pages
+
+
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("mode", ["decode", "extend_prefix", "verify_chain", "verify_tree_4",
+                                  "draft_decode", "dflash_block"])
+def test_flash_attn_reads_the_pools_own_pages(page: int, mode: str) -> None:
+    """flash-attn-4 on the pool's native pages (issue 17 item 2; page 128 is its TMA path),
+    GPT-OSS geometry with sinks: natural passes read [rows/P, P, Hkv, D] through page ids,
+    per-query key lists (trees, DFlash blocks) the page-size-1 view."""
+    extra = ["model.sliding_window=20", "model.num_layers=4", "model.softmax_scale=0.1"]
+    w, _ = world("flash_attn", "gpt_oss_20b", extra, page=page)
+    assert_close(run_mode(w, mode, [0, 1], 20), BF16)
+    assert w.backend.adapter.runs_by_page.get(page), w.backend.adapter.runs_by_page
