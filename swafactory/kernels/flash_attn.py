@@ -114,7 +114,10 @@ def plan_pass(tables, window: int | None, page: int = 1) -> _FaPass:
     kv_rows = pp.kv_index.view(b, kvmax)
     if _is_natural(tables, pp):
         kv_len = pp.kv_valid.view(b, kvmax).sum(1)
-        pages = (kv_rows[:, ::page] // page).to(torch.int32) if page > 1 else None
+        pages = None
+        if page > 1:  # FA4 asserts stride(-1) == 1, which a [B, 1] slice's .contiguous() keeps
+            ids = kv_rows[:, ::page] // page
+            pages = torch.empty(ids.shape, dtype=torch.int32, device=dev).copy_(ids)
         return _FaPass(True, tables.qo_indptr.to(torch.int32), qmax, kv_rows.to(torch.int32),
                        kv_len.to(torch.int32), kv_rows, None, window, pages, page)
     vis = pp.vis.view(b * qmax, kvmax)[pp.q_valid]  # [total_q, kvmax]

@@ -218,6 +218,10 @@ class TokenAllocator(_PagedSlots):
             return None
         pages, self._free = self._free[:n], self._free[n:]
         self._owned[pages] = True
+        if self.check_mode and self.page_size > 1 and n:  # whole-page loads read the tail
+            rows = page_rows(pages, self.page_size)
+            for pool in self.pools:
+                pool.clear(rows)
         return pages
 
     def free_pages(self, pages: torch.Tensor) -> None:

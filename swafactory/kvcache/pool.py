@@ -32,7 +32,9 @@ class KVPool:
     the index space its rows are addressed in; ``indexed_by`` is the pool_id of the space's owner
     (itself by default; an own-pool draft is indexed by ``target.full``). In ``check_mode`` every
     row starts as NaN (nothing written yet) and `poison` refills freed rows with NaN, so a stale,
-    absent or untranslated read shows up as NaN.
+    absent or untranslated read shows up as NaN. With pages > 1 a page handed out is cleared to
+    zero (`clear`): a request owns whole pages, and a kernel that loads whole pages (flash-attn-4's
+    TMA path) reads the unwritten rows of a request's last page, masked, where 0 · NaN is NaN.
     """
 
     def __init__(self, size: int, page_size: int, num_layers: int, num_kv_heads: int,
@@ -85,6 +87,15 @@ class KVPool:
         """K + V bytes of all layers."""
         return 2 * self.num_layers * self.rows * self.num_kv_heads * self.head_dim * \
             self.k_bufs[0].element_size()
+
+    def clear(self, rows: torch.Tensor) -> None:
+        """Fill ``rows`` ([n] int64) with zeros in every layer: pages just handed out (a no-op
+        unless ``check_mode``, where they would still hold NaN)."""
+        if not self.check_mode or rows.numel() == 0:
+            return
+        rows = rows.to(self.device, torch.int64)
+        for buf in (*self.k_bufs, *self.v_bufs):
+            (buf.view(torch.uint8) if buf.element_size() == 1 else buf).index_fill_(0, rows, 0)
 
     def poison(self, rows: torch.Tensor) -> None:
         """Fill ``rows`` (shape ``[n]``, int64, this pool's row ids) with NaN in every layer.

@@ -9,7 +9,9 @@ What the adapter has to get right, reproduced so its plumbing is tested without 
 * causality and the window in *index* space, aligned bottom-right: query i sees key j iff
   ``i + sk - sq - left <= j <= i + sk - sq + right`` (None = unbounded, causal sets right = 0);
 * the LSE as ``[Hq, total_q]`` in natural log;
-* b9's SM90 paged-loader bug: head_dim > 128 with a page table raises the library's error.
+* b9's SM90 paged-loader bug: head_dim > 128 with a page table raises the library's error;
+* b9's TMA path (page size = tile_n, 128 for head_dim ≤ 128) loads whole pages: the rows of a
+  request's last page past ``seqused_k`` are masked but multiplied by 0, so a NaN there is NaN.
 
 The real kernels are checked against the oracle on the GPU (`test_gpu_vs_oracle.py`).
 """
@@ -39,6 +41,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     if page_table is not None:
         assert cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"
         assert page_table.dtype == torch.int32 and k.dim() == 4
+        assert page_table.stride(-1) == 1, "page_table must be contiguous in the last dimension"
         if d > 128:  # PagedKVManager: page_entry_per_thread = tile_n // 128 == 0
             raise ValueError("Expected size in shape to be strictly positive, but got 0")
     hq, hkv = q.shape[1], k.shape[-2]
@@ -53,9 +56,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     for b in range(len(qo) - 1):
         q0, q1, sk = qo[b], qo[b + 1], used[b]
         sq = q1 - q0
+        loaded = sk
         if page_table is not None:  # key j is slot j % P of page page_table[b, j // P]
             page = k.shape[1]
-            j = torch.arange(sk)
+            if page == _tile_n(d):  # the TMA path loads whole pages: rows past sk too
+                loaded = -(-sk // page) * page
+            j = torch.arange(loaded)
             pages = page_table[b, j // page].long()
             kb, vb = k[pages, j % page].float(), v[pages, j % page].float()
         else:
@@ -65,8 +71,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         if softcap:
             s = softcap * torch.tanh(s / softcap)
         i = torch.arange(sq)[:, None] + sk - sq
-        j = torch.arange(sk)[None, :]
-        ok = torch.ones(sq, sk, dtype=torch.bool)
+        j = torch.arange(loaded)[None, :]
+        ok = (j < sk).expand(sq, loaded).clone()  # rows past sk: masked, weigh 0 (0·NaN = NaN)
         if right is not None:
             ok &= j <= i + right
         if left is not None:
@@ -77,6 +83,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
         o[q0:q1] = torch.einsum("hqk,khd->qhd", p, vb)
         lse[:, q0:q1] = m
     return o.to(q.dtype), (lse if return_lse else None)
+
+
+def _tile_n(d: int) -> int:
+    """b9's SM90 forward tile_n (`_tile_size_fwd_sm90`, causal): a page of this size takes the
+    TMA path, which loads whole pages."""
+    return 128 if d <= 128 else (96 if d <= 192 else 64)
 
 
 def module() -> types.ModuleType:
