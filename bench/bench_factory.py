@@ -51,6 +51,43 @@ def copy_bandwidth(do_bench) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
+def variant_rows(a, backends: str, variants, run_one) -> tuple[list[dict], float]:
+    """One row per (model in ``a.models``, backend in ``backends``, bs in ``a.bs``), holding one
+    entry per variant: ``run_one(model, backend, bs, variant, do_bench, bw)``, or the case's
+    error, or "not run: deadline" past ``a.deadline`` s. Returns (rows, copy bandwidth)."""
+    from triton.testing import do_bench
+
+    t0 = time.perf_counter()
+    bw = copy_bandwidth(do_bench)
+    rows = []
+    for model in a.models.split(","):
+        for backend_name in backends.split(","):
+            for bs in (int(x) for x in a.bs.split(",")):
+                r = dict(model=model, backend=backend_name, bs=bs, ctx=a.ctx)
+                for var in variants:
+                    if time.perf_counter() - t0 > a.deadline:
+                        r[str(var)] = {"error": "not run: deadline"}
+                        continue
+                    try:
+                        r[str(var)] = run_one(model, backend_name, bs, var, do_bench, bw)
+                    except Exception as exc:  # noqa: BLE001 - a case's failure is a row
+                        r[str(var)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                        gc.unfreeze()
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    return rows, bw
+
+
+def table_head(title: str, meta: dict) -> list[str]:
+    """The first lines of a bench table: title, run facts, the command."""
+    return [f"# {title}", "",
+            f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}; copy bandwidth "
+            f"{meta['copy_tbs']:.2f} TB/s; ctx {meta['ctx']}; every layer of the model.", "",
+            f"    {meta['command']}", ""]
+
+
 def config_of(model: str, backend_name: str, device: str = "cuda", overrides: tuple = ()):
     import swafactory
 

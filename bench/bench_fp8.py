@@ -15,13 +15,12 @@ from __future__ import annotations
 import gc
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
 
-from bench_factory import (batch_of, copy_bandwidth, kv_bytes_read, setup, step_cycle,
-                           step_inputs)
+from bench_factory import (batch_of, kv_bytes_read, setup, step_cycle, step_inputs, table_head,
+                           variant_rows)
 
 DTYPES = ("bfloat16", "fp8_e4m3")
 
@@ -58,28 +57,8 @@ def one_dtype(model: str, backend_name: str, bs: int, ctx: int, dtype: str, do_b
 
 
 def run_fp8(a) -> int:
-    from triton.testing import do_bench
-
-    t0 = time.perf_counter()
-    bw = copy_bandwidth(do_bench)
-    rows = []
-    for model in a.models.split(","):
-        for backend_name in a.fp8.split(","):
-            for bs in (int(x) for x in a.bs.split(",")):
-                r = dict(model=model, backend=backend_name, bs=bs, ctx=a.ctx)
-                for dt in DTYPES:
-                    if time.perf_counter() - t0 > a.deadline:
-                        r[dt] = {"error": "not run: deadline"}
-                        continue
-                    try:
-                        r[dt] = one_dtype(model, backend_name, bs, a.ctx, dt, do_bench, bw)
-                    except Exception as exc:  # noqa: BLE001 - a case's failure is a row
-                        r[dt] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                        gc.unfreeze()
-                        gc.collect()
-                        torch.cuda.empty_cache()
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+    rows, bw = variant_rows(a, a.fp8, DTYPES, lambda m, b, bs, dt, do_bench, bw: one_dtype(
+        m, b, bs, a.ctx, dt, do_bench, bw))
     meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 python=platform.python_version(), copy_tbs=bw / 1e12, ctx=a.ctx,
                 command=f"python3 bench/bench_factory.py --out $OUT --fp8 {a.fp8} "
@@ -89,10 +68,7 @@ def run_fp8(a) -> int:
 
 
 def render(rows: list[dict], meta: dict, out: Path) -> str:
-    lines = ["# fp8 e4m3 against bf16 KV, decode through the factory (H200)", "",
-             f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}; copy bandwidth "
-             f"{meta['copy_tbs']:.2f} TB/s; ctx {meta['ctx']}; every layer of the model.", "",
-             f"    {meta['command']}", "",
+    lines = [*table_head("fp8 e4m3 against bf16 KV, decode through the factory (H200)", meta),
              "| model | backend | bs | bf16 cycle ms | fp8 cycle ms | bf16 / fp8 | bf16 floor ms "
              "| fp8 floor ms | fp8 / its floor | fp8 K/V GB |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -19,13 +19,12 @@ from __future__ import annotations
 import gc
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
 
-from bench_factory import (batch_of, copy_bandwidth, kv_bytes_read, setup, step_cycle,
-                           step_inputs)
+from bench_factory import (batch_of, kv_bytes_read, setup, step_cycle, step_inputs, table_head,
+                           variant_rows)
 
 __all__ = ["run_pages"]
 
@@ -78,30 +77,9 @@ def one_case(model: str, backend_name: str, bs: int, ctx: int, page: int, do_ben
 
 
 def run_pages(a) -> int:
-    from triton.testing import do_bench
-
-    t0 = time.perf_counter()
-    bw = copy_bandwidth(do_bench)
     sizes = [int(x) for x in a.page_sizes.split(",")]
-    rows = []
-    for model in a.models.split(","):
-        for backend_name in a.pages.split(","):
-            for bs in (int(x) for x in a.bs.split(",")):
-                r = dict(model=model, backend=backend_name, bs=bs, ctx=a.ctx)
-                for page in sizes:
-                    if time.perf_counter() - t0 > a.deadline:
-                        r[str(page)] = {"error": "not run: deadline"}
-                        continue
-                    try:
-                        r[str(page)] = one_case(model, backend_name, bs, a.ctx, page, do_bench,
-                                                bw)
-                    except Exception as exc:  # noqa: BLE001 - a case's failure is a row
-                        r[str(page)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                        gc.unfreeze()
-                        gc.collect()
-                        torch.cuda.empty_cache()
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+    rows, bw = variant_rows(a, a.pages, sizes, lambda m, b, bs, page, do_bench, bw: one_case(
+        m, b, bs, a.ctx, page, do_bench, bw))
     meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 python=platform.python_version(), copy_tbs=bw / 1e12, ctx=a.ctx,
                 page_sizes=sizes,
@@ -113,10 +91,7 @@ def run_pages(a) -> int:
 
 
 def render(rows: list[dict], meta: dict, out: Path) -> str:
-    lines = ["# Page size against the decode step, through the factory (H200)", "",
-             f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}; copy bandwidth "
-             f"{meta['copy_tbs']:.2f} TB/s; ctx {meta['ctx']}; every layer of the model.", "",
-             f"    {meta['command']}", "",
+    lines = [*table_head("Page size against the decode step, through the factory (H200)", meta),
              "| model | backend | bs | page | cycle ms | cycle / floor | full layer ms "
              "| full-layer K/V GB | full layer / copy bandwidth | cache views read |",
              "|---|---|---|---|---|---|---|---|---|---|"]
