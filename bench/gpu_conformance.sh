@@ -53,9 +53,9 @@ for stage in $STAGES; do
         # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS), JOBS
         # at a time: each is a short smoke run, and every one must exit 1 with its report
         mkdir -p "$OUT/faults"
-        # graphs: a batch that shrinks inside its bucket of 4 (faults=none is the clean twin), on
-        # gpt_oss_20b: one zeroed key of gemma4's 1024-key window moves its outputs by less than
-        # bf16's own error (call 27.1), one of GPT-OSS's 128 does not
+        # graphs: a batch that shrinks inside its bucket of 4 (faults=none is the clean twin). The
+        # replay guard catches it on any model; without it the oracle needs gpt_oss_20b: one zeroed
+        # key of gemma4's 1024-key window moves its outputs by less than bf16's error (call 27.1)
         SHRINK=workload.max_running_requests=4,workload.num_requests=6
         # fault:spec[:model[:override]]; the model defaults to gemma4 (sinks need gpt_oss_20b,
         # fp8 on flashinfer needs gemma4's D = 512 layers on triton)

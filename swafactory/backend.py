@@ -23,7 +23,7 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
-from swafactory.graph_state import GraphState, bucket_writes, capture_plan
+from swafactory.graph_state import GraphState, bucket_writes, capture_plan, check_padding
 from swafactory.kvcache.quant import is_fp8, query_dtype, store_rows
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata.plan import ForwardPlan, plan
@@ -225,15 +225,17 @@ class AttentionBackend:
         if self._pool is not captured:  # the graph holds the captured pool's buffer addresses
             raise ValueError("the runner's active pool is not the one this graph was captured "
                              "against; capture per pool (a FROZEN_KV draft's frozen view)")
-        if self.guards:  # the captured writes are unchecked: check the real slots once here
+        padded = bucket_writes(st, fplan, bs, tokens,
+                               stale_swa=self.faults.graph_pad_stale_swa_loc)
+        if self.guards:  # the captured writes are unchecked: check what they will write, here
             seen: set[str] = set()
             for layer, key in fplan.layer_groups.items():
                 g = fplan.groups[key]
                 if g.write_locs is not None and key not in seen:
                     seen.add(key)
                     self._pool.check(layer, g.write_locs)
-        self._set_plan(bucket_writes(st, fplan, bs, tokens,
-                                     stale_swa=self.faults.graph_pad_stale_swa_loc), graphed=True)
+            check_padding(padded, batch.total_q)
+        self._set_plan(padded, graphed=True)
         return self._plan
 
     # --- the per-layer hot path -----------------------------------------------------------------

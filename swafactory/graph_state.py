@@ -25,11 +25,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from swafactory.errors import SpaceError
 from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardMode
 from swafactory.metadata.plan import AttnTables, ForwardPlan, GroupPlan, group_key
 
-__all__ = ["GraphState", "capture_plan", "bucket_writes"]
+__all__ = ["GraphState", "capture_plan", "bucket_writes", "check_padding"]
 
 
 @dataclass
@@ -109,3 +110,19 @@ def bucket_writes(state: GraphState, plan: ForwardPlan, bs: int, tokens: int, *,
         groups[key] = replace(g, write_locs=g.write_locs.copy_into(
             state.write_buffer(key, bs, tokens), pad=not (stale_swa and g.window is not None)))
     return replace(plan, groups=groups, total_q=rows)
+
+
+def check_padding(plan: ForwardPlan, rows: int) -> None:
+    """SpaceError when a group's write slots past the batch's ``rows`` are not the dummy row 0:
+    the captured step writes every row of the bucket, so a padding row holding a real slot
+    overwrites live K/V. A guard (one read back per group): ``plan`` is `bucket_writes`'s."""
+    for key, g in plan.groups.items():
+        if g.write_locs is None:
+            continue
+        pad = g.write_locs.tensor.reshape(-1)[rows:]
+        live = pad[pad != 0]
+        if live.numel():
+            raise SpaceError(f"graph bucket of {plan.total_q} rows: group {key}'s padding rows "
+                             f"(past the batch's {rows}) write slots {live[:8].tolist()} of "
+                             f"{g.write_locs.pool_id!r}, not the dummy row 0: the captured step "
+                             "would overwrite live K/V (write slots left from an earlier replay)")

@@ -15,7 +15,7 @@ import torch
 
 from flashinfer_fake import module as fake_flashinfer
 from swafactory.backend import AttentionBackend, TargetView, model_windows
-from swafactory.errors import ConfigError
+from swafactory.errors import ConfigError, SpaceError
 from swafactory.graphs import GraphedAttention
 from swafactory.kernels import flashinfer as fi
 from swafactory.kernels.torch_ref import attend
@@ -101,12 +101,14 @@ def test_graph_contract_refusals(monkeypatch) -> None:
 def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stale) -> None:
     """Replays on CPU (the step recorded, re-run over the same buffers) equal eager attention as
     batches shrink and grow; padding rows write the dummy row. With the graph_pad_stale_swa_loc
-    switch, a shrunk batch's SWA padding rows write the slots an earlier replay wrote there."""
+    switch, a shrunk batch's SWA padding rows write the slots an earlier replay wrote there (seen
+    with the guards off; the guards refuse that replay)."""
     world, cfg = make_world("gpt_oss_20b", 1, ["model.sliding_window=8", "model.num_layers=4"])
     layers = [0, 1]  # SWA, full
     if stale:
         world.backend.faults = world.backend.faults.model_copy(
             update={"graph_pad_stale_swa_loc": True})
+        world.backend.guards = False
     _open_all(world, layers)
     m = cfg.model
     shapes = {l: (m.num_attention_heads, m.geometry(l).head_dim) for l in layers}
@@ -147,6 +149,15 @@ def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stal
             torch.testing.assert_close(out[l], ref)
             graphed.backend.init_forward_metadata_replay(batch, graphed.bucket(bs), 1)
     assert swa_key is not None and graphed.captures == 2 and graphed.replays == 4
+    if stale:  # the guard: padding rows must write the dummy row, checked at replay planning
+        world.backend.guards = True
+        reqs = [world.req(r, world.kv_len(r), 1) for r in range(5)]
+        for r in range(5):
+            world.slots.extend(r, 1)
+        batch = ForwardBatch.of("decode", reqs, world.slots.req_to_token.table,
+                                world.alloc.full_id)
+        with pytest.raises(SpaceError, match=f"group {swa_key}'s padding rows"):
+            world.backend.init_forward_metadata_replay(batch, 8, 1)
 
 
 # --- on the GPU -------------------------------------------------------------------------------

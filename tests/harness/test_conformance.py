@@ -80,7 +80,7 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "premature_free_on_reject": ("eagle", "nan"),  # a freed in-window slot reads the dummy
     "tree_mask_not_rebased": ("eagle3", "oracle"),  # nodes past depth lose window-edge keys
     "paged_free_stale_mapping": ("none", "nan"),  # a freed page's mapped rows are read
-    "graph_pad_stale_swa_loc": ("none", "oracle"),  # padding zeros land in a live SWA slot
+    "graph_pad_stale_swa_loc": ("none", "space"),  # the replay guard: padding writes a live slot
 }
 # what a fault needs to bite besides its spec (the CPU runs use gpt_oss_20b, sinks included)
 FAULT_OVERRIDES = {"fp8_descale_dropped": ["backend.kv_dtype=fp8_e4m3"],
