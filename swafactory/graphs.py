@@ -9,9 +9,8 @@ with `init_forward_metadata_replay` (which refills the captured buffers: tables,
 slots), copies its q, k and v into the graph's static inputs and replays. Padding rows write the
 dummy row and come back as garbage, cut off. On CPU (a backend with ``graph_emulation``) a
 bucket's step is recorded instead of captured and each replay re-runs it over the same buffers.
-Batches may shrink or grow between replays; each
-request may have up to ``tokens`` queries. An engine whose layer l's q comes from layer l − 1
-captures its own step with the same three calls.
+Batches may shrink or grow between replays; each request may have up to ``tokens`` queries. An
+engine whose layer l's q comes from layer l − 1 captures its own step with the same three calls.
 """
 from __future__ import annotations
 
