@@ -14,6 +14,7 @@ from swafactory.config.paths import group_options
 from swafactory.harness import run as run_module
 from swafactory.harness.leaks import leak_message, leaked
 from swafactory.harness.report_model import Report
+from swafactory.registry.fault_needs import FAULT_NEEDS
 
 SPECS = group_options("spec")
 
@@ -176,3 +177,21 @@ def test_long_forwards_checked_layer_by_layer_catch_the_same(fault: str, monkeyp
         assert r.status == "ok" and r.checks > 0 and r.passed == r.checks, r.mismatch
     else:
         assert r.status == "failed" and r.mismatch.check == caught, r.mismatch
+
+
+@pytest.mark.parametrize("fault", sorted(FAULT_NEEDS))
+def test_a_fault_that_could_not_act_is_refused_naming_what_it_needs(fault: str) -> None:
+    """A fault switched on where it cannot act (no graphs, no fp8, no sinks, ...) would let the
+    run pass as if it proved something: the registry refuses it, naming the field and the fix,
+    and the configuration the fault tests use is accepted."""
+    need = FAULT_NEEDS[fault]
+    spec, _ = FAULTS[fault]
+    bare = swafactory.compose(["backend=torch", "model=tiny", "spec=none", f"faults={fault}",
+                               "backend.cuda_graph=false", "model.attention_sinks=false"])
+    assert not need.holds(bare)
+    reasons = [r for r in swafactory.check(bare) if r.rule == "faults_rule"]
+    assert [r.field for r in reasons] == [need.field] and reasons[0].fix == need.fix
+    assert f"faults={fault}" in reasons[0].message
+    used = swafactory.compose(["backend=torch", "model=gpt_oss_20b", f"spec={spec}",
+                               f"faults={fault}", *FAULT_OVERRIDES.get(fault, ())])
+    assert need.holds(used) and not swafactory.check(used)
