@@ -33,8 +33,8 @@ from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.metadata.batch import ForwardMode, ReqForward
 
-__all__ = ["SpecHooks", "SpecStep", "fault_switches", "FrozenQuery", "req_forward", "alloc_upto", "level_bounds",
-           "seeded_tree", "seeded_accept", "greedy_path", "children",
+__all__ = ["SpecHooks", "SpecStep", "fault_switches", "FrozenQuery", "req_forward", "alloc_upto",
+           "level_bounds", "seeded_tree", "seeded_accept", "greedy_path", "children",
            "eviction_floor"]
 
 FrozenQuery = Literal["reread", "mtp"]

@@ -3,8 +3,9 @@
 Layout. Pool buffers ``[rows, Hkv, D]`` viewed as ``[rows / P, P, Hkv, D]`` are FA4's paged
 cache at the pool's page size P, so a request's pages are its ``page_table`` row and
 ``seqused_k`` its key count (natural passes). Expanded passes list keys one by one, so they read
-a page-size-1 view ``[rows, 1, Hkv, D]`` whose page table holds rows. FA4 aligns causality and its window bottom-right in *index* space (query i of a
-sequence sees key j iff ``j ≤ i + kv_len − q_len`` and ``j ≥ i + kv_len − q_len − left``).
+a page-size-1 view ``[rows, 1, Hkv, D]`` whose page table holds rows. FA4 aligns causality and
+its window bottom-right in *index* space (query i of a sequence sees key j iff
+``j ≤ i + kv_len − q_len`` and ``j ≥ i + kv_len − q_len − left``).
 
 Two shapes of a pass, chosen once per forward (`Adapter.plan`):
 

@@ -56,7 +56,8 @@ from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
-__all__ = ["CAPABILITIES", "Adapter", "page_table", "custom_mask", "packed_custom_mask", "apply_sinks"]
+__all__ = ["CAPABILITIES", "Adapter", "page_table", "custom_mask", "packed_custom_mask",
+           "apply_sinks"]
 
 _LN2 = math.log(2.0)
 # Split-KV partials of one prefill pass: a 256-token chunk of Gemma 4's full layers (32 q heads ×

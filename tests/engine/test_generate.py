@@ -2,7 +2,8 @@
 
 Every family is lossless against spec=none and its logits match transformers' eager forward; a
 self-speculating copy reaches the ideal accept length; the seed faults and the silent ones of
-issue 19 are caught end to end with the guards off; a save_pretrained checkpoint generates the same tokens as the weights it saved.
+issue 19 are caught end to end with the guards off; a save_pretrained checkpoint generates the
+same tokens as the weights it saved.
 Shapes are tiny (short prompts past a 16-token window, a few tokens out) to stay cheap on 2 cores.
 """
 from __future__ import annotations
