@@ -313,6 +313,35 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
                 **graph, graph_vs_floor=graph.get("replay_ms", math.nan) / floor, **tri)
 
 
+def device_ms(fn, do_bench) -> tuple[float, str]:
+    """The device time of ``fn``'s kernels without its host launch time: ``fn`` captured once in
+    a CUDA graph and replayed (do_bench median), or, where it cannot be captured, the kernels'
+    own time from the torch profiler (mean over 20 calls). Returns (ms, "graph" | "profiler")."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        ms = do_bench(g.replay, warmup=10, rep=100, return_mode="median")
+        del g
+        return ms, "graph"
+    except Exception:  # noqa: BLE001 - a library that cannot be captured: its kernels' time
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+
+        n = 20
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+        us = sum(e.self_device_time_total for e in prof.key_averages())
+        return us / n / 1e3, "profiler"
+
+
 def graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench) -> dict:
     """The same step captured as an engine captures its own (K/V writes and attention of every
     layer inside one CUDA graph, through the backend's graph contract): replay time alone, and

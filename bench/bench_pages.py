@@ -10,7 +10,10 @@ allocator's pages shuffled, out-of-window SWA pages evicted) and two things are 
 * **cycle**: ``init_forward_metadata`` + ``forward`` over every layer (K/V write included);
 * **full layer**: the attention of one full-attention layer alone (``save_kv=False``), and its
   K/V bytes read (the group's key list × Hkv × D × 2 × 2 bytes) per second against the device copy
-  bandwidth measured in the same run (read + written bytes of a 1 GiB copy per second).
+  bandwidth measured in the same run (read + written bytes of a 1 GiB copy per second): once as
+  the wall time of the Python call, and once as its kernels' device time (`device_ms`: the call
+  captured in a CUDA graph and replayed), since flash-attn-4's Python interface can take longer
+  to launch a decode kernel than the kernel takes to read its K/V.
 
 A page size the registry refuses is a row with the reason. Writes OUT/pages-h200.md, .json, .png.
 """
@@ -23,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench_factory import (batch_of, kv_bytes_read, setup, step_cycle, step_inputs, table_head,
-                           variant_rows)
+from bench_factory import (batch_of, device_ms, kv_bytes_read, setup, step_cycle, step_inputs,
+                           table_head, variant_rows)
 
 __all__ = ["run_pages"]
 
@@ -63,6 +66,10 @@ def one_case(model: str, backend_name: str, bs: int, ctx: int, page: int, do_ben
             nbytes = n * 2 * sub.num_kv_heads * sub.head_dim * sub.k_bufs[0].element_size()
             r.update(full_layer=full, full_ms=lms, full_gb=nbytes / 1e9,
                      full_of_copy=nbytes / (lms * 1e-3) / bw)
+            if device == "cuda":  # the kernels alone, without the Python call's launch time
+                dms, how = device_ms(layer, do_bench)
+                r.update(full_device_ms=dms, full_device_by=how,
+                         full_device_of_copy=nbytes / (dms * 1e-3) / bw)
         runs = getattr(backend.adapter, "runs_by_page", None)
         if runs is not None:
             r["views"] = {str(k): v for k, v in runs.items()}  # page size of the cache view read
@@ -93,23 +100,31 @@ def run_pages(a) -> int:
 def render(rows: list[dict], meta: dict, out: Path) -> str:
     lines = [*table_head("Page size against the decode step, through the factory (H200)", meta),
              "| model | backend | bs | page | cycle ms | cycle / floor | full layer ms "
-             "| full-layer K/V GB | full layer / copy bandwidth | cache views read |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| full-layer K/V GB | full layer / copy bandwidth | full layer, device ms "
+             "| device / copy bandwidth | cache views read |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for page in meta["page_sizes"]:
             x = r.get(str(page), {})
             if "ms" not in x:
                 lines.append(f"| {r['model']} | {r['backend']} | {r['bs']} | {page} | "
-                             f"{x.get('error', '-')[:200]} | | | | | |")
+                             f"{x.get('error', '-')[:200]} | | | | | | | |")
                 continue
-            full = (f"{x['full_ms']:.3f} | {x['full_gb']:.3f} | {100 * x['full_of_copy']:.0f}%"
-                    if "full_ms" in x else "- | - | -")
+            full = (f"{x['full_ms']:.3f} | {x['full_gb']:.3f} | {100 * x['full_of_copy']:.0f}% | "
+                    + (f"{x['full_device_ms']:.3f} ({x['full_device_by']}) | "
+                       f"{100 * x['full_device_of_copy']:.0f}%" if "full_device_ms" in x
+                       else "- | -")
+                    if "full_ms" in x else "- | - | - | - | -")
             views = ", ".join(f"page {k}: {v}" for k, v in x.get("views", {}).items()) or "-"
             lines.append(f"| {r['model']} | {r['backend']} | {r['bs']} | {page} | {x['ms']:.2f} | "
                          f"{x['ms'] / x['floor_ms']:.2f}× | {full} | {views} |")
     lines += ["", "cycle: `init_forward_metadata` + `forward` over every layer; floor: the K/V "
               "bytes the step reads over the copy bandwidth; full layer: one full-attention "
-              "layer's attention alone (no write). `do_bench` medians after `gc.freeze()`. "
+              "layer's attention alone (no write), wall time of the Python call; full layer, "
+              "device: the same layer's kernels alone, captured in a CUDA graph and replayed "
+              "(or, where a library cannot be captured, its kernels' time from the torch "
+              "profiler), so a library's host launch time is not counted as reading time. "
+              "`do_bench` medians after `gc.freeze()`. "
               "cache views read: the page size of each paged run's K/V view (flash_attn's "
               "expanded passes read page size 1; decode has none)."]
     text = "\n".join(lines) + "\n"

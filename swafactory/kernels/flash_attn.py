@@ -33,6 +33,7 @@ import torch
 from swafactory.kernels.flex import gather_or_zeros, padded_pass
 from swafactory.metadata.plan import PassCache
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
+from swafactory.kernels.triton.sinks import sink_output
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flash_attn_window_size
 
@@ -161,17 +162,18 @@ class Adapter:
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True):
-        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32, natural log;
-        computed whatever ``lse`` says).
+        """One pass → (o [total_q, Hq, D] in q's dtype, lse [total_q, Hq] fp32 natural log, or
+        None when ``lse`` is False: the kernel is then asked for none unless the sinks need it).
 
         q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] (bf16/fp16); sinks: [Hq] or None.
         """
         p = self._passes.of(tables)
         if window != p.window:
             raise ValueError(f"pass planned for window {p.window}, run with {window}")
+        want = lse or sinks is not None  # no LSE is asked of the kernel where nothing needs it
         kw = dict(cu_seqlens_q=p.cu_seqlens_q, max_seqlen_q=p.max_seqlen_q,
                   seqused_k=p.seqused_k, softmax_scale=scale, softcap=softcap or 0.0,
-                  return_lse=True)
+                  return_lse=want)
         if p.natural:
             kw.update(causal=True, window_size=flash_attn_window_size(window))
         else:
@@ -186,14 +188,19 @@ class Adapter:
             self.runs_by_page[k.shape[1]] = self.runs_by_page.get(k.shape[1], 0) + 1
         else:  # b9's paged loader is broken for tile_n < 128 (see the module docstring)
             k, v = k_buf[p.rows], v_buf[p.rows]  # [n, S, Hkv, D]
-        o, lse = _varlen()(q, k, v, **kw)
-        lse = lse.float().transpose(0, 1)  # FA4 varlen LSE is [Hq, total_q]
+        o, ln = _varlen()(q, k, v, **kw)
         if p.empty is not None:  # a cascade half that sees nothing: the contract's (0, -inf)
             o = torch.where(p.empty[:, None, None], 0, o)
-            lse = torch.where(p.empty[:, None], float("-inf"), lse)
+        if not want:
+            return o.to(q.dtype), None
+        ln = ln.float().transpose(0, 1)  # FA4 varlen LSE is [Hq, total_q]
+        if p.empty is not None:
+            ln = torch.where(p.empty[:, None], float("-inf"), ln)
+        if not lse:  # the sinks alone: one launch on CUDA, not seven
+            return sink_output(o.to(q.dtype), ln, sinks), None
         if sinks is not None:
-            o, lse = apply_sinks(o, lse, sinks)
-        return o.to(q.dtype), lse
+            o, ln = apply_sinks(o, ln, sinks)
+        return o.to(q.dtype), ln
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""

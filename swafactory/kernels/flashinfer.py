@@ -44,7 +44,6 @@ Sinks are served by an exact epilogue on the returned LSE (``o · σ(lse - sink)
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -52,6 +51,7 @@ import torch
 
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
+from swafactory.kernels.triton.sinks import sink_output
 from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
@@ -87,16 +87,6 @@ CAPABILITIES = Capabilities(
     fp8_note="FlashInfer 0.6.18 builds its fp8-KV kernels at head_dim 512 for SM100+ only: 'No "
              "supported CUDA architectures found for major versions [10, 11, 12]' on the H200",
 )
-
-
-@functools.cache
-def _has_triton() -> bool:
-    """Triton is there for the one-kernel sink epilogue (FlashInfer's own JIT pulls it in)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @dataclass(eq=False)
@@ -314,10 +304,8 @@ class Adapter:
         if not want:
             return out, None
         o, l2 = out
-        if sinks is not None and not lse and o.is_cuda and _has_triton():  # 1 launch, not 7
-            from swafactory.kernels.triton.sinks import sink_epilogue
-
-            return sink_epilogue(o, l2, sinks, lse_scale=_LN2), None
+        if not lse:  # the sinks alone: one launch on CUDA, not seven
+            return sink_output(o, l2, sinks, lse_scale=_LN2), None
         ln = l2 * _LN2  # FlashInfer's LSE is base 2 (m·log2e + log2 d in its kernels)
         if sinks is not None:
             o, ln = apply_sinks(o, ln, sinks)

@@ -36,7 +36,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_se
     assert seqused_k is not None and seqused_k.dtype == torch.int32
     assert isinstance(window_size, tuple) and len(window_size) == 2
     calls.append(dict(causal=causal, window_size=window_size, paged=page_table is not None,
-                      page_size=k.shape[1] if page_table is not None else None))
+                      page_size=k.shape[1] if page_table is not None else None,
+                      return_lse=return_lse))
     d = q.shape[-1]
     if page_table is not None:
         assert cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"

@@ -47,6 +47,19 @@ def test_natural_and_expanded_passes_are_chosen_by_structure(fake) -> None:
     assert {c["causal"] for c in fa4_fake.calls} == {True, False}  # extend natural, tree expanded
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_no_lse_is_asked_where_nothing_needs_it(fake, sinks: bool) -> None:
+    """A layer's forward wants only o: FA4 is asked for its LSE only when the sinks' epilogue
+    needs it (a cascade's halves, merged by LSE, still ask), and the outputs stay exact."""
+    w, _ = world("tiny", 1, ["model.sliding_window=6", f"model.attention_sinks={sinks}"])
+    assert_close(run_mode(w, "decode", [0, 1], 6))
+    assert {c["return_lse"] for c in fa4_fake.calls} == {sinks}
+    fa4_fake.calls.clear()
+    w, _ = world("tiny", 1, ["model.sliding_window=6", "backend.tree_mask=cascade"])
+    assert_close(run_mode(w, "verify_tree_2", [0, 1], 6))
+    assert True in {c["return_lse"] for c in fa4_fake.calls}
+
+
 def test_head_dim_256_runs_without_a_page_table(fake) -> None:
     """b9's paged loader fails at head_dim 256 (the fake raises as the library does): the adapter
     gathers those layers' keys instead, and stays exact."""

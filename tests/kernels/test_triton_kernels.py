@@ -308,3 +308,26 @@ def test_a_partly_nan_row_in_the_dense_run_poisons_whole_rows_of_the_queries_tha
     ro, _ = attention_reference(*batch.args(), scale=0.25)
     assert torch.isnan(o[:2]).all() and torch.isnan(ro[:2]).all()
     torch.testing.assert_close(o[2:], ro[2:], **tol(torch.float32))
+
+
+# ----------------------------------------------------------------------------------- sinks
+@pytest.mark.parametrize("lse_scale", [1.0, math.log(2.0)])
+def test_sink_epilogue_equals_the_torch_epilogue_on_a_transposed_lse(lse_scale):
+    """The one-launch sink epilogue the adapters take on CUDA (`sink_output`) gives what
+    `apply_sinks` gives, for an LSE handed over transposed (FA4's [Hq, total_q]) and in base 2
+    (FlashInfer's), with -inf rows (no visible key) weighing 0."""
+    from swafactory.kernels.torch_ref import apply_sinks
+    from swafactory.kernels.triton.sinks import sink_epilogue, sink_output
+
+    g = torch.Generator().manual_seed(0)
+    n, h, d = 5, 6, 24  # d not a power of two: the kernel masks its padded columns
+    o = torch.randn(n, h, d, generator=g)
+    lse_t = torch.randn(h, n, generator=g) * 3  # as FA4 returns it
+    lse_t[:, 2] = float("-inf")
+    sinks = torch.randn(h, generator=g)
+    want, _ = apply_sinks(o, lse_t.t() * lse_scale, sinks)
+    got = sink_epilogue(o.clone(), lse_t.t().contiguous(), sinks, lse_scale=lse_scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    torch.testing.assert_close(sink_output(o.clone(), lse_t.t(), sinks, lse_scale=lse_scale),
+                               want, rtol=1e-5, atol=1e-6)  # CPU: the torch epilogue

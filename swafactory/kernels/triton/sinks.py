@@ -12,9 +12,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["sink_epilogue"]
+__all__ = ["sink_epilogue", "sink_output"]
 
 _ROWS = 16  # (row, head) pairs per program
+
+
+@functools.cache
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
@@ -56,3 +65,18 @@ def sink_epilogue(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
         _kernel()[grid](o, lse, sinks.float().contiguous(), rows, h, lse_scale, D=d,
                         BLOCK_D=1 << (d - 1).bit_length(), ROWS=_ROWS)
     return o
+
+
+def sink_output(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
+                lse_scale: float = 1.0) -> torch.Tensor:
+    """The sink-exact output alone (no LSE wanted): ``sink_epilogue`` (one launch, in place) on
+    CUDA where Triton imports, else `torch_ref.apply_sinks` (seven small ops).
+
+    o: [n, H, D]; lse: [n, H] fp32, any strides (made contiguous for the kernel), its log base
+    undone by ``lse_scale``; sinks: [H].
+    """
+    if o.is_cuda and o.is_contiguous() and _has_triton():
+        return sink_epilogue(o, lse.contiguous(), sinks, lse_scale=lse_scale)
+    from swafactory.kernels.torch_ref import apply_sinks
+
+    return apply_sinks(o, lse * lse_scale if lse_scale != 1.0 else lse, sinks)[0]

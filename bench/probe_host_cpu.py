@@ -1,0 +1,109 @@
+"""The host work of a GPU forward's planning, measured on a CPU (no GPU needed).
+
+``init_forward_metadata`` on a GPU takes the fused key-list path (`metadata.keys_triton`) and the
+flashinfer adapter's plan. This runs the same Python on CPU tensors: the planner is forced onto
+the fused path with its one Triton launch replaced by a stub that zero-fills the outputs, and
+FlashInfer is the test suite's CPU fake (`tests/backends/flashinfer_fake.py`) with its ``plan``
+made a no-op (FlashInfer's own plan is paid by a raw engine too). What is timed is then the host work an engine's step pays around
+the one launch and FlashInfer's own plan: the per-request numbers, the pack, the plan objects,
+the typed-space wrapping and the adapter's per-pass preparation.
+
+    python bench/probe_host_cpu.py [--cases gpt_oss_20b:8,gemma4:64] [--reps 200] [--profile]
+
+Prints the median per case (ms) and, with ``--profile``, a cProfile of the slowest case. The
+GPU host's CPU differs from this one: compare before/after pairs of one machine, not figures
+across machines.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "backends"))
+
+
+class _StubLaunch:
+    """Stands in for the compiled ``build_keys`` kernel: ``kernel[grid](*args)`` zero-fills
+    the two output buffers (args 5 and 6), so every downstream check sees valid slot 0."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            args[5].zero_()
+            args[6].zero_()
+        return launch
+
+
+def world(model: str, bs: int, ctx: int):
+    """bench_factory's set-up on CPU (small head geometry: planning never reads K/V), with the
+    flashinfer adapter over the CPU fake."""
+    import bench_factory
+    from bench_planning import GEOMETRY
+    from swafactory.backend import AttentionBackend, TargetView, model_windows
+    from swafactory.kernels.flashinfer import Adapter
+
+    cfg, pool, alloc, slots, _ = bench_factory.setup(model, bs, ctx, 1, backend_name="torch",
+                                                     device="cpu", overrides=GEOMETRY)
+    backend = AttentionBackend(cfg, Adapter(), TargetView(pool), model_windows(cfg))
+    return cfg, alloc, slots, backend
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="gpt_oss_20b:8,gpt_oss_20b:64,gemma4:8,gemma4:64")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    from flashinfer_fake import module as fake_flashinfer
+    fi = sys.modules["flashinfer"] = fake_flashinfer()
+    for w in (fi.BatchDecodeWithPagedKVCacheWrapper, fi.BatchPrefillWithPagedKVCacheWrapper):
+        w.plan = lambda self, *args, **kw: None  # FlashInfer's own plan: raw pays it too
+    import bench_factory
+    import importlib
+
+    from swafactory.metadata import keys_triton
+
+    plan_mod = importlib.import_module("swafactory.metadata.plan")  # the package shadows it
+
+    keys_triton._kernel = lambda interpret: _StubLaunch()  # noqa: ARG005
+    real = plan_mod._plan_vector
+    plan_mod._plan_vector = lambda *args, **kw: real(*args[:5], "triton", *args[6:], **kw)
+    rows = []
+    for case in a.cases.split(","):
+        model, bs = case.split(":")
+        cfg, alloc, slots, backend = world(model, int(bs), a.ctx)
+        batch = bench_factory.batch_of("decode", slots, alloc, int(bs), a.ctx)
+        for _ in range(20):
+            backend.init_forward_metadata(batch)
+        ts = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            backend.init_forward_metadata(batch)
+            ts.append((time.perf_counter() - t0) * 1e3)
+        rows.append(dict(case=case, planning_ms=statistics.median(ts), min_ms=min(ts)))
+        print(json.dumps(rows[-1]), flush=True)
+        if a.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(a.reps):
+                backend.init_forward_metadata(batch)
+            pr.disable()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+            print(s.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
