@@ -10,7 +10,12 @@ the typed-space wrapping and the adapter's per-pass preparation.
 
     python bench/probe_host_cpu.py [--cases gpt_oss_20b:8,gemma4:64] [--reps 200] [--profile]
 
-Prints the median per case (ms) and, with ``--profile``, a cProfile of the slowest case. The
+Prints the median and 10th percentile per case (a shared machine's timings are noisy: compare
+the low percentiles of interleaved runs): ``init_forward_metadata`` (ms) and the host time of one layer's
+``forward`` (µs: the K/V write, the typed-space bookkeeping, the adapter's ``run`` around
+FlashInfer's, which is stubbed to return preallocated outputs; the sink epilogue, one Triton
+launch on a GPU, is stubbed too), and,
+with ``--profile``, a cProfile of the planning. The
 GPU host's CPU differs from this one: compare before/after pairs of one machine, not figures
 across machines.
 """
@@ -43,6 +48,18 @@ class _StubLaunch:
         return launch
 
 
+_OUT: dict = {}
+
+
+def _stub_run(self, q, paged_kv_cache, return_lse=False, **kw):
+    """FlashInfer's ``run`` as a constant: preallocated (o, base-2 lse) of q's shape."""
+    key = (tuple(q.shape), q.dtype)
+    if key not in _OUT:
+        _OUT[key] = (torch.zeros_like(q), torch.zeros(q.shape[:2]))
+    o, lse = _OUT[key]
+    return (o, lse) if return_lse else o
+
+
 def world(model: str, bs: int, ctx: int):
     """bench_factory's set-up on CPU (small head geometry: planning never reads K/V), with the
     flashinfer adapter over the CPU fake."""
@@ -57,6 +74,20 @@ def world(model: str, bs: int, ctx: int):
     return cfg, alloc, slots, backend
 
 
+def inputs(cfg, backend, total_q: int):
+    """Per layer q [total_q, Hq, D], k and v [total_q, Hkv, D] in the pool's dtype (CPU), and
+    the sinks [Hq] where the model has them."""
+    m, pool = cfg.model, backend.view.active_pool
+    qs, ks, vs = [], [], []
+    for layer in range(m.num_layers):
+        sub = pool.sub_pool(layer)
+        qs.append(torch.randn(total_q, m.num_attention_heads, sub.head_dim).to(sub.dtype))
+        ks.append(torch.randn(total_q, sub.num_kv_heads, sub.head_dim).to(sub.dtype))
+        vs.append(torch.randn_like(ks[-1]))
+    sinks = torch.randn(m.num_attention_heads) if m.attention_sinks else None
+    return qs, ks, vs, sinks
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="gpt_oss_20b:8,gpt_oss_20b:64,gemma4:8,gemma4:64")
@@ -69,6 +100,7 @@ def main() -> int:
     fi = sys.modules["flashinfer"] = fake_flashinfer()
     for w in (fi.BatchDecodeWithPagedKVCacheWrapper, fi.BatchPrefillWithPagedKVCacheWrapper):
         w.plan = lambda self, *args, **kw: None  # FlashInfer's own plan: raw pays it too
+        w.run = _stub_run  # FlashInfer's run: the layer loop times only what is around it
     import bench_factory
     import importlib
 
@@ -77,6 +109,8 @@ def main() -> int:
     plan_mod = importlib.import_module("swafactory.metadata.plan")  # the package shadows it
 
     keys_triton._kernel = lambda interpret: _StubLaunch()  # noqa: ARG005
+    from swafactory.kernels import flashinfer as fi_adapter
+    fi_adapter.sink_output = lambda o, lse, sinks, **kw: o  # on a GPU: one Triton launch
     real = plan_mod._plan_vector
     plan_mod._plan_vector = lambda *args, **kw: real(*args[:5], "triton", *args[6:], **kw)
     rows = []
@@ -91,7 +125,23 @@ def main() -> int:
             t0 = time.perf_counter()
             backend.init_forward_metadata(batch)
             ts.append((time.perf_counter() - t0) * 1e3)
-        rows.append(dict(case=case, planning_ms=statistics.median(ts), min_ms=min(ts)))
+        qs, ks, vs, sinks = inputs(cfg, backend, batch.total_q)
+
+        def layers():
+            for layer in range(cfg.model.num_layers):
+                backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
+        layers()
+        tl = []
+        for _ in range(max(20, a.reps // 4)):
+            t0 = time.perf_counter()
+            layers()
+            tl.append((time.perf_counter() - t0) * 1e3)
+        ts.sort()
+        tl.sort()
+        rows.append(dict(case=case, planning_ms=statistics.median(ts),
+                         p10_ms=ts[len(ts) // 10], min_ms=ts[0],
+                         layer_us=statistics.median(tl) / cfg.model.num_layers * 1e3,
+                         layer_p10_us=tl[len(tl) // 10] / cfg.model.num_layers * 1e3))
         print(json.dumps(rows[-1]), flush=True)
         if a.profile:
             pr = cProfile.Profile()

@@ -246,8 +246,7 @@ class AttentionBackend:
         the pool or the layer groups changed."""
         self._plan, self._graphed = fplan, graphed
         self._checked = set()
-        self._writes = {key: (g.write_locs.tensor.reshape(-1).long()
-                              if g.write_locs is not None else None)
+        self._writes = {key: (None if g.write_locs is None else _flat_int64(g.write_locs.tensor))
                         for key, g in fplan.groups.items()}
         pool = self._pool
         cached = self._layers
@@ -279,10 +278,10 @@ class AttentionBackend:
         self._checked.add(pair)
 
     def _entry(self, layer_id: int) -> tuple:
-        self.plan  # noqa: B018 - raises before init_forward_metadata
         try:
             return self._layers[2][layer_id]
-        except KeyError:
+        except (TypeError, KeyError):  # no plan yet (None), or a layer the plan does not hold
+            self.plan  # noqa: B018 - raises before init_forward_metadata
             self._plan.group(layer_id)  # raises naming the plan's layers
             raise
 
@@ -385,6 +384,12 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
             check_own_pool(view, windows)
     adapters = {n: m.Adapter() for n, m in modules.items()}
     return AttentionBackend(cfg, adapters[b.name], view, windows, guards, adapters=adapters)
+
+
+def _flat_int64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the flat int64 index a store takes: itself when it already is one (the
+    planner's write slots are), else a reshaped and cast copy."""
+    return t if t.dtype == torch.int64 and t.dim() == 1 else t.reshape(-1).long()
 
 
 def _only(fplan: ForwardPlan, keys: set[str]) -> ForwardPlan:

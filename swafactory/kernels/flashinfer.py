@@ -142,9 +142,10 @@ class Adapter:
         """Last-page lengths (page size 1: all ones), pinned where CUDA is: one buffer sliced
         per pass instead of a new pageable tensor FlashInfer's plan copies each forward."""
         self._max_rows = 0
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        """id of a pool buffer [rows, Hkv, D] → (it, its [rows, 1, Hkv, D] page view): a view op
-        costs 2 µs of host time per buffer per layer; cleared when the planned pool changes."""
+        self._views: dict[int, tuple] = {}
+        """id of a layer's K buffer [rows, Hkv, D] → (it, its V buffer, their [rows / P, P, Hkv,
+        D] page views): a view op costs 2 µs of host time per buffer per layer; cleared when the
+        planned pool changes."""
         self._views_pool = None
         self._page = 1  # the planned pool's page size
         self.replans = 0
@@ -207,14 +208,14 @@ class Adapter:
         return _Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
                      graph=graph, page=self._page)
 
-    def _paged(self, buf: torch.Tensor) -> torch.Tensor:
-        """``buf`` [rows, Hkv, D] as FlashInfer's NHD cache of the pool's pages
-        [rows / P, P, Hkv, D]."""
-        v = self._views.get(id(buf))
-        if v is None or v[0] is not buf:
-            view = buf.view(buf.shape[0] // self._page, self._page, *buf.shape[1:])
-            v = self._views[id(buf)] = (buf, view)
-        return v[1]
+    def _paged(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
+        """(k_buf, v_buf) [rows, Hkv, D] as FlashInfer's NHD caches of the pool's pages
+        [rows / P, P, Hkv, D]: made once per pair of buffers, one lookup per layer."""
+        v = self._views.get(id(k_buf))
+        if v is None or v[0] is not k_buf or v[1] is not v_buf:
+            page = lambda b: b.view(b.shape[0] // self._page, self._page, *b.shape[1:])  # noqa: E731
+            v = self._views[id(k_buf)] = (k_buf, v_buf, (page(k_buf), page(v_buf)))
+        return v[2]
 
     def _last(self, n: int) -> torch.Tensor:
         if self._ones.numel() < n:
@@ -298,7 +299,7 @@ class Adapter:
             self._plan_wrapper(p, sig, q.device)
             self.replans += 1
         want = lse or sinks is not None
-        paged = (self._paged(k_buf), self._paged(v_buf))
+        paged = self._paged(k_buf, v_buf)
         out = (p.wrapper.run(q, paged, return_lse=want) if k_buf.dtype.itemsize > 1 else
                p.wrapper.run(q, paged, return_lse=want, k_scale=k_scale, v_scale=v_scale))
         if not want:

@@ -144,6 +144,21 @@ class FusedJob:
     sizes32: tuple[int, ...]
 
 
+@functools.lru_cache(maxsize=256)
+def _depth_table(shapes: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """(every shape's key-node depths, concatenated (and a trailing 0), each shape's offset in
+    it), by the shapes' order in `HostBatch.of`: an engine steps through a handful of shapes,
+    so this is built once per set of shapes, not per forward. Read-only arrays."""
+    depths, off = [], []
+    for sh in shapes:
+        off.append(sum(len(x) for x in depths))
+        depths.append(np.asarray(sh.depths[:sh.kv_nodes], dtype=np.int64))
+    dep = np.concatenate(depths + [np.zeros(1, dtype=np.int64)])
+    off_a = np.asarray(off, dtype=np.int64)
+    dep.flags.writeable = off_a.flags.writeable = False  # shared by every forward of the shapes
+    return dep, off_a
+
+
 def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
                   write_translate: bool) -> FusedJob:
     """Queue the kernel's host numbers in ``pack`` (before it ships): the per-request columns,
@@ -152,12 +167,8 @@ def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
     h: the forward's `HostBatch`; sets: `key_pieces` of each list (``n``, ``kv_host``,
     ``start``); translate: per list, whether an SWA group reads it; w_at: the write slots' flat
     indices (a `Pack` handle) or None."""
-    depths, off = [], []
-    for sh in h.shapes:  # each shape's key nodes, by the shape's order in `h.of`
-        off.append(sum(len(x) for x in depths))
-        depths.append(np.asarray(sh.depths[:sh.kv_nodes], dtype=np.int64))
-    dep = np.concatenate(depths + [np.zeros(1, dtype=np.int64)])
-    depoff = (h.zeros if h.of is None else np.asarray(off, dtype=np.int64)[h.of])
+    dep, off = _depth_table(h.shapes)
+    depoff = h.zeros if h.of is None else off[h.of]
     rowc, pre = pack.add(h.row_c, _I64), pack.add(h.pre, _I64)
     depoff_h, dep_h = pack.add(depoff + h.zeros, _I64), pack.add(dep, _I32)
     sizes64: list[int] = []
@@ -182,7 +193,8 @@ def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
             sizes64.append(total_q)
     d = pack.add(np.asarray(dirs, dtype=np.int64).reshape(-1), _I64)
     # the grid from host numbers (numpy): the longest list a request has, nothing read back
-    longest = max([int((h.kv_end - p["start"]).max()) for p in sets] + [h.max_q, 1])
+    longest = max([h.kv_max if p["start"] is h.zeros else int((h.kv_end - p["start"]).max())
+                   for p in sets] + [h.max_q, 1])
     grid = (h.B, -(-longest // BLOCK), len(sets) + (w_at is not None))
     scalars = (d[1], len(sets), rowc[1], pre[1], depoff_h[1], dep_h[1],
                w_at[1] if w_at is not None else 0, total_q, wfull, wtr)
@@ -206,8 +218,9 @@ def run_fused(job: FusedJob, pack, flat_table: torch.Tensor,
         _kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")[job.grid](
             p64, p32, flat_table, mp, mp.numel() if mapping is not None else 0, out64, out32,
             k, *job.scalars, BLOCK=BLOCK)
-    v64 = iter(out64[:n64].split(job.sizes64))  # one op for every view
-    v32 = iter(out32[:n32].split(job.sizes32))
+    # one op for every view (split_with_sizes: Tensor.split's Python wrapper costs twice as much)
+    v64 = iter(out64[:n64].split_with_sizes(job.sizes64))
+    v32 = iter(out32[:n32].split_with_sizes(job.sizes32))
     lists = []
     for tr in job.translate:
         full64, swa64 = next(v64), (next(v64) if tr else None)

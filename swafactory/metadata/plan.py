@@ -190,6 +190,7 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
         w_full = flat.index_select(0, pack.dev(w_at)).long() if writes else None
     memo: dict[int, Locs] = {}  # one translation per full-slot tensor
     out = {}
+    qo_dev, qo_host, q_pos_dev = pack.dev(qo_h), pack.host(qo_h), pack.dev(q_pos)  # shared
     for key, (sub, window) in groups.items():
         i = group_set[key]
         p, (slots, kv_pos, mask, mask_indptr) = sets[i][1], built[i]
@@ -199,9 +200,8 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
         if fk is not None:  # the kernel wrote the list's int32 rows in the group's space too
             kl = fk.lists[i]
             i32 = kl.full32 if kv.space == "full" else kl.swa32
-        t = AttnTables(pack.dev(qo_h), pack.dev(p["kv_host"]), kv, pack.dev(q_pos), kv_pos,
-                       mask, mask_indptr, h.max_q, pack.host(qo_h), pack.host(p["kv_host"]),
-                       i32)
+        t = AttnTables(qo_dev, pack.dev(p["kv_host"]), kv, q_pos_dev, kv_pos, mask,
+                       mask_indptr, h.max_q, qo_host, pack.host(p["kv_host"]), i32)
         out[key] = GroupPlan(key, sub, window, t, None, w)
     return out, h
 

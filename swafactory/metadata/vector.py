@@ -173,7 +173,9 @@ class HostBatch:
         self.kvn = self._col([s.kv_nodes for s in self.shapes])
         self.fqd = self._col([s.first_query_depth for s in self.shapes])
         self.kv_end = self.pre + self.kvn
-        if int(self.kv_end.max()) > C:
+        self.kv_max = int(self.kv_end.max())
+        """The longest request's key count (slot after its last key)."""
+        if self.kv_max > C:
             bad = next(r for r in reqs if r.kv_end > C)
             raise IndexError(f"request {bad.rid!r}: keys up to slot {bad.kv_end} but "
                              f"req_to_token holds {C} per row")
