@@ -313,19 +313,27 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
                 **graph, graph_vs_floor=graph.get("replay_ms", math.nan) / floor, **tri)
 
 
+def capture(fn):
+    """``fn`` run once on a side stream (its first use: allocations, compiles), then captured in
+    a CUDA graph, as an engine captures its step; returns (graph, what the captured call
+    returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def device_ms(fn, do_bench) -> tuple[float, str]:
     """The device time of ``fn``'s kernels without its host launch time: ``fn`` captured once in
     a CUDA graph and replayed (do_bench median), or, where it cannot be captured, the kernels'
     own time from the torch profiler (mean over 20 calls). Returns (ms, "graph" | "profiler")."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g, _ = capture(fn)
         ms = do_bench(g.replay, warmup=10, rep=100, return_mode="median")
         del g
         return ms, "graph"
@@ -357,14 +365,7 @@ def graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench) -> dict:
     try:
         backend.init_cuda_graph_state(bs, tokens)
         backend.init_forward_metadata_capture(bs, tokens, batch.mode)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step()
+        g, out = capture(step)
         backend.init_forward_metadata_replay(batch, bs, tokens)
         g.replay()
         diff = float((out.float() - factory().float()).abs().max())

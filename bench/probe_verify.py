@@ -21,101 +21,101 @@ summary of each compiled variant.
 """
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
 
 import torch
+import triton  # a GPU probe: its kernels are module-level (a jit helper must be a global)
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 BS, CTX, NQ, HQ, HKV, D = 64, 8192, 8, 32, 4, 512
 
 
-@functools.cache
-def _kernels():
-    import triton
-    import triton.language as tl
+@triton.jit
+def prologue(q_ptr, kv_indptr, stride_qt, stride_qh, NQ: tl.constexpr, GROUP: tl.constexpr,
+             BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """(KV head, first key, keys, tile heads, tile q rows, q [BLOCK_M, D]) of a program."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    kv0 = tl.load(kv_indptr + b)
+    n = tl.load(kv_indptr + b + 1) - kv0
+    r = tl.arange(0, BLOCK_M)
+    heads = kh * GROUP + r % GROUP
+    qrow = (b * NQ + r // GROUP).to(tl.int64)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :])
+    return kh, kv0, n, heads, qrow, q
 
-    @triton.jit
-    def dense(q_ptr, k_ptr, v_ptr, kv_indptr, kv_indices, o_ptr, stride_qt, stride_qh,
-              stride_kr, stride_kh, stride_ot, stride_oh, scale,
-              NQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, D: tl.constexpr):
-        b = tl.program_id(0)
-        kh = tl.program_id(1)
-        kv0 = tl.load(kv_indptr + b)
-        n = tl.load(kv_indptr + b + 1) - kv0
-        r = tl.arange(0, BLOCK_M)
-        heads = kh * GROUP + r % GROUP
-        qrow = (b * NQ + r // GROUP).to(tl.int64)
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :])
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        den = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
-        qk = scale * 1.4426950408889634
-        for start in range(0, n, BLOCK_N):
-            offs = start + tl.arange(0, BLOCK_N)
-            inr = offs < n
-            rows = tl.load(kv_indices + kv0 + offs, mask=inr, other=0).to(tl.int64)
-            k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                        mask=inr[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk
-            s = tl.where(inr[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            den = den * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                        mask=inr[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        o = acc / den[:, None]
-        tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(o_ptr.dtype.element_ty))
+@triton.jit
+def tile(ptr, kv_indices, kv0, n, start, kh, stride_kr, stride_kh, BLOCK_N: tl.constexpr,
+         D: tl.constexpr):
+    """Keys (or values) start..start+BLOCK_N of the list, [BLOCK_N, D], and which exist."""
+    offs = start + tl.arange(0, BLOCK_N)
+    inr = offs < n
+    rows = tl.load(kv_indices + kv0 + offs, mask=inr, other=0).to(tl.int64)
+    x = tl.load(ptr + rows[:, None] * stride_kr + kh * stride_kh + tl.arange(0, D)[None, :],
+                mask=inr[:, None], other=0.0)
+    return x, inr
 
-    @triton.jit
-    def dense_t(q_ptr, k_ptr, v_ptr, kv_indptr, kv_indices, o_ptr, stride_qt, stride_qh,
-                stride_kr, stride_kh, stride_ot, stride_oh, scale,
-                NQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, D: tl.constexpr):
-        b = tl.program_id(0)
-        kh = tl.program_id(1)
-        kv0 = tl.load(kv_indptr + b)
-        n = tl.load(kv_indptr + b + 1) - kv0
-        r = tl.arange(0, BLOCK_M)
-        heads = kh * GROUP + r % GROUP
-        qrow = (b * NQ + r // GROUP).to(tl.int64)
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :])
-        qt = tl.trans(q)                                    # [D, M]
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        den = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((D, BLOCK_M), tl.float32)            # oᵀ
-        qk = scale * 1.4426950408889634
-        for start in range(0, n, BLOCK_N):
-            offs = start + tl.arange(0, BLOCK_N)
-            inr = offs < n
-            rows = tl.load(kv_indices + kv0 + offs, mask=inr, other=0).to(tl.int64)
-            k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                        mask=inr[:, None], other=0.0)
-            s = tl.dot(k, qt) * qk                          # [N, M]
-            s = tl.where(inr[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            den = den * alpha + tl.sum(p, axis=0)
-            v = tl.load(v_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                        mask=inr[:, None], other=0.0)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))   # [D, N]·[N, M]
-            m = m_new
-        o = acc / den[None, :]                              # [D, M]
-        tl.store(o_ptr + qrow[None, :] * stride_ot + heads[None, :] * stride_oh + d[:, None],
-                 o.to(o_ptr.dtype.element_ty))
+@triton.jit
+def dense(q_ptr, k_ptr, v_ptr, kv_indptr, kv_indices, o_ptr, stride_qt, stride_qh,
+          stride_kr, stride_kh, stride_ot, stride_oh, scale,
+          NQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, D: tl.constexpr):
+    kh, kv0, n, heads, qrow, q = prologue(q_ptr, kv_indptr, stride_qt, stride_qh, NQ, GROUP,
+                                          BLOCK_M, D)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    den = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    qk = scale * 1.4426950408889634
+    for start in range(0, n, BLOCK_N):
+        k, inr = tile(k_ptr, kv_indices, kv0, n, start, kh, stride_kr, stride_kh, BLOCK_N, D)
+        s = tl.dot(q, tl.trans(k)) * qk
+        s = tl.where(inr[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, axis=1)
+        v, _ = tile(v_ptr, kv_indices, kv0, n, start, kh, stride_kr, stride_kh, BLOCK_N, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    o = acc / den[:, None]
+    d = tl.arange(0, D)
+    tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(o_ptr.dtype.element_ty))
 
-    return {"dense": dense, "dense_t": dense_t}
+@triton.jit
+def dense_t(q_ptr, k_ptr, v_ptr, kv_indptr, kv_indices, o_ptr, stride_qt, stride_qh,
+            stride_kr, stride_kh, stride_ot, stride_oh, scale,
+            NQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, D: tl.constexpr):
+    kh, kv0, n, heads, qrow, q = prologue(q_ptr, kv_indptr, stride_qt, stride_qh, NQ, GROUP,
+                                          BLOCK_M, D)
+    qt = tl.trans(q)                                    # [D, M]
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    den = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((D, BLOCK_M), tl.float32)            # oᵀ
+    qk = scale * 1.4426950408889634
+    for start in range(0, n, BLOCK_N):
+        k, inr = tile(k_ptr, kv_indices, kv0, n, start, kh, stride_kr, stride_kh, BLOCK_N, D)
+        s = tl.dot(k, qt) * qk                          # [N, M]
+        s = tl.where(inr[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        den = den * alpha + tl.sum(p, axis=0)
+        v, _ = tile(v_ptr, kv_indices, kv0, n, start, kh, stride_kr, stride_kh, BLOCK_N, D)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))   # [D, N]·[N, M]
+        m = m_new
+    o = acc / den[None, :]                              # [D, M]
+    d = tl.arange(0, D)
+    tl.store(o_ptr + qrow[None, :] * stride_ot + heads[None, :] * stride_oh + d[:, None],
+             o.to(o_ptr.dtype.element_ty))
+
+KERNELS = {"dense": dense, "dense_t": dense_t}
 
 
 def run_dense(name, t, cfg):
@@ -123,7 +123,7 @@ def run_dense(name, t, cfg):
     block_n, warps, stages = cfg
     q, k, v = t["q"], t["k"], t["v"]
     o = torch.empty_like(q)
-    _kernels()[name][(BS, HKV)](
+    KERNELS[name][(BS, HKV)](
         q, k, v, t["pre_indptr"], t["pre_indices"], o, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), o.stride(0), o.stride(1), 1.0, NQ=NQ, GROUP=HQ // HKV, BLOCK_M=NQ * HQ // HKV,
         BLOCK_N=block_n, D=D, num_warps=warps, num_stages=stages)
@@ -216,7 +216,7 @@ def main() -> int:
                 print(json.dumps(r), flush=True)
     report = dict(copy_tbs=bw / 1e12, rows=rows,
                   ttgir={"extend": ttgir_summary(_kernel(False)[1]),
-                         **{k: ttgir_summary(f) for k, f in _kernels().items()}})
+                         **{k: ttgir_summary(f) for k, f in KERNELS.items()}})
     (out / "probe-verify.json").write_text(json.dumps(report, indent=1))
     for k, v in report["ttgir"].items():
         for x in v:

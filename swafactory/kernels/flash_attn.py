@@ -21,8 +21,10 @@ Known library limit (4.0.0b9, SM90): the non-TMA paged loader sizes a per-thread
 strictly positive, but got 0" (flash-attention PR #2446; fixed upstream in #2745, first released
 in fa4-v4.0.0.beta26). Head dims above 128 therefore run without a page table: each layer's keys
 are gathered into ``[B, S, Hkv, D]`` with ``seqused_k``. head_dim 512 is refused by the library on
-SM90 and so by the registry. Sinks use the exact LSE epilogue: ``learnable_sink`` takes bf16
-sinks only, and the models' sinks are fp32.
+SM90 and so by the registry. Sinks use the exact LSE epilogue (`triton.sinks.sink_output`, one
+launch on CUDA): ``learnable_sink`` takes bf16 sinks only, and the models' sinks are fp32. A
+forward that wants no LSE (every layer's, but a cascade's halves) asks FA4 for none unless the
+sinks need it.
 """
 from __future__ import annotations
 
