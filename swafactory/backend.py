@@ -106,6 +106,12 @@ class AttentionBackend:
                 ad.plan(mine, pool, sigs=sigs, graph=graph)
 
     @property
+    def planned_pool(self):
+        """The pool the current plan reads and writes: the view's active pool when it was
+        planned (None before the first plan)."""
+        return self._pool
+
+    @property
     def plan(self) -> ForwardPlan:
         """The current forward's plan."""
         if self._plan is None:

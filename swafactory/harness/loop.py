@@ -86,7 +86,8 @@ class Loop:
             self.p.draft_view.active_pool = self.p.frozen_view
         try:
             checks = worker.forward(mode, reqs, self.p.slots.req_to_token.table,
-                                    self.p.alloc.full_id, check=check, keep_above=self.tol)
+                                    self.p.alloc.full_id, check=check, keep_above=self.tol,
+                                    kv_check=True)
         finally:
             if swap:
                 self.p.draft_view.active_pool = self.p.dummy_pool

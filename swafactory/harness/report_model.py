@@ -72,9 +72,10 @@ class Mismatch(_Model):
     request: str
     error: str
     check: str
-    """Which check caught it: `oracle`, `nan`, `space` (typed index spaces), `capacity`, `kernel`
-    (a kernel raised), or `leak` (every request finished, yet a pool or `ReqToToken` is not back to
-    its capacity; `Report.leaked` has the counts)."""
+    """Which check caught it: `oracle`, `nan`, `kv` (a row the forward read holds other data
+    than its request wrote there, while the oracle passed: `harness.kv_check`), `space` (typed
+    index spaces), `capacity`, `kernel` (a kernel raised), or `leak` (every request finished, yet
+    a pool or `ReqToToken` is not back to its capacity; `Report.leaked` has the counts)."""
 
 
 class Report(_Model):

@@ -12,6 +12,7 @@ from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import CapacityError, SpaceError
 from swafactory.harness import leaks
 from swafactory.harness.estimate import estimate_steps
+from swafactory.harness.kv_check import StaleKV
 from swafactory.harness.loop import Loop, Mismatched
 from swafactory.harness.report_model import Mismatch, ModeStats, Report, StepRecord, Tick
 from swafactory.harness.setup import Parts, build_parts, pool_sizes
@@ -166,6 +167,10 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
                             error=f"max relative error {exc.error:.3g} > tolerance {tol:g}"
                                   + (" (NaN: a poisoned, freed or dummy slot was read)"
                                      if kind == "nan" else ""), check=kind)
+    except StaleKV as exc:  # the oracle passed, but a row read holds another request's data
+        mismatch = Mismatch(step=loop.step, worker=exc.worker, mode=exc.mode, layer=exc.layer,
+                            group=exc.group, request=str(exc.request), error=exc.detail,
+                            check="kv")
     except (SpaceError, CapacityError, RuntimeError) as exc:
         if isinstance(exc, CapacityError) and (loop is None or loop.current == ("-", "setup")):
             raise  # no forward ran: the pools cannot hold this workload, a refusal

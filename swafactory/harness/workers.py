@@ -15,6 +15,7 @@ from swafactory.backend import AttentionBackend
 from swafactory.graphs import GraphedAttention
 from swafactory.harness.forward_oracle import ForwardOracle, request_visibility
 from swafactory.harness.history import History
+from swafactory.harness.kv_check import StaleKV, kv_reads, stale_key
 from swafactory.harness.kv_quant import fp8_roundtrip
 from swafactory.harness.oracle import masked_attention
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
@@ -107,11 +108,16 @@ class Worker:
         # K/V (0-dim on the device, read once by the report; None without fp8 layers)
         self.kv_quant_err: torch.Tensor | None = None
         self._full: dict[int, tuple] = {}  # layer → this forward's full-head (q, k, v), on device
+        self._kv_turn = 0  # which layer of each group the next `kv` check reads (`kv_check`)
 
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
-                full_id: str, *, check: bool, keep_above: float = -1.0) -> list[Check]:
+                full_id: str, *, check: bool, keep_above: float = -1.0,
+                kv_check: bool = False) -> list[Check]:
         """Plan once, run every layer; compare with the oracle when ``check``. A check whose
-        error is ≤ ``keep_above`` drops its tensors (-1: keep every check's)."""
+        error is ≤ ``keep_above`` drops its tensors (-1: keep every check's). ``kv_check`` (with
+        ``check``): also compare the rows the forward read with the requests' histories
+        (`harness.kv_check`), and raise `StaleKV` when one differs while every oracle check of
+        the forward is within ``keep_above`` (the oracle's failures are reported first)."""
         if self.writes:
             for r in reqs:
                 h = self.hist[r.rid]
@@ -168,11 +174,21 @@ class Worker:
                     kept[layer] = out
             if layer not in kept:
                 self._full.pop(layer, None)
+        reads = []
+        if check and kv_check:  # the rows read against the histories, in the same sync
+            reads = kv_reads(plan, self.backend.planned_pool, reqs, self.hist, self.layers,
+                             self._kv_turn, None if self.shard is None else self.shard.kv_heads)
+            self._kv_turn += 1
         # one sync for a short forward's layers: on a GPU shared by many processes each sync
         # waits its turn
-        pending = [e for e in errs.values() if torch.is_tensor(e)]
+        pending = [e for e in errs.values() if torch.is_tensor(e)] + [x.err for x in reads]
         values = iter(torch.stack(pending).tolist() if pending else [])
         errs = {layer: next(values) if torch.is_tensor(e) else e for layer, e in errs.items()}
+        kv_errs = [next(values) for _ in reads]
+        if any(not e == 0.0 for e in kv_errs) and all(e <= keep_above for e in errs.values()):
+            read = next(x for x, e in zip(reads, kv_errs) if not e == 0.0)
+            raise StaleKV(self.name, mode, read.layer, read.group,
+                          *stale_key(read, self.backend.planned_pool))
         attn_s = timer.seconds()
         if first:
             self.first_use[variant] = plan_s + attn_s + gather_s

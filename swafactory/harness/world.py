@@ -51,6 +51,7 @@ class World:
                       for i in range(m.num_layers)} if m.attention_sinks else {}
         kv = cfg.backend.kv_dtype
         self.q_dtype = compute_dtype(kv)
+        self._workers: dict[tuple, Worker] = {}
 
     def open(self, rid: Hashable) -> None:
         """Start a request with no tokens."""
@@ -66,14 +67,21 @@ class World:
         return ReqForward(rid, self.slots.reqs[rid].row, prefix_len, nodes, **kw)
 
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward],
-                layers: Sequence[int]) -> list[Check]:
-        """Allocate the nodes not yet allocated, run ``layers`` and return their checks."""
+                layers: Sequence[int], *, kv_tolerance: float | None = None) -> list[Check]:
+        """Allocate the nodes not yet allocated, run ``layers`` and return their checks.
+        ``kv_tolerance``: also run the `kv` check (`harness.kv_check`), which raises `StaleKV`
+        when every oracle check is within this tolerance but a row read differs."""
         for r in reqs:
             need = r.prefix_len + r.nodes - self.kv_len(r.rid)
             if need > 0:  # raises CapacityError (pool, ask, free) when the pools are full
                 self.slots.extend(r.rid, need)
-        worker = Worker("target", self.backend, {i: self.specs[i] for i in layers}, self.hist,
-                        writes=True, q_dtype=self.q_dtype, device=self.device, gen=self.gen,
-                        sinks=self.sinks)
+        key = tuple(layers)
+        worker = self._workers.get(key)
+        if worker is None or worker.backend is not self.backend:  # a test may swap the backend
+            # one per layer set and backend: its kv-check turn carries on from forward to forward
+            worker = self._workers[key] = Worker(
+                "target", self.backend, {i: self.specs[i] for i in key}, self.hist, writes=True,
+                q_dtype=self.q_dtype, device=self.device, gen=self.gen, sinks=self.sinks)
         return worker.forward(mode, reqs, self.slots.req_to_token.table, self.alloc.full_id,
-                              check=True)
+                              check=True, keep_above=-1.0 if kv_tolerance is None else kv_tolerance,
+                              kv_check=kv_tolerance is not None)
