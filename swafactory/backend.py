@@ -252,7 +252,8 @@ class AttentionBackend:
         the pool or the layer groups changed."""
         self._plan, self._graphed = fplan, graphed
         self._checked = set()
-        self._writes = {key: (None if g.write_locs is None else _flat_int64(g.write_locs.tensor))
+        self._writes = {key: (g.write_locs.tensor.reshape(-1).long()
+                              if g.write_locs is not None else None)
                         for key, g in fplan.groups.items()}
         pool = self._pool
         cached = self._layers
@@ -390,12 +391,6 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
             check_own_pool(view, windows)
     adapters = {n: m.Adapter() for n, m in modules.items()}
     return AttentionBackend(cfg, adapters[b.name], view, windows, guards, adapters=adapters)
-
-
-def _flat_int64(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the flat int64 index a store takes: itself when it already is one (the
-    planner's write slots are), else a reshaped and cast copy."""
-    return t if t.dtype == torch.int64 and t.dim() == 1 else t.reshape(-1).long()
 
 
 def _only(fplan: ForwardPlan, keys: set[str]) -> ForwardPlan:

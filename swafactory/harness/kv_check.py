@@ -46,12 +46,12 @@ class KVRead:
     layer: int
     group: str
     err: torch.Tensor
-    pool_k: torch.Tensor
+    pool_kv: torch.Tensor
     """[n, 2, D] fp32: the checked head's K and V of the rows read (dequantized), every request's
     checked keys in order."""
-    hist_k: torch.Tensor
+    hist_kv: torch.Tensor
     where: tuple[tuple[Hashable, int, int], ...]
-    """(request, first slot index, keys) of each request's run in ``pool_k``."""
+    """(request, first slot index, keys) of each request's run in ``pool_kv``."""
 
 
 def _rows(hist, layer: int, lo: int, hi: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ def kv_reads(plan, pool, reqs: Sequence[ReqForward], histories: Mapping[Hashable
         first_head = 0 if kv_heads is None else kv_heads(spec.num_kv_heads).start or 0
         head = first_head + local  # the same head in the history's full-head rows
         ptr = t.kv_host.tolist()  # host offsets: nothing is read back
-        idx, pk, pv, hk, hv, where = [], [], [], [], [], []
+        idx, hk, hv, where = [], [], [], []
         for b, r in enumerate(reqs):
             n = ptr[b + 1] - ptr[b]
             hist = histories[r.rid]
@@ -118,7 +118,7 @@ def kv_reads(plan, pool, reqs: Sequence[ReqForward], histories: Mapping[Hashable
 
 def stale_key(read: KVRead, pool) -> tuple[Hashable, str]:
     """Where a failed `KVRead` first differs: (request, what its key at which slot index holds)."""
-    diff = (read.pool_k - read.hist_k).abs().flatten(1).amax(1)
+    diff = (read.pool_kv - read.hist_kv).abs().flatten(1).amax(1)
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
     j = int(torch.nonzero(diff > 0)[0]) if bool((diff > 0).any()) else 0
     at = 0
