@@ -182,8 +182,26 @@ def main() -> int:
     bw = copy_bandwidth(do_bench)
     kv_bytes = BS * n_keys * HKV * D * 2 * 2
     rows = []
-    configs = {"dense": [(32, 8, 2), (32, 8, 3), (64, 8, 1), (16, 8, 4)],
+    configs = {"dense": [(32, 8, 2), (32, 8, 3), (64, 8, 1), (16, 8, 3), (16, 8, 4), (16, 8, 5),
+                         (16, 4, 4)],
                "dense_t": [(64, 8, 1), (64, 8, 2), (32, 8, 2), (32, 8, 3), (128, 8, 1)]}
+    # our tile's own configs on the benchmark's (random) slots: deeper pipelines of narrower key
+    # tiles keep more K/V bytes in flight per multiprocessor (one 64 x 512 program fills one)
+    for cfg in [(64, 32, 8, 2, 1), (64, 16, 8, 3, 1), (64, 16, 8, 4, 1), (64, 16, 8, 5, 1),
+                (64, 16, 8, 4, 0), (64, 32, 8, 2, 0)]:
+        r = dict(kernel="extend", order="random", cfg=list(cfg))
+        try:
+            o, _ = extend_attention(t["q"], t["k"], t["v"], kv_indices=t["kv_indices"],
+                                    config=cfg, **ext)
+            ms = do_bench(lambda: extend_attention(t["q"], t["k"], t["v"],
+                                                   kv_indices=t["kv_indices"], config=cfg,
+                                                   **ext), warmup=10, rep=50,
+                          return_mode="median")
+            r.update(ms=ms, of_copy=kv_bytes / (ms * 1e-3) / bw)
+        except Exception as exc:  # noqa: BLE001 - a config that does not build is a row
+            r["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(r)
+        print(json.dumps(r), flush=True)
     for order, slots in slot_orders(t).items():
         o_ext, _ = extend_attention(t["q"], t["k"], t["v"], kv_indices=slots, **ext)
         ms = do_bench(lambda: extend_attention(t["q"], t["k"], t["v"], kv_indices=slots, **ext),
