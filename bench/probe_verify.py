@@ -144,7 +144,8 @@ def ttgir_summary(jit_fn) -> list:
         for key, ck in caches[0].items():
             ir = ck.asm.get("ttgir", "")
             ptx = ck.asm.get("ptx", "")
-            out.append(dict(key=str(key)[:200], regs=ck.n_regs, spills=ck.n_spills,
+            out.append(dict(key=str(key)[:200], regs=getattr(ck, "n_regs", None),
+                            spills=getattr(ck, "n_spills", None),
                             shared=ck.metadata.shared, warps=ck.metadata.num_warps,
                             stages=ck.metadata.num_stages,
                             async_copy=ir.count("async_copy_global_to_local"),
