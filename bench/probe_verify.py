@@ -182,29 +182,38 @@ def main() -> int:
         return 0
     bw = copy_bandwidth(do_bench)
     kv_bytes = BS * n_keys * HKV * D * 2 * 2
+    pre_bytes = BS * CTX * HKV * D * 2 * 2  # the prefix keys the dense tiles read
     rows = []
     configs = {"dense": [(32, 8, 2), (32, 8, 3), (64, 8, 1), (16, 8, 3), (16, 8, 4), (16, 8, 5),
                          (16, 4, 4)],
                "dense_t": [(64, 8, 1), (64, 8, 2), (32, 8, 2), (32, 8, 3), (128, 8, 1)]}
-    # our tile's own configs on the benchmark's (random) slots: deeper pipelines of narrower key
-    # tiles keep more K/V bytes in flight per multiprocessor (one 64 x 512 program fills one)
-    for cfg in [(64, 32, 8, 2, 1), (64, 16, 8, 3, 1), (64, 16, 8, 4, 1), (64, 16, 8, 5, 1),
-                (64, 16, 8, 4, 0), (64, 32, 8, 2, 0)]:
-        r = dict(kernel="extend", order="random", cfg=list(cfg))
+
+    def timed_row(r, fn, nbytes, ref):
+        """Row ``r`` with fn's median time, its share of copy bandwidth over ``nbytes`` and its
+        error against ``ref``, or the error that stopped it (a config that does not build)."""
         try:
-            o, _ = extend_attention(t["q"], t["k"], t["v"], kv_indices=t["kv_indices"],
-                                    config=cfg, **ext)
-            ms = do_bench(lambda: extend_attention(t["q"], t["k"], t["v"],
-                                                   kv_indices=t["kv_indices"], config=cfg,
-                                                   **ext), warmup=10, rep=50,
-                          return_mode="median")
-            r.update(ms=ms, of_copy=kv_bytes / (ms * 1e-3) / bw)
+            o = fn()
+            torch.cuda.synchronize()
+            err = float((o.float() - ref.float()).abs().max() / ref.float().abs().max())
+            ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+            r.update(ms=ms, rel_err=err, of_copy=nbytes / (ms * 1e-3) / bw)
         except Exception as exc:  # noqa: BLE001 - a config that does not build is a row
             r["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(r)
         print(json.dumps(r), flush=True)
+
+    # our tile's own configs on the benchmark's (random) slots, checked against its default:
+    # deeper pipelines of narrower key tiles keep more K/V bytes in flight per multiprocessor
+    # (one 64 x 512 program fills one)
+    ext_ref, _ = extend_attention(t["q"], t["k"], t["v"], kv_indices=t["kv_indices"], **ext)
+    for cfg in [(64, 32, 8, 2, 1), (64, 16, 8, 3, 1), (64, 16, 8, 4, 1), (64, 16, 8, 5, 1),
+                (64, 16, 8, 4, 0), (64, 32, 8, 2, 0)]:
+        timed_row(dict(kernel="extend", order="random", cfg=list(cfg)),
+                  lambda cfg=cfg: extend_attention(t["q"], t["k"], t["v"],
+                                                   kv_indices=t["kv_indices"], config=cfg,
+                                                   **ext)[0], kv_bytes, ext_ref)
     for order, slots in slot_orders(t).items():
-        o_ext, _ = extend_attention(t["q"], t["k"], t["v"], kv_indices=slots, **ext)
+        extend_attention(t["q"], t["k"], t["v"], kv_indices=slots, **ext)  # warm-up
         ms = do_bench(lambda: extend_attention(t["q"], t["k"], t["v"], kv_indices=slots, **ext),
                       warmup=10, rep=50, return_mode="median")
         rows.append(dict(kernel="extend", order=order, cfg="default", ms=ms,
@@ -219,20 +228,8 @@ def main() -> int:
                                   scale=1.0, max_q_len=NQ)
         for name, cfgs in configs.items():
             for cfg in cfgs:
-                r = dict(kernel=name, order=order, cfg=list(cfg))
-                try:
-                    o = run_dense(name, t, cfg)
-                    torch.cuda.synchronize()
-                    err = float(((o.float() - ref.float()).abs().max()
-                                 / ref.float().abs().max()))
-                    ms = do_bench(lambda: run_dense(name, t, cfg), warmup=10, rep=50,
-                                  return_mode="median")
-                    pre_bytes = BS * CTX * HKV * D * 2 * 2
-                    r.update(ms=ms, rel_err=err, of_copy=pre_bytes / (ms * 1e-3) / bw)
-                except Exception as exc:  # noqa: BLE001 - a config that does not build is a row
-                    r["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+                timed_row(dict(kernel=name, order=order, cfg=list(cfg)),
+                          lambda name=name, cfg=cfg: run_dense(name, t, cfg), pre_bytes, ref)
     report = dict(copy_tbs=bw / 1e12, rows=rows,
                   ttgir={"extend": ttgir_summary(_kernel(False)[1]),
                          **{k: ttgir_summary(f) for k, f in KERNELS.items()}})
