@@ -15,7 +15,10 @@ the window by position as the contract says.
 
 Usage (GPU host): python bench/bench_triton_vs_flashinfer.py --out $OUT
 ``--no-flashinfer`` checks ours against the fp32 torch reference instead (no FlashInfer JIT);
-``--sweep`` also times a grid of extend tile configs on the verify cases, each one checked.
+``--sweep`` also times a grid of extend tile configs on the verify cases, each one checked;
+``--wide-sweep`` a grid of the two-kernel wide verify's tiles (``verify_wide``) on D ≥ 512 verify.
+At D ≥ 512 "ours" on a verify case is the two-kernel path (the default there) and "ours_tile"
+the one-kernel tile it replaced.
 """
 from __future__ import annotations
 
@@ -47,6 +50,13 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # 8 nodes, depths 0 1 1 2 2 2 3 3
 SWEEP = {512: [(64, 32, 8, 2, 1), (64, 32, 8, 2, 0), (64, 32, 16, 2, 1), (32, 32, 8, 3, 1)],
          256: [(16, 32, 4, 3, 1), (16, 32, 4, 3, 0), (16, 32, 2, 3, 1), (16, 32, 4, 2, 1),
                (16, 64, 2, 2, 1), (16, 64, 8, 3, 1)]}
+# verify_wide tiles timed by --wide-sweep (BN, scores warps/stages, D slice, P·V warps/stages)
+WIDE_SWEEP = [dict(BN=bn, s_warps=sw, s_stages=ss, DS=ds, pv_warps=pw, pv_stages=ps)
+              for bn, sw, ss, ds, pw, ps in [
+                  (32, 4, 3, 256, 8, 3), (32, 4, 3, 128, 4, 3), (32, 4, 3, 256, 4, 3),
+                  (64, 4, 2, 256, 8, 2), (64, 8, 2, 256, 8, 3), (32, 8, 3, 256, 8, 3),
+                  (32, 4, 4, 256, 8, 4), (64, 4, 3, 128, 4, 3), (16, 4, 4, 256, 8, 4),
+                  (32, 4, 3, 512, 8, 2)]]
 
 
 def kernel_report(jit_fn) -> list:
@@ -152,6 +162,8 @@ def main() -> None:
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="check ours against the fp32 torch reference; no FlashInfer (no JIT)")
     ap.add_argument("--sweep", action="store_true", help="time SWEEP's tile configs on verify cases")
+    ap.add_argument("--wide-sweep", action="store_true",
+                    help="time WIDE_SWEEP's two-kernel tiles on D >= 512 verify cases")
     ap.add_argument("--splits", default="1,2,4,8,16", help="split counts timed per case")
     args = ap.parse_args()
     from triton.testing import do_bench
@@ -189,6 +201,9 @@ def main() -> None:
             if not tree:
                 variants["ours_causal"] = lambda: extend_attention(  # noqa: E731
                     *common, window=window, scale=scale, max_q_len=q_len)
+            if d >= 512:  # the one-kernel tile the two-kernel default replaced
+                variants["ours_tile"] = lambda: extend_attention(  # noqa: E731
+                    *common, window=window, scale=scale, **masked, max_q_len=q_len, wide=False)
         if use_fi:
             fi = flashinfer_call(t, hq, hkv, d, window, q_len, scale, ws)
             ref = fi()
@@ -226,6 +241,29 @@ def main() -> None:
                                                   **masked, max_q_len=q_len, num_splits=n)
             sweep[n] = do_bench(fn, warmup=20, rep=100, return_mode="median")
         row["ours_ms_by_splits"] = sweep
+        if args.wide_sweep and q_len > 1 and d >= 512:
+            from swafactory.kernels.triton import verify_wide
+            from swafactory.kernels.triton.merge import compute_dtype
+            wide = {}
+            wm = dict(masked)
+            if wm["mask"] is not None:
+                wm["mask"] = wm["mask"].contiguous().view(torch.uint8)
+            for cfg in WIDE_SWEEP:
+                key = "/".join(f"{k}{v}" for k, v in cfg.items())
+                fn = lambda cfg=cfg: verify_wide.wide_verify(  # noqa: E731
+                    *common, **wm, window=window, scale=scale, softcap=None, sinks=None,
+                    group=hq // hkv, block_m=64, cdt=compute_dtype(t["q"].dtype, t["k"].dtype),
+                    config=cfg)
+                try:
+                    e = rel_err(fn()[0], ref)
+                    wide[key] = dict(ms=do_bench(fn, warmup=20, rep=100, return_mode="median"),
+                                     rel_err=e)
+                except Exception as ex:  # noqa: BLE001 (out of shared memory, say)
+                    wide[key] = dict(error=repr(ex)[:200])
+                print(name, key, wide[key], flush=True)
+            row["wide_sweep"] = wide
+            row["wide_kernels"] = (kernel_report(verify_wide._kernels(False)[0])
+                                   + kernel_report(verify_wide._kernels(False)[1]))
         if args.sweep and q_len > 1 and not tree:
             from swafactory.kernels.triton.extend import _kernel, dense_runs
             grid = {}
@@ -275,19 +313,23 @@ def main() -> None:
              "ours ms by splits " + "/".join(map(str, split_list)) + " |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        for key in ("ours", "ours_causal"):
+        for key in ("ours", "ours_causal", "ours_tile"):
             if f"{key}_ms" not in r:
                 continue
             fi_ms = f"{r['flashinfer_ms']:.3f}" if use_fi else "–"
             ratio = f"{r[key + '_over_flashinfer']:.2f}x" if use_fi else "–"
             fi_tb = f"{r['flashinfer_tb_s']:.2f}" if use_fi else "–"
             err = r.get("rel_err_vs_flashinfer", r.get("rel_err_vs_reference"))
-            lines.append(f"| {r['case']}{'' if key == 'ours' else ' (causal, no mask)'} | "
+            tag = {"ours": "", "ours_causal": " (causal, no mask)", "ours_tile": " (one-kernel tile)"}
+            lines.append(f"| {r['case']}{tag[key]} | "
                          f"{fi_ms} | {r[key + '_ms']:.3f} | {ratio} | {r[key + '_tb_s']:.2f} "
                          f"({100 * r[key + '_vs_copy']:.0f}%) | {fi_tb} | {err:.1e} | "
                          + ("/".join(f"{v:.3f}" for v in r["ours_ms_by_splits"].values())
                             if key == "ours" else "") + " |")
     for r in rows:
+        for key, v in r.get("wide_sweep", {}).items():
+            lines.append(f"- {r['case']} wide {key}: " + (
+                f"{v['ms']:.3f} ms, rel err {v['rel_err']:.1e}" if "ms" in v else v["error"]))
         if "sweep" in r:
             lines += ["", f"{r['case']}: extend configs (BLOCK_M, BLOCK_N, warps, stages)/splits, "
                       f"default {tuple(r['ours_config'])}", ""]

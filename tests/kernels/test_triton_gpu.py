@@ -171,3 +171,27 @@ def test_a_new_split_count_compiles_nothing():
     for n in (5, 6, 7, 9, 11):
         _compare(decode_attention, batch, None, None, num_splits=n)
     assert variants() == before
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("bs", [3, 64])
+def test_wide_verify_at_gemma4_full_layers_equals_the_reference_and_the_one_kernel_tile(
+        bs, with_sinks):
+    """The two-kernel path (`verify_wide`, the default at D 512) at bs 3 (splits) and 64, a
+    tree mask, sinks; unowned rows are NaN, so a stray read of either kernel shows."""
+    from swafactory.kernels.triton.extend import extend_attention
+
+    hq, hkv, d = 32, 4, 512
+    parents = tree_parents(2, 4, seed=bs)  # 8 nodes: 64 rows
+    reqs = []
+    for n in _lens(bs, 8192 if bs > 8 else 2048, seed=bs):
+        pos = [n + dpt for dpt in depths(parents)]
+        reqs.append(Req(kv_pos=list(range(n)) + pos, q_pos=pos,
+                        structure=tree_visibility(n, parents)))
+    batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=1,
+                       device="cuda", seed=7)
+    sinks = _sinks(hq, with_sinks)
+    o, lse = _compare(extend_attention, batch, None, sinks, max_q_len=len(parents))
+    o1, _ = extend_attention(*batch.args(), **batch.masks(), window=None, scale=d ** -0.5,
+                             sinks=sinks, max_q_len=len(parents), wide=False)
+    torch.testing.assert_close(o.float(), o1.float(), **tol(torch.bfloat16))

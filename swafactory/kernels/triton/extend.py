@@ -35,6 +35,7 @@ import torch
 from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, interpreting,
                                              plan_splits, sm_count)
 from swafactory.kernels.torch_ref import check_contract
+from swafactory.kernels.triton.verify_wide import WIDE_MIN_HEAD_DIM, wide_verify
 
 __all__ = ["extend_attention", "extend_config", "extend_splits", "dense_runs"]
 
@@ -301,7 +302,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      max_q_len: int | None = None, num_splits: int | None = None,
                      config: tuple[int, ...] | None = None, dense: bool = True,
-                     k_scale: float = 1.0, v_scale: float = 1.0
+                     k_scale: float = 1.0, v_scale: float = 1.0, wide: bool | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged extend/verify under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
@@ -314,7 +315,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     stages[, pool rows loaded a tile ahead by hand]) and ``dense=False`` turns the dense-run fast
     path off (tests, benchmarks); by default they are planned from static sizes. fp8 buffers
     (with ``k_scale``/``v_scale``) are read in q's dtype: k_scale joins the softmax scale and
-    v_scale the output.
+    v_scale the output. ``wide`` picks the two-kernel path of ``verify_wide`` (None: where it
+    serves, head_dim ≥ 512 with 17-64 rows per KV head and no tile or split count given).
     """
     nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                                mask, mask_indptr, sinks)
@@ -332,7 +334,23 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         return o, lse
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-    cfg = tuple(config or extend_config(d, group, max_q_len * group))
+    rows = max_q_len * group
+    if wide is None:
+        wide = (d >= WIDE_MIN_HEAD_DIM and 16 < rows <= 64 and dense and config is None
+                and num_splits is None)
+    if wide:
+        if rows > 64:
+            raise ValueError(f"the wide verify path holds 64 rows per KV head, got {rows}")
+        if mask is not None:
+            mask = mask.contiguous()
+            mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        return wide_verify(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
+                           mask=mask, mask_indptr=mask_indptr, window=window, scale=scale,
+                           softcap=softcap, sinks=sinks, group=group,
+                           block_m=max(16, 1 << (rows - 1).bit_length()),
+                           cdt=compute_dtype(q.dtype, k_buf.dtype), k_scale=k_scale,
+                           v_scale=v_scale)
+    cfg = tuple(config or extend_config(d, group, rows))
     block_m, block_n, warps, stages = cfg[:4]
     idx_ahead = bool(cfg[4]) if len(cfg) > 4 else False
     # skip invisible tiles only where many exist: an untrimmed window or a long causal prefill

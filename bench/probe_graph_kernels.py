@@ -1,0 +1,101 @@
+"""Which kernels a captured factory step replays, and how long each takes (GPU host).
+
+For each case (model:mode:bs[:override,...]) it builds bench_factory's pools and batch, captures
+the whole step through the backend's graph contract (as `bench_factory.graph_case` does), times
+the replay (do_bench median) and profiles 10 replays with the torch profiler: per kernel name,
+calls and device µs per replay, grouped by the layer group whose step it is. The floor is the
+K/V bytes the step reads over a copy measured in the same run.
+
+    python3 bench/probe_graph_kernels.py OUT gpt_oss_20b:decode:8 gemma4:verify_chain8:64
+    python3 bench/probe_graph_kernels.py OUT gemma4:verify_chain8:64:backend.groups.full=triton
+
+Writes OUT/probe-graph-kernels.json and prints a table per case.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_factory as bf  # noqa: E402
+
+
+def one(spec: str, do_bench, bw: float, eager: bool) -> dict:
+    model, mode, bs, *ov = spec.split(":")
+    bs, ctx, nodes = int(bs), 8192, bf.MODES[mode]
+    cfg, pool, alloc, slots, backend = bf.setup(model, bs, ctx, nodes, overrides=tuple(ov))
+    batch = bf.batch_of(mode, slots, alloc, bs, ctx)
+    plan = backend.init_forward_metadata(batch)
+    qs, ks, vs, sinks = bf.step_inputs(cfg, pool, batch.total_q)
+    L = len(qs)
+
+    def step():
+        for layer in range(L):
+            out = backend.forward(qs[layer], ks[layer], vs[layer], layer, sinks=sinks)
+        return out
+
+    if eager:  # the kernels of an eager forward (no capture), after the plan
+        run = step
+    else:
+        backend.init_cuda_graph_state(bs, nodes)
+        backend.init_forward_metadata_capture(bs, nodes, batch.mode)
+        g, _ = bf.capture(step)
+        backend.init_forward_metadata_replay(batch, bs, nodes)
+        run = g.replay
+    ms = do_bench(run, warmup=10, rep=100, return_mode="median")
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    n = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[e.name[:90]]
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+    rows = sorted(((name, c / n, us / n) for name, (c, us) in kernels.items()),
+                  key=lambda r: -r[2])
+    floor = bf.kv_bytes_read(plan, pool) / bw * 1e3
+    return dict(case=spec, eager=eager, step_ms=ms, floor_ms=floor, layers=L,
+                kernel_us_sum=sum(r[2] for r in rows) / 1e3,
+                kernels=[dict(name=a, calls=b, us=c) for a, b, c in rows])
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    from triton.testing import do_bench
+
+    bw = bf.copy_bandwidth(do_bench)
+    res = []
+    for spec in sys.argv[2:]:
+        eager = spec.endswith(":eager")
+        spec = spec.removesuffix(":eager")
+        try:
+            r = one(spec, do_bench, bw, eager)
+        except Exception as e:  # noqa: BLE001 - a case's failure is a row
+            r = dict(case=spec, error=f"{type(e).__name__}: {e}"[:300])
+        res.append(r)
+        print(f"\n## {spec}{' (eager)' if eager else ''}")
+        if "error" in r:
+            print(r["error"])
+            continue
+        print(f"step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
+              f"({r['step_ms'] / r['floor_ms']:.2f}x), kernels {r['kernel_us_sum']:.3f} ms")
+        for k in r["kernels"][:14]:
+            print(f"  {k['us']:9.1f} us  {k['calls']:5.1f}x  {k['name']}")
+        torch.cuda.empty_cache()
+    (out / "probe-graph-kernels.json").write_text(json.dumps(dict(copy_tbs=bw / 1e12, rows=res),
+                                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()
