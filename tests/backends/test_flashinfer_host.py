@@ -203,3 +203,27 @@ def test_page_table_of_lists_that_start_on_a_page() -> None:
     ptr, ids, last = fi.page_table(kv_host, rows, 4)
     assert ptr.tolist() == [0, 2, 2, 3] and ids.tolist() == [2, 3, 5]
     assert last.tolist() == [2, 4, 4]  # the empty list: 0 pages, FlashInfer counts 0 keys
+
+
+@pytest.mark.parametrize("mode", ["verify_chain", "verify_tree_2", "dflash_block"])
+def test_wide_verify_runs_the_two_kernel_triton_path_not_flashinfers_prefill(fake, mode) -> None:
+    """Gemma 4's full layers (head_dim 512, group 8) in a step of at most 8 tokens: the pass is
+    planned without FlashInfer and run by `verify_wide` (the reference off CUDA); the SWA layers
+    (head_dim 256, group 2) keep FlashInfer's prefill. Outputs equal the oracle."""
+    from test_backends_vs_oracle import assert_close, run_mode
+
+    world, _ = adapter_world("gemma4", 1, ["model.sliding_window=8"])
+    ad = world.backend.adapter
+    planned = []
+    real = ad._plan_wrapper
+
+    def spy(p, sig, device):
+        planned.append((p.group, p.decode, int((p.qo_host[1:] - p.qo_host[:-1]).max())))
+        return real(p, sig, device)
+
+    ad._plan_wrapper = spy
+    assert_close(run_mode(world, mode, [0, 5], 8))
+    step = [(g, n) for g, dec, n in planned if not dec and n <= 8]  # the step, not the prefill
+    assert step and {g for g, _ in step} == {"swa/w8"}, planned
+    t = world.backend.plan.groups["full"].tables
+    assert fi.uses_wide((32, 4, 512), t) and not fi.uses_wide((32, 16, 256), t)
