@@ -9,7 +9,8 @@ bench/results/probes-54316e4.md). Split the work so no program holds it:
 * ``scores``: one program per (request, KV head, key split); per key tile of ``BN`` keys it
   computes the 64 × BN scores, their row max ``m_t`` and ``l_t = Σ exp(s − m_t)``, and stores
   ``P_t = exp(s − m_t)`` in the compute dtype. Keys a row cannot see (structure, window, past the
-  list) are stored as ``-0.0``, a value ``exp`` never gives, so the second kernel knows them.
+  list) are stored as ``-1``, a value ``exp`` never gives (and NaN never equals), so the second
+  kernel knows them without a mask of its own.
 * ``pv``: one program per (D slice, request, KV head[, key split]); it takes the row max ``M`` over
   the tiles' ``m_t``, then ``acc += (P_t · e^{m_t − M}) · V_t[:, slice]`` and ``L += l_t ·
   e^{m_t − M}``; ``o = acc / L``. Programs of one (request, head) differ only in their D slice and
@@ -108,8 +109,8 @@ def _kernels(interpret: bool) -> Any:
             ref = tl.where(mt == float("-inf"), 0.0, mt)
             p = tl.exp(s - ref[:, None])
             lt = tl.sum(p, axis=1)
-            p = tl.where(vis, p, -0.0)  # the marker of an unseen key
-            g = ((kh * G + tile0 + start // BN) * BLOCK_M + r).to(tl.int64)
+            p = tl.where(vis, p, -1.0)  # the marker of an unseen key
+            g = (kh * G + tile0 + start // BN).to(tl.int64) * BLOCK_M + r
             tl.store(p_ptr + g[:, None] * BN + tl.arange(0, BN)[None, :], p.to(CDT))
             tl.store(m_ptr + g, mt)
             tl.store(l_ptr + g, lt)
@@ -118,8 +119,7 @@ def _kernels(interpret: bool) -> Any:
     def pv(v_ptr, qo_indptr, kv_indptr, kv_indices, p_ptr, m_ptr, l_ptr, o_ptr, lse_ptr, po_ptr,
            plse_ptr, stride_vr, stride_vh, stride_ot, stride_oh, Hq, Hkv, n_splits, G, v_scale,
            GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-           DS: tl.constexpr, TT: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr,
-           P16: tl.constexpr):
+           DS: tl.constexpr, TT: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr):
         NDS: tl.constexpr = D // DS
         ds = tl.program_id(0) % NDS
         kh = (tl.program_id(0) // NDS) % Hkv
@@ -151,16 +151,13 @@ def _kernels(interpret: bool) -> Any:
         den = tl.zeros((BLOCK_M,), tl.float32)
         poisoned = tl.zeros((BLOCK_M,), tl.int32)
         for t in range(t_lo, t_hi):
-            g = ((base + t) * BLOCK_M + r).to(tl.int64)
+            g = (base + t).to(tl.int64) * BLOCK_M + r
             w = tl.exp(tl.load(m_ptr + g) - ref)
             den += tl.load(l_ptr + g) * w
-            p = tl.load(p_ptr + g[:, None] * BN + tl.arange(0, BN)[None, :])
-            if P16:  # -0.0 is the bit pattern 0x8000 (0x80000000 in fp32)
-                vis = p.to(tl.int16, bitcast=True) != -32768
-            else:
-                vis = p.to(tl.int32, bitcast=True) != -2147483648
-            kvis = tl.max(vis.to(tl.int32), axis=0) > 0
+            p = tl.load(p_ptr + g[:, None] * BN + tl.arange(0, BN)[None, :]).to(tl.float32)
             offs = t * BN + tl.arange(0, BN)
+            vis = (p != -1.0) & (offs < n)[None, :]  # NaN != -1: a NaN score stays seen
+            kvis = tl.max(vis.to(tl.int32), axis=0) > 0
             rows = tl.load(kv_indices + kv0 + offs, mask=kvis, other=0).to(tl.int64)
             v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + dd[None, :],
                         mask=kvis[:, None], other=0.0).to(CDT)
@@ -168,7 +165,7 @@ def _kernels(interpret: bool) -> Any:
             vbad = tl.max(bad.to(tl.int32), axis=1)
             poisoned = tl.maximum(poisoned, tl.max(tl.where(vis, vbad[None, :], 0), axis=1))
             v = tl.where(bad, 0.0, v)
-            pw = (p.to(tl.float32) * w[:, None]).to(CDT)
+            pw = tl.where(vis, p * w[:, None], 0.0).to(CDT)
             acc += tl.dot(pw, v, input_precision="ieee" if CDT == tl.float32 else None)
         ok = den != 0  # NaN stays NaN: a visible stale read must show
         o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0) * v_scale
@@ -244,7 +241,6 @@ def wide_verify(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos
         v_buf.stride(0), v_buf.stride(1), o.stride(0), o.stride(1), hq, hkv, splits, g,
         1.0 if split else float(v_scale),
         GROUP=group, BLOCK_M=block_m, BN=bn, D=d, DS=dsw, TT=16, SPLIT=split, CDT=cdt,
-        P16=p.element_size() == 2,
         num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"])
     if split:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o,
