@@ -70,9 +70,10 @@ def one_case(model: str, backend_name: str, bs: int, ctx: int, page: int, do_ben
                 dms, how = device_ms(layer, do_bench)
                 r.update(full_device_ms=dms, full_device_by=how,
                          full_device_of_copy=nbytes / (dms * 1e-3) / bw)
-        runs = getattr(backend.adapter, "runs_by_page", None)
+        runs = getattr(backend.adapter, "runs", None)  # flash_attn: (view page size, tile) → n
         if runs is not None:
-            r["views"] = {str(k): v for k, v in runs.items()}  # page size of the cache view read
+            r["views"] = {f"{view} tile {t[0]}x{t[1]}" if t else str(view): n
+                          for (view, t), n in runs.items() if view is not None}
         elif hasattr(backend.adapter, "_page"):
             r["views"] = {str(backend.adapter._page): 1}
     finally:
@@ -126,7 +127,8 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
               "profiler), so a library's host launch time is not counted as reading time. "
               "`do_bench` medians after `gc.freeze()`. "
               "cache views read: the page size of each paged run's K/V view (flash_attn's "
-              "expanded passes read page size 1; decode has none)."]
+              "expanded passes read page size 1; decode has none) and, where flash_attn passed "
+              "one to `_flash_attn_fwd`, its tile_mn (none: FA4's default tile)."]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "pages-h200.md").write_text(text)

@@ -1,4 +1,5 @@
-"""flash-attn-4 (CuTe DSL): `flash_attn_varlen_func` over the pool's pages.
+"""flash-attn-4 (CuTe DSL): `flash_attn_varlen_func` over the pool's pages, short passes on a
+64 × 128 tile through `_flash_attn_fwd` (`pass_tile`).
 
 Layout. Pool buffers ``[rows, Hkv, D]`` viewed as ``[rows / P, P, Hkv, D]`` are FA4's paged
 cache at the pool's page size P, so a request's pages are its ``page_table`` row and
@@ -25,9 +26,17 @@ SM90 and so by the registry. Sinks use the exact LSE epilogue (`triton.sinks.sin
 launch on CUDA): ``learnable_sink`` takes bf16 sinks only, and the models' sinks are fp32. A
 forward that wants no LSE (every layer's, but a cascade's halves) asks FA4 for none unless the
 sinks need it.
+
+Tile. b9's public functions take no tile; a natural pass of at most 64 GQA-packed query rows per
+KV head (decode) on SM90 at head_dim ≤ 64 calls `_flash_attn_fwd` (the function
+`flash_attn_varlen_func` wraps, same tensors, window as two ints) with ``tile_mn=(64, 128)``
+(`pass_tile` says why). A library without it runs the default tile, with the reason in
+`Adapter.tile_fallback` and a warning; `Adapter.runs` records each run's view and tile.
 """
 from __future__ import annotations
 
+import importlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +48,37 @@ from swafactory.kernels.triton.sinks import sink_output
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flash_attn_window_size
 
-__all__ = ["CAPABILITIES", "Adapter", "PAGED_MAX_HEAD_DIM"]
+__all__ = ["CAPABILITIES", "Adapter", "PAGED_MAX_HEAD_DIM", "SHORT_PASS_TILE", "pass_tile"]
 
 PAGED_MAX_HEAD_DIM = 128
 """Largest head dim FA4 4.0.0b9 serves through ``page_table`` at page size 1 on SM90."""
+
+SHORT_PASS_TILE = (64, 128)
+"""FA4 ``tile_mn`` for short passes (`pass_tile`): the smallest wgmma M, b9's own tile_n."""
+
+
+def pass_tile(packed_rows: int, head_dim: int, arch: int | None) -> tuple[int, int] | None:
+    """FA4's ``tile_mn`` for a natural pass whose GQA-packed query rows per KV head
+    (``max_seqlen_q × group``) are ``packed_rows``; None: the library's default tile.
+
+    Why: b9 picks 192 × 128 on SM90 at head_dim ≤ 64, and a decode tile packs only ``group``
+    rows (8 for GPT-OSS), so most of each MMA is padding. GPT-OSS full-layer decode on the H200
+    (bs 64, ctx 8192, D 64, group 8; commit 54316e4, bench/results/probes-54316e4.md) read its
+    K/V at 53% of copy bandwidth with the default tile and at 91% with ``tile_mn=(64, 128)`` at
+    page 128 (70% at page 1), outputs identical. The rule keeps to what was measured: SM90
+    (arch 90), head_dim ≤ 64, at most 64 rows (one M block: the tile changes no arithmetic).
+    """
+    m = SHORT_PASS_TILE[0]
+    return SHORT_PASS_TILE if arch == 90 and head_dim <= 64 and packed_rows <= m else None
+
+
+def _arch(device: torch.device) -> int | None:
+    """FA4's arch number of ``device`` (90 for H100/H200); None off CUDA (the CPU fakes)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
 
 CAPABILITIES = Capabilities(
     name="flash_attn",
@@ -137,10 +173,18 @@ def plan_pass(tables, window: int | None, page: int = 1) -> _FaPass:
                    empty if bool(empty.any()) else None, window)
 
 
-def _varlen():
-    from flash_attn.cute.interface import flash_attn_varlen_func
-
-    return flash_attn_varlen_func
+def _fa4_call(tile):
+    """(the FA4 function a run calls, why the tile was dropped or None). A tile needs
+    `_flash_attn_fwd`; the public varlen function takes none."""
+    interface = importlib.import_module("flash_attn.cute.interface")
+    if tile is None:
+        return interface.flash_attn_varlen_func, None
+    fwd = getattr(interface, "_flash_attn_fwd", None)  # private in b9: may go or move
+    if fwd is None:
+        return interface.flash_attn_varlen_func, (
+            "flash_attn.cute.interface has no _flash_attn_fwd (written against flash-attn-4 "
+            f"4.0.0b9): short passes run FA4's default tile, not tile_mn={tile}")
+    return fwd, None
 
 
 class Adapter:
@@ -150,8 +194,20 @@ class Adapter:
 
     def __init__(self) -> None:
         self._passes: PassCache = PassCache("flash_attn")
-        self.runs_by_page: dict[int, int] = {}
+        self.runs: dict[tuple[int | None, tuple[int, int] | None], int] = {}
+        """(page size of the K/V view, 1 the page-size-1 view, None gathered keys; ``tile_mn``
+        passed to `_flash_attn_fwd`, None FA4's default via the varlen function) → runs."""
+        self.tile_fallback: str | None = None
+        """Why a pass that `pass_tile` gives a tile ran the default one; None if none did."""
+
+    @property
+    def runs_by_page(self) -> dict[int, int]:
         """Page size of the cache view → paged runs (1: the page-size-1 view), for the tests."""
+        out: dict[int, int] = {}
+        for (page, _), n in self.runs.items():
+            if page is not None:
+                out[page] = out.get(page, 0) + n
+        return out
 
     def plan(self, forward_plan, pool, *, sigs=None, graph=None) -> None:
         """FA4 arguments for every pass of ``forward_plan`` (once per forward)."""
@@ -174,23 +230,31 @@ class Adapter:
             raise ValueError(f"pass planned for window {p.window}, run with {window}")
         want = lse or sinks is not None  # no LSE is asked of the kernel where nothing needs it
         kw = dict(cu_seqlens_q=p.cu_seqlens_q, max_seqlen_q=p.max_seqlen_q,
-                  seqused_k=p.seqused_k, softmax_scale=scale, softcap=softcap or 0.0,
-                  return_lse=want)
-        if p.natural:
-            kw.update(causal=True, window_size=flash_attn_window_size(window))
-        else:
-            kw.update(causal=False, window_size=(None, None))
+                  seqused_k=p.seqused_k, softmax_scale=scale, causal=p.natural, return_lse=want)
+        left, right = flash_attn_window_size(window) if p.natural else (None, None)
         if q.shape[-1] <= PAGED_MAX_HEAD_DIM and p.pages is not None:  # the pool's own pages
             k, v = (b.view(b.shape[0] // p.page, p.page, *b.shape[1:]) for b in (k_buf, v_buf))
             kw["page_table"] = p.pages
         elif q.shape[-1] <= PAGED_MAX_HEAD_DIM:
             k, v = k_buf.unsqueeze(1), v_buf.unsqueeze(1)  # [rows, page_size 1, Hkv, D]
             kw["page_table"] = p.page_table
-        if "page_table" in kw:
-            self.runs_by_page[k.shape[1]] = self.runs_by_page.get(k.shape[1], 0) + 1
         else:  # b9's paged loader is broken for tile_n < 128 (see the module docstring)
             k, v = k_buf[p.rows], v_buf[p.rows]  # [n, S, Hkv, D]
-        o, ln = _varlen()(q, k, v, **kw)
+        tile = (pass_tile(p.max_seqlen_q * (q.shape[1] // k_buf.shape[1]), q.shape[-1],
+                          _arch(q.device)) if p.natural else None)
+        fn, why = _fa4_call(tile)
+        if why is not None:
+            tile = None
+            if self.tile_fallback is None:  # once per adapter, and kept for the record
+                warnings.warn(why, RuntimeWarning, stacklevel=2)
+            self.tile_fallback = why
+        if tile is None:
+            o, ln = fn(q, k, v, window_size=(left, right), softcap=softcap or 0.0, **kw)
+        else:  # b9's `_flash_attn_fwd`: the window as two ints, softcap None for none
+            o, ln = fn(q, k, v, window_size_left=left, window_size_right=right,
+                       softcap=softcap or None, tile_mn=tile, **kw)
+        view = k.shape[1] if "page_table" in kw else None
+        self.runs[view, tile] = self.runs.get((view, tile), 0) + 1
         if p.empty is not None:  # a cascade half that sees nothing: the contract's (0, -inf)
             o = torch.where(p.empty[:, None, None], 0, o)
         if not want:

@@ -9,8 +9,10 @@ the two geometries are still exercised. Run on the GPU host:
 from __future__ import annotations
 
 import pytest
+import torch
 
 import swafactory
+from swafactory.kernels import flash_attn
 from swafactory.registry.device import detect_device
 from swafactory.registry.table import get_capabilities, has_adapter, list_backends
 from test_backends_vs_oracle import MODES, assert_close, run_mode
@@ -122,4 +124,8 @@ def test_flash_attn_reads_the_pools_own_pages(page: int, mode: str) -> None:
     extra = ["model.sliding_window=20", "model.num_layers=4", "model.softmax_scale=0.1"]
     w, _ = world("flash_attn", "gpt_oss_20b", extra, page=page)
     assert_close(run_mode(w, mode, [0, 1], 20), BF16)
-    assert w.backend.adapter.runs_by_page.get(page), w.backend.adapter.runs_by_page
+    a = w.backend.adapter
+    assert a.runs_by_page.get(page), a.runs_by_page
+    if mode in ("decode", "extend_prefix", "verify_chain"):  # ≤ 64 packed rows: issue 17's tile
+        tile = flash_attn.pass_tile(8, 64, flash_attn._arch(torch.device("cuda")))
+        assert (page, tile) in a.runs and a.tile_fallback is None, (a.runs, a.tile_fallback)
