@@ -42,11 +42,13 @@ would misplace the eager layout's bits, and `tests/backends/test_gpu_vs_oracle.p
 Sinks are served by an exact epilogue on the returned LSE (``o · σ(lse - sink)``): FlashInfer
 0.6.18's FA2/FA3 paged runs accept ``sinks=`` but drop it (only trtllm-gen, SM100+, reads it).
 
-Wide verify. A masked pass of 17-64 rows per KV head at head_dim ≥ 512 (Gemma 4's full layers
-in verify, tree and DFlash steps: 8 tokens × 8 heads) runs swafactory's two-kernel Triton path
-(`kernels.triton.verify_wide`) on the same tables instead of FlashInfer's prefill, which takes
-2.2 ms there against 0.97 ms for the decode of the same K/V (H200, bs 64, ctx 8K). Eager forwards
-only: a graph bucket keeps FlashInfer's ``use_cuda_graph`` prefill, whose buffers it refills.
+Wide verify. A multi-query pass of 17-64 rows per KV head at head_dim ≥ 512 (Gemma 4's full
+layers in verify, tree and DFlash steps: 8 tokens × 8 heads) runs swafactory's Triton extend tile
+(`kernels.triton.extend`) on the same tables instead of FlashInfer's prefill: the fastest exact
+path measured there (H200, commit 2db4d40, bs 64, ctx 8192, 8 tokens, side by side on the same
+data: the tile 2.01 ms, FlashInfer's custom-mask prefill 2.23, the two-kernel `verify_wide`
+4.04; FlashInfer's decode of the same K/V 0.97). Eager forwards only: a graph bucket keeps
+FlashInfer's ``use_cuda_graph`` prefill, whose buffers it refills in place.
 """
 from __future__ import annotations
 
@@ -58,15 +60,16 @@ import torch
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.kernels.triton.sinks import sink_output
-from swafactory.kernels.triton.verify_wide import WIDE_MIN_HEAD_DIM
 from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
 __all__ = ["CAPABILITIES", "Adapter", "page_table", "custom_mask", "packed_custom_mask",
-           "apply_sinks", "uses_wide"]
+           "apply_sinks", "uses_triton_verify"]
 
 _LN2 = math.log(2.0)
+TRITON_VERIFY_MIN_HEAD_DIM = 512
+"""Head dims from which a 17-64-row multi-query pass runs the Triton tile (`uses_triton_verify`)."""
 # Split-KV partials of one prefill pass: a 256-token chunk of Gemma 4's full layers (32 q heads ×
 # 512) needed 138 MB on the H200, past FlashInfer's usual 128 MB, so take 512 MB once.
 _WORKSPACE_BYTES = 512 * 1024 * 1024
@@ -122,8 +125,8 @@ class _Pass:
     """(bucket, tokens per request) when planned for a CUDA-graph bucket, else None."""
     page: int = 1
     """The pool's page size: ``kv_host``/``indices`` count pages of it, ``last`` keys."""
-    wide: bool = False
-    """Served by the two-kernel Triton verify (`uses_wide`): no FlashInfer tables or plan."""
+    triton: bool = False
+    """Served by the Triton extend tile (`uses_triton_verify`): no FlashInfer tables or plan."""
 
 
 Signature = tuple
@@ -177,10 +180,10 @@ class Adapter:
         for key, g in forward_plan.groups.items():
             sig = (sigs or {}).get(key)
             for role, t in g.passes:
-                if graph is None and sig is not None and uses_wide(sig, t):
+                if graph is None and sig is not None and uses_triton_verify(sig, t):
                     self._passes.put(t, _Pass(key, role, g.window, False, t.qo_host, t.kv_host,
                                               t.kv_indices.tensor, self._ones[:0], None,
-                                              planned_for=sig, wide=True))
+                                              planned_for=sig, triton=True))
                     continue
                 p = self._passes.put(t, self._prepare(key, role, t, g.window, graph))
                 if sig is not None:
@@ -304,7 +307,7 @@ class Adapter:
             raise ValueError(f"group {p.group!r} was planned for window {p.window}, run with "
                              f"{window}")
         sig = (q.shape[1], k_buf.shape[1], q.shape[2], q.dtype, k_buf.dtype, scale, softcap)
-        if p.wide and p.planned_for == sig:  # the same rows and rule (off CUDA: the reference)
+        if p.triton and p.planned_for == sig:  # the same rows and rule (off CUDA: the reference)
             from swafactory.kernels.triton.ops import paged_attention
 
             t = tables
@@ -312,7 +315,7 @@ class Adapter:
                                    t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                    window=window, scale=scale, softcap=softcap, sinks=sinks,
                                    max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale)
-        if p.wide:  # planned as wide for another signature: FlashInfer's tables after all
+        if p.triton:  # planned for another signature: FlashInfer's tables after all
             p = self._passes.put(tables, self._prepare(p.group, p.role, tables, p.window, None))
         if p.planned_for != sig:
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -341,10 +344,10 @@ class Adapter:
         return merge_state(o1, lse1, o2, lse2, sinks)[0]
 
 
-def uses_wide(sig: Signature, t) -> bool:
-    """Whether a pass of ``t`` under ``sig`` takes the two-kernel Triton verify: a masked or
+def uses_triton_verify(sig: Signature, t) -> bool:
+    """Whether a pass of ``t`` under ``sig`` runs the Triton extend tile: a masked or
     multi-query pass (FlashInfer's prefill) of 17-64 rows per KV head at head_dim ≥ 512."""
     hq, hkv, d = sig[:3]
     rows = t.max_q_len * (hq // hkv)
     prefill = t.mask is not None or t.max_q_len > 1
-    return prefill and d >= WIDE_MIN_HEAD_DIM and 16 < rows <= 64
+    return prefill and d >= TRITON_VERIFY_MIN_HEAD_DIM and 16 < rows <= 64

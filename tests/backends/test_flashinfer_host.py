@@ -206,10 +206,10 @@ def test_page_table_of_lists_that_start_on_a_page() -> None:
 
 
 @pytest.mark.parametrize("mode", ["verify_chain", "verify_tree_2", "dflash_block"])
-def test_wide_verify_runs_the_two_kernel_triton_path_not_flashinfers_prefill(fake, mode) -> None:
+def test_wide_verify_runs_the_triton_tile_not_flashinfers_prefill(fake, mode) -> None:
     """Gemma 4's full layers (head_dim 512, group 8) in a step of at most 8 tokens: the pass is
-    planned without FlashInfer and run by `verify_wide` (the reference off CUDA); the SWA layers
-    (head_dim 256, group 2) keep FlashInfer's prefill. Outputs equal the oracle."""
+    planned without FlashInfer and run by the Triton extend tile (the reference off CUDA); the
+    SWA layers (head_dim 256, group 2) keep FlashInfer's prefill. Outputs equal the oracle."""
     from test_backends_vs_oracle import assert_close, run_mode
 
     world, _ = adapter_world("gemma4", 1, ["model.sliding_window=8"])
@@ -226,4 +226,4 @@ def test_wide_verify_runs_the_two_kernel_triton_path_not_flashinfers_prefill(fak
     step = [(g, n) for g, dec, n in planned if not dec and n <= 8]  # the step, not the prefill
     assert step and {g for g, _ in step} == {"swa/w8"}, planned
     t = world.backend.plan.groups["full"].tables
-    assert fi.uses_wide((32, 4, 512), t) and not fi.uses_wide((32, 16, 256), t)
+    assert fi.uses_triton_verify((32, 4, 512), t) and not fi.uses_triton_verify((32, 16, 256), t)

@@ -177,8 +177,9 @@ def test_a_new_split_count_compiles_nothing():
 @pytest.mark.parametrize("bs", [3, 64])
 def test_wide_verify_at_gemma4_full_layers_equals_the_reference_and_the_one_kernel_tile(
         bs, with_sinks):
-    """The two-kernel path (`verify_wide`, the default at D 512) at bs 3 (splits) and 64, a
-    tree mask, sinks; unowned rows are NaN, so a stray read of either kernel shows."""
+    """The two-kernel path (`verify_wide`, opt-in) at bs 3 (splits) and 64, a tree mask, sinks,
+    against the reference and the one-kernel tile; unowned rows are NaN, so a stray read of
+    either kernel shows."""
     from swafactory.kernels.triton.extend import extend_attention
 
     hq, hkv, d = 32, 4, 512
@@ -191,7 +192,7 @@ def test_wide_verify_at_gemma4_full_layers_equals_the_reference_and_the_one_kern
     batch = make_batch(reqs, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16, page_size=1,
                        device="cuda", seed=7)
     sinks = _sinks(hq, with_sinks)
-    o, lse = _compare(extend_attention, batch, None, sinks, max_q_len=len(parents))
+    o, lse = _compare(extend_attention, batch, None, sinks, max_q_len=len(parents), wide=True)
     o1, _ = extend_attention(*batch.args(), **batch.masks(), window=None, scale=d ** -0.5,
-                             sinks=sinks, max_q_len=len(parents), wide=False)
+                             sinks=sinks, max_q_len=len(parents))
     torch.testing.assert_close(o.float(), o1.float(), **tol(torch.bfloat16))

@@ -35,7 +35,7 @@ import torch
 from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, interpreting,
                                              plan_splits, sm_count)
 from swafactory.kernels.torch_ref import check_contract
-from swafactory.kernels.triton.verify_wide import WIDE_MIN_HEAD_DIM, wide_verify
+from swafactory.kernels.triton.verify_wide import wide_verify
 
 __all__ = ["extend_attention", "extend_config", "extend_splits", "dense_runs"]
 
@@ -302,7 +302,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      max_q_len: int | None = None, num_splits: int | None = None,
                      config: tuple[int, ...] | None = None, dense: bool = True,
-                     k_scale: float = 1.0, v_scale: float = 1.0, wide: bool | None = None
+                     k_scale: float = 1.0, v_scale: float = 1.0, wide: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged extend/verify under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
@@ -315,8 +315,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     stages[, pool rows loaded a tile ahead by hand]) and ``dense=False`` turns the dense-run fast
     path off (tests, benchmarks); by default they are planned from static sizes. fp8 buffers
     (with ``k_scale``/``v_scale``) are read in q's dtype: k_scale joins the softmax scale and
-    v_scale the output. ``wide`` picks the two-kernel path of ``verify_wide`` (None: where it
-    serves, head_dim ≥ 512 with 17-64 rows per KV head and no tile or split count given).
+    v_scale the output. ``wide=True`` takes the two-kernel path of ``verify_wide`` instead (up to
+    64 rows per KV head; opt-in, slower on the H200 so far).
     """
     nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                                mask, mask_indptr, sinks)
@@ -335,10 +335,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
     rows = max_q_len * group
-    if wide is None:
-        wide = (d >= WIDE_MIN_HEAD_DIM and 16 < rows <= 64 and dense and config is None
-                and num_splits is None)
-    if wide:
+    if wide:  # opt-in: measured slower than this tile (`verify_wide`'s docstring)
         if rows > 64:
             raise ValueError(f"the wide verify path holds 64 rows per KV head, got {rows}")
         if mask is not None:

@@ -16,12 +16,22 @@ bench/results/probes-54316e4.md). Split the work so no program holds it:
   e^{m_t − M}``; ``o = acc / L``. Programs of one (request, head) differ only in their D slice and
   are launched next to each other, so P comes from L2 after the first.
 
+Measured (H200, commit 2db4d40, `bench/bench_triton_vs_flashinfer.py --only gemma4_full_verify8
+--wide-sweep`; bs 64, ctx 8192, 8 chain tokens, D 512, group 8): 4.04-4.21 ms at BN 32 and 5.27
+at BN 64, against 2.01 ms for the one-kernel tile and 2.23 for FlashInfer's custom-mask prefill,
+outputs equal (rel err 3.1e-3 against FlashInfer, as the tile's). Both kernels still run one
+program per multiprocessor: the scores kernel holds Q (64 × 512 bf16, 64 KB) in shared memory
+beside its K stages (135 KB at 3 stages), and the P·V kernel takes 240 registers at 8 warps
+(226 at 4 warps with 128-column slices, 4.21 ms). So it is opt-in (``extend_attention(...,
+wide=True)``) and not what the backends run. What it would take next: Q·Kᵀ accumulated over D
+slices, so Q is not resident, and several P·V programs per multiprocessor.
+
 Each tile is its own softmax chunk, so P is exact up to its dtype's rounding (it lies in [0, 1]),
 as in the one-kernel tile, which casts p to the V dtype before its product too.
 
-Tiles are numbered per request: tile t of request b is row ``kv_indptr[b] // BN + b + t`` of the
-workspace, unique across requests (⌊(a + n)/BN⌋ ≥ ⌊a/BN⌋ + ⌊n/BN⌋), so the workspace is sized from
-host-known totals: ``total_kv // BN + B + 1`` tiles, no read-back.
+Tiles are numbered per request: tile t of request b is row ``kv_indptr[b] // BN + b + t`` of
+the workspace, unique across requests (⌊(a + n)/BN⌋ ≥ ⌊a/BN⌋ + ⌊n/BN⌋), so the workspace is
+sized from host-known totals: ``total_kv // BN + B + 1`` tiles, no read-back.
 
 Stale reads behave as in the one-kernel tile: a non-finite K makes the scores of the rows that see
 it NaN (through P and l_t); a non-finite V is zeroed before the product and only the rows that see
@@ -36,11 +46,7 @@ import torch
 
 from swafactory.kernels.triton.merge import combine_splits, interpreting, sm_count
 
-__all__ = ["wide_verify", "wide_config", "WIDE_MIN_HEAD_DIM"]
-
-WIDE_MIN_HEAD_DIM = 512
-"""Head dims from which a verify tile of more than 16 rows takes the two kernels."""
-
+__all__ = ["wide_verify", "wide_config"]
 
 def wide_config(head_dim: int) -> dict:
     """Tiles: BN keys per tile, scores warps/stages, P·V D-slice width, warps/stages (a config
