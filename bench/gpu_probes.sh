@@ -12,13 +12,16 @@
 #              chain/tree verify at bs 8 and 64 on gemma4 and gpt_oss_20b, with --triton
 #     fa4      bench/probe_fa4_decode.py (FA4's decode tile, GQA packing, splits; wall and device
 #              time) and bench_pages for flash_attn and flashinfer at pages 1 and 128
+#     graphs   FlashInfer's JIT warm-up for head dims 64 256 512, then bench/probe_graph_kernels.py:
+#              the kernels of GPT-OSS-20b's bs-8 decode step captured and eager, and of Gemma 4's
+#              bs-64 chain verify, with device µs per step (issue 16's graph-replay line)
 # Environment: WHEELS / FA4 as for bench/gpu_env.sh (.whl for verify and factory; .fa4y and a
 # trimmed .whl for fa4 on a fresh machine), COMMIT (recorded in the tables), DEADLINE (seconds
 # per stage, default 420).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_probes.sh OUT STAGE...}
 shift
-[ $# -ge 1 ] || { echo "usage: bench/gpu_probes.sh OUT verify|factory|fa4 ..." >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: bench/gpu_probes.sh OUT verify|factory|fa4|graphs ..." >&2; exit 2; }
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 DEADLINE=${DEADLINE:-420}
 mkdir -p "$OUT"
@@ -54,7 +57,13 @@ for stage in "$@"; do
             > "$OUT/pages.txt" 2>&1
         echo "bench_pages: exit $?"
         grep '^|' "$OUT/pages.txt" | cut -c1-240 ;;
-    *) echo "unknown stage $stage (verify, factory, fa4)" >&2; exit 2 ;;
+    graphs)
+        python3 tests/backends/flashinfer_warm.py 64 256 512 > "$OUT/warm.txt" 2>&1
+        timeout "$DEADLINE" python3 bench/probe_graph_kernels.py "$OUT" gpt_oss_20b:decode:8 \
+            gpt_oss_20b:decode:8:eager gemma4:verify_chain8:64:eager > "$OUT/graphs.txt" 2>&1
+        echo "probe_graph_kernels: exit $?"
+        cut -c1-160 "$OUT/graphs.txt" ;;
+    *) echo "unknown stage $stage (verify, factory, fa4, graphs)" >&2; exit 2 ;;
     esac
     echo "stage $stage: $(( $(date +%s) - start )) s"
 done

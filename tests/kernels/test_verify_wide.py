@@ -64,9 +64,9 @@ def _chain_req(prefix_len, n):
     return Req(kv_pos=list(range(prefix_len + n)), q_pos=list(range(prefix_len, prefix_len + n)))
 
 
-@pytest.mark.parametrize("splits", [(1, 1), (3, 2)])
-@pytest.mark.parametrize("window", [None, 13])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype,window,splits", [(torch.float32, None, (1, 1)),
+                                                  (torch.float32, 13, (3, 2)),
+                                                  (torch.float16, 13, (3, 2))])
 def test_chain_verify_matches_oracle(dtype, window, splits):
     # 8 tokens × group 4 = 32 rows; lengths that end mid-tile and a request shorter than a tile
     reqs = [_chain_req(37, 8), _chain_req(3, 8), _chain_req(60, 5)]
