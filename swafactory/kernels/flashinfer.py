@@ -59,6 +59,7 @@ import torch
 
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
+from swafactory.kernels.triton.ops import paged_attention
 from swafactory.kernels.triton.sinks import sink_output
 from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
@@ -308,8 +309,6 @@ class Adapter:
                              f"{window}")
         sig = (q.shape[1], k_buf.shape[1], q.shape[2], q.dtype, k_buf.dtype, scale, softcap)
         if p.triton and p.planned_for == sig:  # the same rows and rule (off CUDA: the reference)
-            from swafactory.kernels.triton.ops import paged_attention
-
             t = tables
             return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_indices.tensor,
                                    t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,

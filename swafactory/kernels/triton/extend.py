@@ -335,12 +335,12 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
     rows = max_q_len * group
+    if mask is not None:
+        mask = mask.contiguous()
+        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask  # same bytes
     if wide:  # opt-in: measured slower than this tile (`verify_wide`'s docstring)
         if rows > 64:
             raise ValueError(f"the wide verify path holds 64 rows per KV head, got {rows}")
-        if mask is not None:
-            mask = mask.contiguous()
-            mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         return wide_verify(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                            mask=mask, mask_indptr=mask_indptr, window=window, scale=scale,
                            softcap=softcap, sinks=sinks, group=group,
@@ -362,9 +362,6 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     if splits > 1:
         po = torch.empty(total_q, hq, splits, d, dtype=torch.float32, device=q.device)
         plse = torch.empty(total_q, hq, splits, dtype=torch.float32, device=q.device)
-    if mask is not None:
-        mask = mask.contiguous()
-        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask  # same bytes
     dummy_mask = mask if mask is not None else lse
     dummy_mi = mask_indptr if mask_indptr is not None else qo_indptr
     stage1 = _kernel(interpreting())[1]
