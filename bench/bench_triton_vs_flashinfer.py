@@ -50,11 +50,14 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # 8 nodes, depths 0 1 1 2 2 2 3 3
 SWEEP = {512: [(64, 32, 8, 2, 1), (64, 32, 8, 2, 0), (64, 32, 16, 2, 1), (32, 32, 8, 3, 1)],
          256: [(16, 32, 4, 3, 1), (16, 32, 4, 3, 0), (16, 32, 2, 3, 1), (16, 32, 4, 2, 1),
                (16, 64, 2, 2, 1), (16, 64, 8, 3, 1)]}
-# verify_wide tiles timed by --wide-sweep (BN, scores warps/stages, D slice, P·V warps/stages)
-WIDE_SWEEP = [dict(BN=bn, s_warps=sw, s_stages=ss, DS=ds, pv_warps=pw, pv_stages=ps)
-              for bn, sw, ss, ds, pw, ps in [
-                  (32, 4, 3, 256, 8, 3), (32, 4, 3, 128, 4, 3), (64, 4, 2, 256, 8, 2),
-                  (32, 8, 3, 256, 8, 3)]]
+# verify_wide tiles timed by --wide-sweep (BN, scores warps/stages, D slice, P·V warps/stages,
+# the D slice the scores accumulate over: 512 holds Q resident, less re-reads it per slice)
+WIDE_SWEEP = [dict(BN=bn, s_warps=sw, s_stages=ss, DS=ds, pv_warps=pw, pv_stages=ps, DK=dk)
+              for bn, sw, ss, ds, pw, ps, dk in [
+                  (32, 4, 3, 256, 8, 3, 512), (32, 4, 3, 128, 4, 3, 512),
+                  (64, 4, 2, 256, 8, 2, 512), (32, 8, 3, 256, 8, 3, 512),
+                  (64, 4, 3, 128, 4, 3, 128), (64, 4, 4, 128, 4, 2, 64),
+                  (32, 4, 4, 128, 4, 3, 128), (128, 8, 3, 128, 4, 3, 128)]]
 
 
 def kernel_report(jit_fn) -> list:

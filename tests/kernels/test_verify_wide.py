@@ -25,7 +25,7 @@ from swafactory.kernels.triton.merge import compute_dtype  # noqa: E402
 D = 32
 
 
-def _wide(splits=(1, 1), bn=8):
+def _wide(splits=(1, 1), bn=8, dk=None):
     """extend_attention's signature over `wide_verify` with fixed tiles and splits."""
     def fn(q, k, v, qo, kvp, kvi, qp, kp, *, mask=None, mask_indptr=None, window=None, scale,
            softcap=None, sinks=None, **_):
@@ -37,7 +37,7 @@ def _wide(splits=(1, 1), bn=8):
             q, k, v, qo, kvp, kvi, qp, kp, mask=m, mask_indptr=mask_indptr, window=window,
             scale=scale, softcap=softcap, sinks=sinks, group=group, block_m=bm,
             cdt=compute_dtype(q.dtype, k.dtype),
-            config=dict(BN=bn, s_splits=splits[0], pv_splits=splits[1], DS=16))
+            config=dict(BN=bn, s_splits=splits[0], pv_splits=splits[1], DS=16, DK=dk or D))
     return fn
 
 
@@ -81,6 +81,16 @@ def test_tree_verify_with_window_softcap_and_sinks_matches_oracle(page_size, wit
     batch = make_batch(reqs, hq=16, hkv=2, d=D, page_size=page_size, seed=3)  # group 8: 64 rows
     sinks = torch.linspace(-1, 1, 16) if with_sinks else None
     _check(_wide((2, 3)), batch, window=11, sinks=sinks, softcap=5.0)
+
+
+def test_scores_over_d_slices_equal_scores_with_q_resident():
+    reqs = [_tree_req(29, tree_parents(2, 3, seed=1)), _chain_req(40, 8)]
+    batch = make_batch(reqs, hq=16, hkv=2, d=D, page_size=4, seed=8)
+    o, lse = _check(_wide((2, 2), dk=8), batch, window=11, softcap=5.0)
+    o1, lse1 = _wide((2, 2))(*batch.args(), **batch.masks(), window=11, scale=D ** -0.5,
+                             softcap=5.0)
+    torch.testing.assert_close(o, o1, **tol(torch.float32))
+    torch.testing.assert_close(lse, lse1, **tol(torch.float32))
 
 
 def test_dflash_block_sees_the_whole_block():

@@ -24,7 +24,8 @@ program per multiprocessor: the scores kernel holds Q (64 × 512 bf16, 64 KB) in
 beside its K stages (135 KB at 3 stages), and the P·V kernel takes 240 registers at 8 warps
 (226 at 4 warps with 128-column slices, 4.21 ms). So it is opt-in (``extend_attention(...,
 wide=True)``) and not what the backends run. What it would take next: Q·Kᵀ accumulated over D
-slices, so Q is not resident, and several P·V programs per multiprocessor.
+slices, so Q is not resident (the ``DK`` tile option; in `--wide-sweep`, not yet timed), and
+several P·V programs per multiprocessor.
 
 Each tile is its own softmax chunk, so P is exact up to its dtype's rounding (it lies in [0, 1]),
 as in the one-kernel tile, which casts p to the V dtype before its product too.
@@ -49,10 +50,10 @@ from swafactory.kernels.triton.merge import combine_splits, interpreting, sm_cou
 __all__ = ["wide_verify", "wide_config"]
 
 def wide_config(head_dim: int) -> dict:
-    """Tiles: BN keys per tile, scores warps/stages, P·V D-slice width, warps/stages (a config
-    may also fix ``s_splits`` / ``pv_splits``, the key splits of each kernel: tests, sweeps)."""
-    del head_dim
-    return dict(BN=32, s_warps=4, s_stages=3, DS=256, pv_warps=8, pv_stages=3)
+    """Tiles: BN keys per tile, scores warps/stages, P·V D-slice width, warps/stages, and DK,
+    the D slice the scores accumulate over (D: Q resident; less: Q re-read per slice, untimed so
+    far). A config may also fix ``s_splits`` / ``pv_splits``, each kernel's key splits."""
+    return dict(BN=32, s_warps=4, s_stages=3, DS=256, pv_warps=8, pv_stages=3, DK=head_dim)
 
 
 @functools.cache
@@ -67,7 +68,7 @@ def _kernels(interpret: bool) -> Any:
                n_splits, G, scale, softcap, window, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                BN: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-               CDT: tl.constexpr):
+               CDT: tl.constexpr, DK: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -82,10 +83,10 @@ def _kernels(interpret: bool) -> Any:
         chunk = tl.cdiv(tl.cdiv(n, n_splits), BN) * BN
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, n)
-        d = tl.arange(0, D)
         qrow = (q0 + ql).to(tl.int64)
-        q = tl.load(q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=rvalid[:, None], other=0.0).to(CDT)
+        q_at = q_ptr + qrow[:, None] * stride_qt + heads[:, None] * stride_qh
+        if DK == D:  # Q stays resident (in shared memory beside the K stages)
+            q = tl.load(q_at + tl.arange(0, D)[None, :], mask=rvalid[:, None], other=0.0).to(CDT)
         qp = tl.load(q_pos + qrow, mask=rvalid, other=0)
         mrow = ql.to(tl.int64) * n
         if HAS_MASK:
@@ -105,9 +106,18 @@ def _kernels(interpret: bool) -> Any:
                 vis = vis & (qp[:, None] - kp[None, :] < window)
             kvis = tl.max(vis.to(tl.int32), axis=0) > 0  # keys nobody sees are not loaded
             rows = tl.load(kv_indices + kv0 + offs, mask=kvis, other=0).to(tl.int64)
-            k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
-                        mask=kvis[:, None], other=0.0).to(CDT)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            k_at = k_ptr + rows[:, None] * stride_kr + kh * stride_kh
+            if DK == D:
+                k = tl.load(k_at + tl.arange(0, D)[None, :], mask=kvis[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k.to(CDT)), input_precision=PRECISION)
+            else:  # Q·Kᵀ over D slices of DK: Q is re-read from cache, not held (occupancy)
+                s = tl.zeros((BLOCK_M, BN), tl.float32)
+                for d0 in tl.static_range(0, D, DK):
+                    dk = d0 + tl.arange(0, DK)
+                    qc = tl.load(q_at + dk[None, :], mask=rvalid[:, None], other=0.0).to(CDT)
+                    kc = tl.load(k_at + dk[None, :], mask=kvis[:, None], other=0.0).to(CDT)
+                    s += tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
+            s = s * scale
             if HAS_SOFTCAP:  # cap·tanh(s/cap), tanh written with exp (portable to the interpreter)
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             s = tl.where(vis, s, float("-inf"))
@@ -234,7 +244,7 @@ def wide_verify(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos
         float(scale) * k_scale, float(softcap or 1.0), int(window or 1),
         GROUP=group, BLOCK_M=block_m, BN=bn, D=d, HAS_MASK=mask is not None,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, PRECISION=prec,
-        CDT=cdt, num_warps=cfg["s_warps"], num_stages=cfg["s_stages"])
+        CDT=cdt, DK=min(cfg["DK"], d), num_warps=cfg["s_warps"], num_stages=cfg["s_stages"])
     nds = d // dsw
     splits = cfg.get("pv_splits") or _splits(nb * hkv * nds, tiles, q.device, 2)
     split = splits > 1 or sinks is not None  # the sinks join in the split merge
