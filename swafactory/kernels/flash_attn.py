@@ -35,6 +35,7 @@ KV head (decode) on SM90 at head_dim ≤ 64 calls `_flash_attn_fwd` (the functio
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from dataclasses import dataclass
@@ -72,8 +73,10 @@ def pass_tile(packed_rows: int, head_dim: int, arch: int | None) -> tuple[int, i
     return SHORT_PASS_TILE if arch == 90 and head_dim <= 64 and packed_rows <= m else None
 
 
+@functools.lru_cache(maxsize=16)
 def _arch(device: torch.device) -> int | None:
-    """FA4's arch number of ``device`` (90 for H100/H200); None off CUDA (the CPU fakes)."""
+    """FA4's arch number of ``device`` (90 for H100/H200); None off CUDA (the CPU fakes).
+    Cached: every layer's `run` asks, and the device's properties do not change."""
     if device.type != "cuda":
         return None
     major, minor = torch.cuda.get_device_capability(device)
