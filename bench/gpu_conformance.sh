@@ -44,6 +44,11 @@ for stage in $STAGES; do
             > "$OUT/tests.txt" 2>&1
         tail -3 "$OUT/tests.txt" ;;
     matrix)
+        if ! python3 -c "import hydra_plugins.hydra_joblib_launcher" 2>/dev/null; then
+            echo "matrix: hydra-joblib-launcher is not installed; carry its wheels" \
+                "(../shared/gpu/wheels.sh DIR hydra-joblib-launcher joblib; docs/gpu.md)" >&2
+            continue
+        fi
         # shellcheck disable=SC2086  # EXTRA is a list of overrides
         ${DEADLINE:+timeout -k 10 "$DEADLINE"} python3 -m swafactory -m backend="$BACKENDS" spec="$SPECS" model="$MODELS" \
             workload="$WORKLOAD" ${EXTRA:-} hydra/launcher=joblib hydra.launcher.n_jobs="$JOBS" \
