@@ -13,6 +13,8 @@
 #     NAME     the matrix's folder under OUT (default matrix); EXTRA: more overrides for it.
 #     DEADLINE seconds the matrix stage may run (default: no limit). Jobs still running then are
 #              stopped; `bench/gpu_rows.py add` records them as unfinished. Leave time to pack OUT.
+#     PACK=1   replace OUT/NAME by OUT/NAME.tgz once the matrix ends: the device tool brings back
+#              a limited number of files (here: tar xzf NAME.tgz; gpu_rows.py add ... NAME/)
 # Writes OUT/tests.txt, OUT/NAME/matrix.md (+ one folder per job), OUT/faults.txt (+ reports).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_conformance.sh OUT [tests|matrix|faults]...}
@@ -53,7 +55,11 @@ for stage in $STAGES; do
         ${DEADLINE:+timeout -k 10 "$DEADLINE"} python3 -m swafactory -m backend="$BACKENDS" spec="$SPECS" model="$MODELS" \
             workload="$WORKLOAD" ${EXTRA:-} hydra/launcher=joblib hydra.launcher.n_jobs="$JOBS" \
             hydra.sweep.dir="$OUT/$NAME" > "$OUT/$NAME.log" 2>&1
-        head -3 "$OUT/$NAME/matrix.md" ;;
+        head -3 "$OUT/$NAME/matrix.md"
+        if [ -n "${PACK:-}" ]; then  # one file back instead of a folder per job (docs/gpu.md)
+            tar czf "$OUT/$NAME.tgz" -C "$OUT" "$NAME" && rm -rf "${OUT:?}/$NAME" \
+                && echo "packed $OUT/$NAME.tgz"
+        fi ;;
     faults)
         # each fault on the spec it belongs to (tests/harness/test_conformance.py: FAULTS), JOBS
         # at a time: each is a short smoke run, and every one must exit 1 with its report
