@@ -300,7 +300,6 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
     if triton:  # the same step through our Triton kernels (a decode cycle with no FlashInfer plan)
         tri = triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory(), do_bench)
         tri["triton_vs_factory"] = tri["triton_ms"] / t_f
-        tri["triton_vs_raw"] = tri["triton_ms"] / t_r
     planning = host_ms(lambda: backend.init_forward_metadata(batch), 30)
     kv_bytes = kv_bytes_read(plan, pool)
     floor = kv_bytes / bw * 1e3  # the step reads at most as fast as a copy moves bytes
