@@ -9,11 +9,12 @@ Prints, per case: init_forward_metadata (synchronized wall, median of 50), the p
 (adapter.plan stubbed; with the fused Triton key lists, and with torch ops),
 adapter.plan alone, raw FlashInfer plan_all, the layer loop of factory
 and raw without planning (do_bench medians), and a cProfile of init_forward_metadata (top 25 by
-cumulative time). Writes OUT/host-probe.json.
+cumulative time) and of the factory's layer loop. Writes OUT/host-probe.json.
 """
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -38,6 +39,8 @@ def case(model: str, bs: int, ctx: int = 8192) -> dict:
     qs, ks, vs, sinks = step_inputs(cfg, pool, batch.total_q)
     raw = Raw(cfg, pool, plan, decode=True)
     raw.plan_all(m.num_attention_heads)
+    gc.collect()  # as bench_factory times: after warm-up the startup heap is frozen
+    gc.freeze()
     out = dict(model=model, bs=bs)
     out["init_forward_metadata_ms"] = host_ms(lambda: backend.init_forward_metadata(batch), 50)
     fplan = backend.init_forward_metadata(batch)
@@ -74,15 +77,20 @@ def case(model: str, bs: int, ctx: int = 8192) -> dict:
             fn()
         out[name] = (time.perf_counter() - t0) / 10 * 1e3
         torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(50):
-        backend.init_forward_metadata(batch)
-    pr.disable()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(25)
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+    for what, fn in (("init_forward_metadata", lambda: backend.init_forward_metadata(batch)),
+                     ("factory layers", layers)):
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(50):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        s.write(f"### {what}, 50 calls\n")
+        pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(30)
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
     out["profile"] = s.getvalue()
+    gc.unfreeze()
     del backend, pool, alloc, slots, raw
     torch.cuda.empty_cache()
     return out
@@ -98,7 +106,6 @@ def main() -> None:
         r = case(model, int(bs))
         prof = r.pop("profile")
         print(json.dumps(r))
-        print(prof[-1500:])
         r["profile"] = prof
         rows.append(r)
         (out_dir / "host-probe.json").write_text(json.dumps(rows, indent=1))

@@ -20,7 +20,10 @@ Planning. `plan(forward_plan, pool, sigs=…)` (once per forward, from
 (never read back from the device), int32 indices, masks built on the device, and FlashInfer's
 ``wrapper.plan`` with each group's signature (query heads, dtypes, scale, soft-cap: the backend
 knows them from the config and the pool). A layer whose `run` brings another signature re-plans
-its pass there (eagerly; inside a CUDA-graph capture that is an error).
+its pass there (eagerly; inside a CUDA-graph capture that is an error). An eager decode pass at
+page size 1 whose wrapper was planned before with the same signature is re-planned through
+FlashInfer's ``fast_decode_plan`` (what sglang's decode steps use): the same scheduler without
+``plan``'s Python ``max()`` over the host lengths, one ``item()`` per request.
 
 CUDA graphs (`plan(…, graph=(bucket, tokens))`): passes are padded to ``bucket`` requests
 (padding requests have ``tokens`` query rows and read one key, the pool's dummy row 0) and run
@@ -128,6 +131,9 @@ class _Pass:
     """The pool's page size: ``kv_host``/``indices`` count pages of it, ``last`` keys."""
     triton: bool = False
     """Served by the Triton extend tile (`uses_triton_verify`): no FlashInfer tables or plan."""
+    kv_dev: torch.Tensor | None = None
+    """[B+1] int32 on the device: ``kv_host``'s twin (the planner's), which FlashInfer's
+    ``fast_decode_plan`` takes as the kernel's indptr (eager decode at page size 1 only)."""
 
 
 Signature = tuple
@@ -164,6 +170,13 @@ class Adapter:
         self.replans = 0
         """Passes re-planned inside `run` because a layer's signature differed from the one
         given to `plan` (0 in an engine whose config matches its model)."""
+        self._full_plan: dict[tuple, tuple] = {}
+        """Wrapper key → (the wrapper, the signature of its last ``plan``): what
+        ``fast_decode_plan`` keeps (the kernel module, dtypes) is that plan's."""
+        self._ones_dev: torch.Tensor | None = None
+        """Device last-page lengths (all ones) for ``fast_decode_plan`` at page size 1."""
+        self.fast_plans = 0
+        """Decode passes planned through FlashInfer's ``fast_decode_plan``."""
 
     def plan(self, forward_plan, pool, *, sigs: dict[str, Signature] | None = None,
              graph: tuple[int, int] | None = None) -> None:
@@ -219,12 +232,15 @@ class Adapter:
                 per = (tokens + 7) // 8
                 mask = torch.cat([mask, mask.new_full((pad * per,), 255)])
                 mask_off = torch.cat([mask_off, mask_off[-1] + per * step])
+        kv_dev = None
         if self._page == 1:
             last = self._last(qo_host.numel() - 1)
+            if decode and graph is None:
+                kv_dev = t.kv_indptr
         else:  # the pool's own pages (padding requests: the dummy page 0, one key)
             kv_host, indices, last = page_table(kv_host, indices, self._page)
         return _Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
-                     graph=graph, page=self._page)
+                     graph=graph, page=self._page, kv_dev=kv_dev)
 
     def _paged(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
         """(k_buf, v_buf) [rows, Hkv, D] as FlashInfer's NHD caches of the pool's pages
@@ -283,7 +299,19 @@ class Adapter:
         w = self._wrapper(p, device)
         common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale,
                       logits_soft_cap=softcap)
-        if p.decode:
+        wkey = (p.group, p.role, p.decode, p.graph)
+        fast = _fast_decode_plan() if p.kv_dev is not None else None
+        if fast is not None and self._full_plan.get(wkey) == (w, sig):
+            # FlashInfer's own fast path (sglang plans its decode steps with it): the same
+            # scheduler, without plan()'s Python max() over the host lengths (one item() per
+            # request), its dtype resolution and its host-to-device copies; the kernel reads the
+            # planner's device indptr and indices. It keeps the module and dtypes of the
+            # wrapper's last full plan, whose signature this one equals.
+            fast(w, p.kv_dev, p.indices, self._last_dev(p.kv_dev.numel() - 1, p.kv_dev.device),
+                 hq, hkv, d, 1, window_left=flashinfer_window_left(p.window),
+                 global_override_indptr_cpu=p.kv_host, **common)
+            self.fast_plans += 1
+        elif p.decode:
             w.plan(p.kv_host, p.indices, p.last, hq, hkv, d, p.page,
                    window_left=flashinfer_window_left(p.window), **common)
         else:  # the window is inside the mask: FlashInfer's own would count from kv_len - q_len
@@ -293,7 +321,18 @@ class Adapter:
                 off = self._mask_off[(p.group, p.role, p.decode, p.graph)]
                 off.copy_(p.mask_off.pin_memory() if off.is_cuda else p.mask_off,
                           non_blocking=True)
+        if p.decode:
+            self._full_plan[wkey] = (w, sig)
         p.wrapper, p.planned_for = w, sig
+
+    def _last_dev(self, n: int, device: torch.device) -> torch.Tensor:
+        """[n] int32 ones on ``device`` (never written: sliced by every fast-planned pass)."""
+        ones = self._ones_dev
+        if ones is None or ones.numel() < n or ones.device != device:
+            ones = self._ones_dev = torch.ones(max(n, 64, 2 * (0 if ones is None else
+                                                               ones.numel())),
+                                               dtype=torch.int32, device=device)
+        return ones[:n]
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
@@ -341,6 +380,13 @@ class Adapter:
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""
         return merge_state(o1, lse1, o2, lse2, sinks)[0]
+
+
+def _fast_decode_plan():
+    """FlashInfer's ``decode.fast_decode_plan`` (0.6.x, 0.7.x), or None where it has none."""
+    import flashinfer
+
+    return getattr(getattr(flashinfer, "decode", None), "fast_decode_plan", None)
 
 
 def uses_triton_verify(sig: Signature, t) -> bool:

@@ -14,7 +14,11 @@ windows, index lists, the base-2 LSE, sinks, cascade) is tested on machines with
   ``sum q_len·kv_len`` while the kernel reads request b's bits from *byte* ``mask_indptr[b]``,
   and a CUDA-graph wrapper reads the ``mask_indptr_buf`` / ``custom_mask_buf`` it was given at
   run time (so whatever the caller writes there after plan counts);
-* the LSE in base 2 (``m·log2e + log2 d``, as FlashInfer's kernels write it).
+* the LSE in base 2 (``m·log2e + log2 d``, as FlashInfer's kernels write it);
+* ``decode.fast_decode_plan(wrapper, ...)``: re-plans a decode wrapper's tables, window, scale
+  and soft-cap but keeps the dtypes (the kernel module) of its last ``plan``, which must have
+  run; the host indptr comes from ``global_override_indptr_cpu`` (without it the real one reads
+  the device indptr back).
 
 The real kernels are checked against the oracle on the GPU (`test_flashinfer_vs_oracle.py`).
 """
@@ -111,6 +115,7 @@ class _Decode(_Wrapper):
     def __init__(self, workspace, layout="NHD", use_tensor_cores=False, **kw) -> None:
         super().__init__(workspace, layout)
         self.decode = True
+        self.fast = 0
 
     def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, **kw) -> None:
         assert "custom_mask" not in kw
@@ -139,9 +144,25 @@ class _Prefill(_Wrapper):
                 self.packed, self.mask_indptr = packed_custom_mask, bits
 
 
+def _fast_decode_plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size,
+                      window_left=-1, logits_soft_cap=None, q_data_type=None, kv_data_type=None,
+                      sm_scale=None, non_blocking=True, global_override_indptr_cpu=None,
+                      **kw) -> None:
+    assert isinstance(self, _Decode) and self.plans >= 1, "fast_decode_plan needs a prior plan"
+    assert global_override_indptr_cpu is not None, "without it FlashInfer reads indptr back"
+    assert torch.equal(global_override_indptr_cpu.cpu(), indptr.cpu())
+    assert hq % hkv == 0 and (hq, hkv, d) == (self.hq, self.hkv, self.d)
+    self.kv, self.rows = _key_rows(global_override_indptr_cpu, indices, last_page_len, page_size)
+    self.page, self.window_left = page_size, window_left
+    self.scale, self.softcap = sm_scale or d ** -0.5, logits_soft_cap or 0.0
+    self.fast += 1  # dtypes: the last plan's
+
+
 def module() -> types.ModuleType:
     """A module object to install as ``sys.modules['flashinfer']``."""
     mod = types.ModuleType("flashinfer")
+    mod.decode = types.ModuleType("flashinfer.decode")
+    mod.decode.fast_decode_plan = _fast_decode_plan
     mod.BatchDecodeWithPagedKVCacheWrapper = _Decode
     mod.BatchPrefillWithPagedKVCacheWrapper = _Prefill
     mod.__version__ = "fake"

@@ -177,6 +177,33 @@ def test_wrappers_are_planned_in_init_forward_metadata_and_no_lse_is_asked(fake)
     assert ad.replans == 1
 
 
+@pytest.mark.parametrize("page", [1, 16])
+def test_repeat_decode_plans_take_flashinfers_fast_path(fake, page: int) -> None:
+    """A decode wrapper planned before with the same signature is re-planned through
+    ``fast_decode_plan`` (eager, page size 1): the planner's device indptr, its host twin as
+    the override (nothing read back), the last full plan's dtypes. Outputs equal the oracle; a
+    paged pool, or a new signature, gets a full ``plan``."""
+    from test_backends_vs_oracle import assert_close, run_mode
+
+    world, cfg = adapter_world("tiny", page, ["model.sliding_window=20"])
+    assert_close(run_mode(world, "decode", [0, 2], 20))  # two decode steps
+    ad = world.backend.adapter
+    dec = [w for k, w in ad._wrappers.items() if k[2]]
+    assert dec and ad.fast_plans == (len(dec) if page == 1 else 0)
+    assert all((w.plans, w.fast) == ((1, 1) if page == 1 else (2, 0)) for w in dec)
+    if page == 1:  # an engine whose heads differ from the config's: a full plan, then fast again
+        backend = world.backend
+        world.slots.extend(0, 1)
+        n = world.slots.reqs[0].kv_len - 1
+        batch = ForwardBatch.of("decode", [world.req(0, n, 1)], world.slots.req_to_token.table,
+                                world.alloc.full_id)
+        backend.q_heads = cfg.model.num_attention_heads // 2
+        backend.init_forward_metadata(batch)
+        assert all(w.plans == 2 for w in dec) and ad.fast_plans == len(dec)
+        backend.init_forward_metadata(batch)
+        assert all(w.plans == 2 for w in dec) and ad.fast_plans == 2 * len(dec)
+
+
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("tree_mask", ["custom_mask", "cascade"])
 @pytest.mark.parametrize("mode", ["decode", "extend_prefix", "verify_chain", "verify_tree_4",
