@@ -19,6 +19,9 @@ if "TRITON_INTERPRET" not in os.environ:
 # under pytest-xdist each worker is one process: one thread each keeps the cores from thrashing
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    # and so do the CLI runs the tests start (`python -m swafactory`, Hydra sweeps): torch
+    # reads this when it starts there (a tensor-parallel rank still sets its own count)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest hook

@@ -10,15 +10,21 @@ import torch
 
 import fa4_fake
 from flashinfer_fake import module as fake_flashinfer
-from test_backends_vs_oracle import MODES, assert_close, run_mode
+from test_backends_vs_oracle import (GEMMA4_SIX_LAYERS, MODES, TRITON_INTERPRETED_HEADS,
+                                     assert_close, run_mode)
 from test_flashinfer_host import adapter_world
 
 # backend → (module name its adapter imports, the fake module, Gemma 4 overrides it serves:
-# flash-attn-4 takes head_dim ≤ 256, so its full layers shrink to 128, still two geometries)
+# flash-attn-4 takes head_dim ≤ 256, so its full layers shrink to 128, still two geometries;
+# both in the first 6 layers, and FlashInfer's at half the heads, GQA kept: its 17-64-row
+# passes at head_dim 512 run the Triton tile, interpreted here; test_flashinfer_host.py runs
+# that tile at Gemma 4's 32 heads)
 FAKES = {
-    "flashinfer": ("flashinfer", fake_flashinfer, ["model.sliding_window=8"]),
+    "flashinfer": ("flashinfer", fake_flashinfer, ["model.sliding_window=8", *GEMMA4_SIX_LAYERS,
+                                                   *TRITON_INTERPRETED_HEADS]),
     "flash_attn": ("flash_attn.cute.interface", fa4_fake.module,
-                   ["model.sliding_window=8", "model.full.head_dim=128", "model.swa.head_dim=64"]),
+                   ["model.sliding_window=8", *GEMMA4_SIX_LAYERS, "model.full.head_dim=128",
+                    "model.swa.head_dim=64"]),
 }
 
 

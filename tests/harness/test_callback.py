@@ -223,8 +223,13 @@ def test_job_result_refuses_rows_without_evidence(kw, message) -> None:
 
 def test_real_cli_multirun_writes_the_matrix(tmp_path) -> None:
     sweep = tmp_path / "multirun"
+    # one short request per job (as test_experiments' CHEAP): the matrix is the point here; the
+    # smoke workload itself runs for every spec in test_conformance.py
+    cheap = ["workload.num_requests=1", "workload.output_len=[4,4]",
+             "workload.prompt_over_window=[2,8]"]
     out = subprocess.run([sys.executable, "-m", "swafactory", "-m", "backend=torch,flash_attn",
-                          "spec=none,eagle3", "model=gpt_oss_20b", f"hydra.sweep.dir={sweep}"],
+                          "spec=none,eagle3", "model=gpt_oss_20b", *cheap,
+                          f"hydra.sweep.dir={sweep}"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
                          env={**os.environ, "COLUMNS": "160"})
     assert out.returncode == 2, out.stderr[-3000:]  # the worst job was refused: ok < refused

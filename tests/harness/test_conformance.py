@@ -152,9 +152,12 @@ def test_triton_backend_under_the_interpreter_on_tiny(tmp_path) -> None:
     """triton through the CLI, on the full layers and the draft's; the SWA layers on torch through
     `backend.groups.swa` (a kernel per layer group; triton's windows run in the backend tests)."""
     pytest.importorskip("triton")
+    # prompts W+2..W+8 (smoke's run to W+128): each still crosses the window and the draft still
+    # verifies every step, in about half the interpreted time
     out = subprocess.run([sys.executable, "-m", "swafactory", "backend=triton", "model=tiny",
                           "backend.groups.swa=torch", "spec=eagle3", "backend.kv_dtype=float32",
-                          "workload.num_requests=2", f"hydra.run.dir={tmp_path}"],
+                          "workload.num_requests=2", "workload.prompt_over_window=[2,8]",
+                          f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
