@@ -104,9 +104,7 @@ def main() -> None:
     for c in cases:
         model, bs = c.split(":")
         r = case(model, int(bs))
-        prof = r.pop("profile")
-        print(json.dumps(r))
-        r["profile"] = prof
+        print(json.dumps({k: v for k, v in r.items() if k != "profile"}))
         rows.append(r)
         (out_dir / "host-probe.json").write_text(json.dumps(rows, indent=1))
 
