@@ -101,6 +101,7 @@ def main() -> int:
     for w in (fi.BatchDecodeWithPagedKVCacheWrapper, fi.BatchPrefillWithPagedKVCacheWrapper):
         w.plan = lambda self, *args, **kw: None  # FlashInfer's own plan: raw pays it too
         w.run = _stub_run  # FlashInfer's run: the layer loop times only what is around it
+    fi.decode.fast_decode_plan = lambda *args, **kw: None  # its fast plan, as raw's plan
     import bench_factory
     import importlib
 
@@ -150,7 +151,7 @@ def main() -> int:
                 backend.init_forward_metadata(batch)
             pr.disable()
             s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+            pstats.Stats(pr, stream=s).sort_stats(__import__("os").environ.get("SORT","tottime")).print_stats(30)
             print(s.getvalue())
     return 0
 

@@ -271,7 +271,9 @@ class AttentionBackend:
                     kw["k_scale"], kw["v_scale"] = scales  # kernels dequantize
                 # else FAULT fp8_descale_dropped: the full layers' reads skip the scales
                 ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
-                entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad, scales)
+                hkv, d = k_buf.shape[1], k_buf.shape[2]
+                entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad, scales,
+                                  (key, sub.pool_id, "w"), hkv, d, is_fp8(sub.dtype))
             # the pool is held, so its identity cannot be reused by another one
             self._layers = (pool, dict(fplan.layer_groups), entries, version)
 
@@ -294,28 +296,34 @@ class AttentionBackend:
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
-        key, k_buf, v_buf, sub, _, _, _, scales = self._entry(layer_id)
-        self._store(layer_id, key, k_buf, v_buf, sub, scales, k, v)
+        self._store(layer_id, self._entry(layer_id), k, v)
 
-    def _store(self, layer_id: int, key: str, k_buf, v_buf, sub, scales: tuple, k, v) -> None:
+    def _store(self, layer_id: int, e: tuple, k, v) -> None:
+        """The per-layer write (hot: about as much Python as the raw ``index_copy_`` pair).
+        e: the layer's `_set_plan` entry."""
+        key, k_buf, v_buf, sub, _, _, _, scales, wpair, hkv, d, fp8 = e
         idx = self._writes[key]
         if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
         # the pool's checks (typed space; bounds in check mode) once per group and sub-pool; a
         # graph's writes were checked at replay planning (a check inside a capture would sync)
-        if self.guards and not self._graphed and (key, sub.pool_id, "w") not in self._checked:
+        if self.guards and not self._graphed and wpair not in self._checked:
             self._pool.check(layer_id, self._plan.groups[key].write_locs)
-            self._checked.add((key, sub.pool_id, "w"))
+            self._checked.add(wpair)
         if sub.check_mode:  # the pool's own write keeps its dummy page poisoned
             self._pool.write(layer_id, self._plan.groups[key].write_locs, k, v, checked=False)
             return
-        if k.shape[0] != idx.shape[0] or k.shape[1:] != k_buf.shape[1:] or v.shape != k.shape:
-            raise ValueError(f"layer {layer_id}: k/v must be [{idx.shape[0]}, "
-                             f"{k_buf.shape[1]}, {k_buf.shape[2]}], got {list(k.shape)} / "
-                             f"{list(v.shape)}")
+        ks = k.shape
+        if len(ks) != 3 or ks[0] != idx.shape[0] or ks[1] != hkv or ks[2] != d or v.shape != ks:
+            raise ValueError(f"layer {layer_id}: k/v must be [{idx.shape[0]}, {hkv}, {d}], got "
+                             f"{list(k.shape)} / {list(v.shape)}")
         # the pool's store rule (index_copy_; fp8 quantized with the layer's cached scales)
-        store_rows(k_buf, idx, k, scales[0])
-        store_rows(v_buf, idx, v, scales[1])
+        if fp8 or k.dtype != k_buf.dtype or v.dtype != v_buf.dtype:
+            store_rows(k_buf, idx, k, scales[0])
+            store_rows(v_buf, idx, v, scales[1])
+        else:  # store_rows's own path, without its two calls
+            k_buf.index_copy_(0, idx, k)
+            v_buf.index_copy_(0, idx, v)
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
@@ -338,16 +346,22 @@ class AttentionBackend:
         del batch
         if self.faults.sink_dropped:
             sinks = None  # FAULT: the kernel takes sinks= and ignores it
-        key, k_buf, v_buf, sub, kw, pair, ad, scales = self._entry(layer_id)
+        try:
+            e = self._layers[2][layer_id]
+        except (TypeError, KeyError):
+            e = self._entry(layer_id)  # raises naming what is missing
+        key, k_buf, v_buf, sub, kw, pair, ad, _, _, hkv, d, _ = e
         g = self._plan.groups[key]
-        if self.guards and pair not in self._checked:
-            self._check_layer(layer_id, g, sub, pair)
+        if self.guards:
+            if pair not in self._checked:
+                self._check_layer(layer_id, g, sub, pair)
+            qs = q.shape
+            if qs[-1] != d or qs[1] % hkv:
+                raise SpaceError(f"layer {layer_id}: q is {qs[1]} heads × {qs[-1]}, but the "
+                                 f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "
+                                 f"{sub.head_dim}): the wrong pool for this layer")
         if save_kv:
-            self._store(layer_id, key, k_buf, v_buf, sub, scales, k, v)
-        if self.guards and (q.shape[-1] != k_buf.shape[2] or q.shape[1] % k_buf.shape[1]):
-            raise SpaceError(f"layer {layer_id}: q is {q.shape[1]} heads × {q.shape[-1]}, but the "
-                             f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "
-                             f"{sub.head_dim}): the wrong pool for this layer")
+            self._store(layer_id, e, k, v)
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
         if g.cascade is not None:
             pre, exp = g.cascade
