@@ -31,6 +31,7 @@ import gc
 import json
 import math
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -268,7 +269,7 @@ def host_ms(fn, n: int) -> float:
 
 
 def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
-             triton: bool = False) -> dict:
+             triton: bool = False, rounds: int = 5) -> dict:
     nodes = MODES[mode]
     cfg, pool, alloc, slots, backend = setup(model, bs, ctx, nodes)
     m = cfg.model
@@ -293,8 +294,15 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
     # collections that walk it. Both cycles are timed under it.
     gc.collect()
     gc.freeze()
-    t_f = do_bench(factory, warmup=5, rep=40, return_mode="median")
-    t_r = do_bench(raw_cycle, warmup=5, rep=40, return_mode="median")
+    # Interleaved rounds: a shared host's speed drifts within seconds (raw's Gemma 4 bs-8 cycle
+    # was 4.3 ms on one call and 8.2 on another), so each round times both cycles back to back
+    # and the ratio is the median of the rounds' ratios.
+    pairs = [(do_bench(factory, warmup=5, rep=40, return_mode="median"),
+              do_bench(raw_cycle, warmup=5, rep=40, return_mode="median"))
+             for _ in range(rounds)]
+    t_f = statistics.median(f for f, _ in pairs)
+    t_r = statistics.median(r for _, r in pairs)
+    ratios = sorted(f / r for f, r in pairs)
     graph = graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench)
     tri = {}
     if triton:  # the same step through our Triton kernels (a decode cycle with no FlashInfer plan)
@@ -307,7 +315,8 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
     gc.unfreeze()  # the case's objects may be collected again
     torch.cuda.empty_cache()
     return dict(model=model, mode=mode, bs=bs, ctx=ctx, layers=L, factory_ms=t_f, raw_ms=t_r,
-                ratio=t_f / t_r, planning_ms=planning, planning_unfrozen_ms=planning_unfrozen,
+                ratio=statistics.median(ratios), ratio_range=(ratios[0], ratios[-1]),
+                rounds=rounds, planning_ms=planning, planning_unfrozen_ms=planning_unfrozen,
                 floor_ms=floor,
                 kv_gb=kv_bytes / 1e9, factory_vs_floor=t_f / floor, max_abs_diff=diff,
                 **graph, graph_vs_floor=graph.get("replay_ms", math.nan) / floor, **tri)
@@ -383,6 +392,12 @@ def graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench) -> dict:
         return dict(graph_error=f"{type(e).__name__}: {e}"[:200])
 
 
+def _spread(r: dict) -> str:
+    """" (lo–hi)" of the rounds' ratios, where there were several."""
+    lo, hi = r.get("ratio_range", (None, None))
+    return "" if lo is None or r.get("rounds", 1) < 2 else f" ({lo:.2f}–{hi:.2f})"
+
+
 def render(rows: list[dict], meta: dict, out: Path) -> str:
     lines = ["# The factory against raw FlashInfer (H200)", "",
              f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}, flashinfer "
@@ -402,7 +417,7 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
             continue
         lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r['ctx']} | "
                      f"{r['factory_ms']:.2f} | "
-                     f"{r['raw_ms']:.2f} | {r['ratio']:.2f}× | {r['planning_ms']:.2f} | "
+                     f"{r['raw_ms']:.2f} | {r['ratio']:.2f}×{_spread(r)} | {r['planning_ms']:.2f} | "
                      f"{r['floor_ms']:.2f} | {r['factory_vs_floor']:.2f}× | "
                      + (f"{r['replay_ms']:.2f} | {r['graph_vs_floor']:.2f}× | "
                         f"{r['graph_cycle_ms']:.2f} | " if "replay_ms" in r else
@@ -413,7 +428,10 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
                         f"{r['triton_ms'] / r['raw_ms']:.2f}× |"
                         if "triton_ms" in r else " | | |")
                      + f" {r.get('planning_unfrozen_ms', math.nan):.2f} |")
-    lines += ["", "factory cycle: `init_forward_metadata` + `forward` over every layer (K/V write "
+    lines += ["", "factory / raw: the median over interleaved rounds (each times both cycles, "
+              "back to back) of the rounds' ratios, their range in brackets; the cycle columns "
+              "are the rounds' medians. "
+              "factory cycle: `init_forward_metadata` + `forward` over every layer (K/V write "
               "included); raw cycle: the FlashInfer wrappers' `plan` per layer group + per layer "
               "the K/V write and `run`, on the same pools and indices; planning: host wall time "
               "of `init_forward_metadata` alone (median of 30, synchronized); every time but the "
@@ -471,6 +489,8 @@ def main() -> int:
     ap.add_argument("--bs", default="1,8,64,256")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved factory/raw timings per case; the ratio is their median")
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds: no case starts later")
     ap.add_argument("--triton", action="store_true",
                     help="also time backend=triton on every step (decode, verify, draft)")
@@ -506,7 +526,7 @@ def main() -> int:
                 while True:  # a batch whose pools do not fit runs at the largest ctx that does
                     oom = None
                     try:
-                        r = one_case(model, mode, bs, ctx, do_bench, bw, a.triton)
+                        r = one_case(model, mode, bs, ctx, do_bench, bw, a.triton, a.rounds)
                     except torch.cuda.OutOfMemoryError as exc:
                         oom = str(exc).split(". ")[0]
                     except Exception as exc:  # noqa: BLE001 - a case's failure is a row
@@ -530,7 +550,7 @@ def main() -> int:
                 flashinfer=flashinfer.__version__, python=platform.python_version(),
                 copy_tbs=bw / 1e12, ctx=a.ctx,
                 command=f"python3 bench/bench_factory.py --out $OUT --models {a.models} "
-                        f"--modes {a.modes} --bs {a.bs} --ctx {a.ctx}"
+                        f"--modes {a.modes} --bs {a.bs} --ctx {a.ctx} --rounds {a.rounds}"
                         + (" --triton" if a.triton else ""))
     print(render(rows, meta, Path(a.out)))
     return 0
