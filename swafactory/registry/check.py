@@ -137,8 +137,17 @@ def _head_dims(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
                      else f"head dims {sorted(caps.head_dims or ())}")
             note = f" ({caps.head_dim_note})" if caps.head_dim_note else ""
             yield _r(f"model.{group}.head_dim",
-                     f"the {len(layers)} {group} layers of {m.name} have head_dim {d}; {caps.name} "
-                     f"serves {limit}{note}")
+                     f"{_the_layers(layers, group)} of {m.name} {_have(layers)} head_dim {d}; "
+                     f"{caps.name} serves {limit}{note}")
+
+
+def _the_layers(layers, group: str) -> str:
+    """"the 10 full layers" / "the 1 full layer" (a 6-layer Gemma 4 has one full layer)."""
+    return f"the {len(layers)} {group} layer{'s' if len(layers) != 1 else ''}"
+
+
+def _have(layers) -> str:
+    return "have" if len(layers) != 1 else "has"
 
 
 def _geometry(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
@@ -211,7 +220,8 @@ def _dtype(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
         if geo.head_dim > caps.fp8_max_head_dim:
             note = f" ({caps.fp8_note})" if caps.fp8_note else ""
             yield _r("backend.kv_dtype",
-                     f"the {len(layers)} {group} layers of {m.name} have head_dim {geo.head_dim}; "
+                     f"{_the_layers(layers, group)} of {m.name} {_have(layers)} head_dim "
+                     f"{geo.head_dim}; "
                      f"{caps.name} reads fp8 KV up to head_dim {caps.fp8_max_head_dim} on "
                      f"SM{dev.sm}{note}", f"backend.groups.{group}=triton")
 

@@ -119,6 +119,7 @@ def _refused_groups(cfg: SwaFactoryConfig, reasons: list[Reason]) -> list[str]:
     for r in reasons:
         for g in ("swa", "full"):
             if g not in out and (r.field in (f"model.{g}.head_dim", f"backend.groups.{g}") or
+                                 f" {g} layer of " in r.message or
                                  f" {g} layers of " in r.message):
                 out.append(g)
     return out
