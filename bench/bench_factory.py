@@ -32,6 +32,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -252,6 +253,20 @@ def step_inputs(cfg, pool, total_q: int, seed: int = 1):
         vs.append(torch.randn_like(ks[-1]))
     sinks = (torch.randn(m.num_attention_heads, device="cuda") if m.attention_sinks else None)
     return qs, ks, vs, sinks
+
+
+def probe_cases(case, defaults: list[str], file_name: str, shown=lambda row: row) -> None:
+    """A probe's command line ``OUT [model:bs ...]``: ``case(model, bs)`` per case (``defaults``
+    when none is given); each row printed as JSON (``shown(row)``: what to print of it) and all
+    rows rewritten to OUT/``file_name`` after each case, so a cut run keeps what it measured."""
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for c in sys.argv[2:] or defaults:
+        model, bs = c.split(":")
+        rows.append(case(model, int(bs)))
+        print(json.dumps(shown(rows[-1])), flush=True)
+        (out_dir / file_name).write_text(json.dumps(rows, indent=1))
 
 
 def host_ms(fn, n: int) -> float:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import cProfile
 import gc
 import io
-import json
 import pstats
 import sys
 import time
@@ -25,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_factory import Raw, batch_of, host_ms, setup, step_inputs  # noqa: E402
+from bench_factory import (Raw, batch_of, host_ms, probe_cases, setup,  # noqa: E402
+                           step_inputs)
 
 
 def case(model: str, bs: int, ctx: int = 8192) -> dict:
@@ -97,16 +97,8 @@ def case(model: str, bs: int, ctx: int = 8192) -> dict:
 
 
 def main() -> None:
-    out_dir = Path(sys.argv[1])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cases = sys.argv[2:] or ["gemma4:8", "gemma4:64", "gpt_oss_20b:8", "gpt_oss_20b:64"]
-    rows = []
-    for c in cases:
-        model, bs = c.split(":")
-        r = case(model, int(bs))
-        print(json.dumps({k: v for k, v in r.items() if k != "profile"}))
-        rows.append(r)
-        (out_dir / "host-probe.json").write_text(json.dumps(rows, indent=1))
+    probe_cases(case, ["gemma4:8", "gemma4:64", "gpt_oss_20b:8", "gpt_oss_20b:64"],
+                "host-probe.json", lambda r: {k: v for k, v in r.items() if k != "profile"})
 
 
 if __name__ == "__main__":

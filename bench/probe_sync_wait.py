@@ -14,7 +14,6 @@ OUT/sync-wait.json.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_factory import Raw, batch_of, setup, step_inputs  # noqa: E402
+from bench_factory import Raw, batch_of, probe_cases, setup, step_inputs  # noqa: E402
 
 SLEEP_MS = 40.0
 
@@ -130,13 +129,7 @@ def case(model: str, bs: int, ctx: int = 8192) -> dict:
 
 
 def main() -> None:
-    out_dir = Path(sys.argv[1])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for c in sys.argv[2:] or ["gpt_oss_20b:8", "gpt_oss_20b:64"]:
-        model, bs = c.split(":")
-        rows.append(case(model, int(bs)))
-        (out_dir / "sync-wait.json").write_text(json.dumps(rows, indent=1))
+    probe_cases(case, ["gpt_oss_20b:8", "gpt_oss_20b:64"], "sync-wait.json")
 
 
 if __name__ == "__main__":
