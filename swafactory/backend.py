@@ -252,8 +252,7 @@ class AttentionBackend:
         the pool or the layer groups changed."""
         self._plan, self._graphed = fplan, graphed
         self._checked = set()
-        self._writes = {key: (g.write_locs.tensor.reshape(-1).long()
-                              if g.write_locs is not None else None)
+        self._writes = {key: (None if g.write_locs is None else _rows(g.write_locs.tensor))
                         for key, g in fplan.groups.items()}
         pool = self._pool
         cached = self._layers
@@ -405,6 +404,11 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
             check_own_pool(view, windows)
     adapters = {n: m.Adapter() for n, m in modules.items()}
     return AttentionBackend(cfg, adapters[b.name], view, windows, guards, adapters=adapters)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the store's [n] int64 index: itself when it is one already (the planner's)."""
+    return t if t.dtype is torch.int64 and t.dim() == 1 else t.reshape(-1).long()
 
 
 def _only(fplan: ForwardPlan, keys: set[str]) -> ForwardPlan:

@@ -175,6 +175,8 @@ class Adapter:
         ``fast_decode_plan`` keeps (the kernel module, dtypes) is that plan's."""
         self._ones_dev: torch.Tensor | None = None
         """Device last-page lengths (all ones) for ``fast_decode_plan`` at page size 1."""
+        self._cuts: dict[str, tuple] = {}
+        """Buffer name → (the buffer, n, its first n): `_cut`'s kept views."""
         self.fast_plans = 0
         """Decode passes planned through FlashInfer's ``fast_decode_plan``."""
 
@@ -186,11 +188,11 @@ class Adapter:
         graph: (bucket, tokens per request) to pad for and plan a captured bucket's wrappers.
         """
         self._passes.clear()
-        self._max_rows = max(sp.rows for sp in pool.sub_pools)
-        self._page = pool.sub_pools[0].page_size
         if pool is not self._views_pool:  # views of a former pool's buffers are let go
             self._views.clear()
-            self._views_pool = pool
+            self._views_pool = pool  # held: its identity is not reused while these stand
+            self._max_rows = max(sp.rows for sp in pool.sub_pools)
+            self._page = pool.sub_pools[0].page_size
         for key, g in forward_plan.groups.items():
             sig = (sigs or {}).get(key)
             for role, t in g.passes:
@@ -255,7 +257,15 @@ class Adapter:
         if self._ones.numel() < n:
             ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int32)
             self._ones = ones.pin_memory() if torch.cuda.is_available() else ones
-        return self._ones[:n]
+        return self._cut("_ones", n)
+
+    def _cut(self, name: str, n: int) -> torch.Tensor:
+        """``getattr(self, name)[:n]``, the view kept while the buffer and ``n`` stay: a slice
+        is a few µs of host time, and a decode step asks for the same ``n`` every pass."""
+        buf, c = getattr(self, name), self._cuts.get(name)
+        if c is None or c[0] is not buf or c[1] != n:
+            c = self._cuts[name] = (buf, n, buf[:n])
+        return c[2]
 
     def _wrapper(self, p: _Pass, device: torch.device):
         import flashinfer
@@ -332,7 +342,7 @@ class Adapter:
             ones = self._ones_dev = torch.ones(max(n, 64, 2 * (0 if ones is None else
                                                                ones.numel())),
                                                dtype=torch.int32, device=device)
-        return ones[:n]
+        return self._cut("_ones_dev", n)
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):

@@ -28,6 +28,7 @@ Space = Literal["full", "swa"]
 
 # Private proof of origin: `Locs.__post_init__` accepts space="swa" only with this object.
 _TRANSLATED = object()
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +51,7 @@ class Locs:
     def __post_init__(self) -> None:
         if self.space not in ("full", "swa"):
             raise SpaceError(f"Locs space must be 'full' or 'swa', got {self.space!r}")
-        if self.tensor.dtype not in (torch.int32, torch.int64):
+        if self.tensor.dtype not in _INDEX_DTYPES:
             raise SpaceError(f"Locs tensor must be int32 or int64, got {self.tensor.dtype}")
         if self.page_size < 1:
             raise SpaceError(f"Locs page_size must be >= 1, got {self.page_size}")
@@ -80,6 +81,20 @@ class Locs:
     def __getitem__(self, index: object) -> Locs:
         """Slice or gather the tensor; the space is kept (a reorder does not change the space)."""
         return self._derive(self.tensor[index], self.page_size)
+
+    @classmethod
+    def _made(cls, space: Space, pool_id: str, tensor: torch.Tensor, page_size: int = 1,
+              origin: object = None) -> Locs:
+        """`Locs(...)` without `__post_init__`'s call (a planner makes several per forward): the
+        cheap checks inline, anything unusual through the constructor, which raises as always.
+        SWA space still needs the proof of origin, which only this module has."""
+        if ((space != "full" and origin is not _TRANSLATED) or page_size < 1
+                or tensor.dtype not in _INDEX_DTYPES):
+            return cls(space, pool_id, tensor, page_size, origin)  # raises (or is unusual)
+        loc = object.__new__(cls)
+        loc.__dict__.update(space=space, pool_id=pool_id, tensor=tensor, page_size=page_size,
+                            _origin=origin)  # a frozen dataclass's fields live in its __dict__
+        return loc
 
     def _derive(self, tensor: torch.Tensor, page_size: int) -> Locs:
         return Locs(self.space, self.pool_id, tensor, page_size, self._origin)
@@ -169,8 +184,8 @@ def translate(locs: Locs, mapping: SlotMapping | _HasMapping, pool: _SwaTarget, 
         if values.shape != locs.tensor.shape:
             raise ValueError(f"values of shape {list(values.shape)} cannot be the translation "
                              f"of locations of shape {list(locs.tensor.shape)}")
-        return Locs("swa", swa_id, values, 1, _TRANSLATED)
-    return Locs("swa", swa_id, _gather(locs.tensor, m.table, 1, impl, dtype), 1, _TRANSLATED)
+        return Locs._made("swa", swa_id, values, 1, _TRANSLATED)
+    return Locs._made("swa", swa_id, _gather(locs.tensor, m.table, 1, impl, dtype), 1, _TRANSLATED)
 
 
 def _check(locs: Locs, mapping: SlotMapping | _HasMapping,

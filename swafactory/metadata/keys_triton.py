@@ -170,7 +170,7 @@ def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
     dep, off = _depth_table(h.shapes)
     depoff = h.zeros if h.of is None else off[h.of]
     rowc, pre = pack.add(h.row_c, _I64), pack.add(h.pre, _I64)
-    depoff_h, dep_h = pack.add(depoff + h.zeros, _I64), pack.add(dep, _I32)
+    depoff_h, dep_h = pack.add(depoff, _I64), pack.add(dep, _I32)
     sizes64: list[int] = []
     sizes32: list[int] = []
     dirs = []
@@ -193,8 +193,11 @@ def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
             sizes64.append(total_q)
     d = pack.add(np.asarray(dirs, dtype=np.int64).reshape(-1), _I64)
     # the grid from host numbers (numpy): the longest list a request has, nothing read back
-    longest = max([h.kv_max if p["start"] is h.zeros else int((h.kv_end - p["start"]).max())
-                   for p in sets] + [h.max_q, 1])
+    if any(p["start"] is h.zeros for p in sets):  # a list from slot 0 is the longest there is
+        longest = h.kv_max
+    else:
+        longest = max((int(p["kvl"].max()) for p in sets), default=0)
+    longest = max(longest, h.max_q, 1)
     grid = (h.B, -(-longest // BLOCK), len(sets) + (w_at is not None))
     scalars = (d[1], len(sets), rowc[1], pre[1], depoff_h[1], dep_h[1],
                w_at[1] if w_at is not None else 0, total_q, wfull, wtr)
@@ -218,9 +221,10 @@ def run_fused(job: FusedJob, pack, flat_table: torch.Tensor,
         _kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")[job.grid](
             p64, p32, flat_table, mp, mp.numel() if mapping is not None else 0, out64, out32,
             k, *job.scalars, BLOCK=BLOCK)
-    # one op for every view (split_with_sizes: Tensor.split's Python wrapper costs twice as much)
-    v64 = iter(out64[:n64].split_with_sizes(job.sizes64))
-    v32 = iter(out32[:n32].split_with_sizes(job.sizes32))
+    # one op for every view (split_with_sizes: Tensor.split's Python wrapper costs twice as much);
+    # the buffers are sliced only when empty (one element, never a null pointer)
+    v64 = iter((out64 if n64 else out64[:0]).split_with_sizes(job.sizes64))
+    v32 = iter((out32 if n32 else out32[:0]).split_with_sizes(job.sizes32))
     lists = []
     for tr in job.translate:
         full64, swa64 = next(v64), (next(v64) if tr else None)

@@ -149,18 +149,21 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
     table, need_mask = batch.req_to_token, batch.needs_mask
     h, pack = HostBatch(batch, need_mask, page_size, flat_tree), Pack()
     fused = impl == "triton" or (impl == "auto" and table.is_cuda and keys_triton.available())
-    qo = np.zeros(h.B + 1, dtype=np.int64)
-    np.cumsum(h.q_len + h.zeros, out=qo[1:])
+    if h.of is None:  # one shape: every request has q_len queries
+        qo = np.arange(0, (h.B + 1) * h.q_len, h.q_len, dtype=np.int64)
+    else:
+        qo = np.zeros(h.B + 1, dtype=np.int64)
+        np.add.accumulate(h.q_len, out=qo[1:])
     q = h.queries  # (node, depth) of each query
     qo_h, q_pos = pack.add(qo, torch.int32), pack.add(q.at(h.pre) + q.j, torch.int32)
     w_at = pack.add(q.at(h.row_c + h.pre) + q.i, torch.int64) if writes else None
     sets: list[tuple[np.ndarray, dict]] = []  # distinct start sets, first seen first
+    seen: dict[bytes, int] = {}  # a start set's bytes → its index ([B] int64: equal iff equal)
     group_set = {}
     for key, (_, window) in groups.items():
         st = h.starts(window)
-        k = next((i for i, (s, _) in enumerate(sets) if s is st or np.array_equal(s, st)), None)
-        if k is None:
-            k = len(sets)
+        k = seen.setdefault(st.tobytes(), len(sets))
+        if k == len(sets):
             sets.append((st, key_pieces(h, st, pack, running=not fused)))
             if need_mask:
                 sets[k][1]["mask"] = mask_pieces(h, st, pack)
@@ -168,7 +171,8 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
     swa = {k for k, (sub, _) in groups.items() if sub == "swa" and not skip_translation}
     job = None
     if fused:  # translate where an SWA group reads a list (and its writes), in the same launch
-        tr = [source is not None and any(group_set[k] == i for k in swa) for i in range(len(sets))]
+        read = {group_set[k] for k in swa} if source is not None else ()
+        tr = [i in read for i in range(len(sets))]
         job = keys_triton.fused_key_job(h, [p for _, p in sets], tr, pack, w_at, any(tr))
     pack.ship(table.device)
     flat = table.view(-1) if table.is_contiguous() else table.reshape(-1)
@@ -216,8 +220,9 @@ def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str
     tensor → its translation) lets groups that share a key list share its translation;
     ``computed`` (id of a full-slot tensor → SWA slots) holds what the fused kernel already
     gathered, which `translate` checks and wraps instead of gathering again."""
-    full_kv = Locs("full", full_id, slots)
-    full_w = Locs("full", full_id, writes) if writes is not None else None
+    # the planner's own int64 slots: no __post_init__ call (`Locs._made` checks them inline)
+    full_kv = Locs._made("full", full_id, slots)
+    full_w = Locs._made("full", full_id, writes) if writes is not None else None
     if sub_pool != "swa" or skip_translation:
         return full_kv, full_w
     if source is None:
@@ -306,6 +311,25 @@ def _layer_groups(mapping: tuple, windows: tuple) -> tuple[Mapping, Mapping[int,
     return MappingProxyType(keys), MappingProxyType(layer_groups)  # shared: read-only
 
 
+_GROUPS: dict[int, tuple] = {}
+"""id of a layers mapping → (it, a copy of it, a copy of the windows, `_layer_groups`' answer)."""
+
+
+def _groups_of(layers_mapping: Mapping, windows: Mapping) -> tuple[Mapping, Mapping[int, str]]:
+    """`_layer_groups` of a runner's mappings without building its key each forward (a tuple of
+    every layer's items, hashed): the last answer for this mapping object while both mappings
+    still compare equal to what it was built from."""
+    e = _GROUPS.get(id(layers_mapping))
+    if e is not None and e[0] is layers_mapping and e[1] == layers_mapping and e[2] == windows:
+        return e[3]
+    out = _layer_groups(tuple(layers_mapping.items()),
+                        tuple((j, windows[j]) for j in layers_mapping))
+    if len(_GROUPS) >= 64:  # bounded: a process has a few runners
+        _GROUPS.clear()
+    _GROUPS[id(layers_mapping)] = (layers_mapping, dict(layers_mapping), dict(windows), out)
+    return out
+
+
 def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          windows: Mapping[int, int | None], source, *, cascade: bool = False,
          writes: bool = True, skip_spec_translation: bool = False,
@@ -331,8 +355,7 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     """
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    keys, layer_groups = _layer_groups(tuple(layers_mapping.items()),
-                                       tuple((j, windows[j]) for j in layers_mapping))
+    keys, layer_groups = _groups_of(layers_mapping, windows)
     skip = skip_spec_translation and batch.has_tree
     groups, h = _plan_vector(batch, keys, source, writes, skip, impl, page_size,
                              tree_mask_not_rebased and batch.has_tree)

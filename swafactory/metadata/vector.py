@@ -47,30 +47,37 @@ class Pack:
 
     def add(self, t: np.ndarray, dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
         """Queue ``t`` (host integers, any shape) to travel as ``dtype`` (int32 or int64)."""
-        t = np.asarray(t).reshape(-1)
+        if type(t) is not np.ndarray or t.ndim != 1:  # the planner's pieces are mostly 1-D
+            t = np.asarray(t).reshape(-1)
         at = self._n[dtype]
         self._parts[dtype].append(t)
-        self._n[dtype] += t.size
+        self._n[dtype] = at + t.size
         return dtype, at, at + t.size
 
     def ship(self, device: torch.device) -> None:
-        """One host buffer, one copy; int32 pieces are cast once, together."""
-        p32 = self._parts[_I32]
-        if self._n[_I32] % 2:  # int32 pieces travel as int64 pairs
-            p32.append(np.zeros(1, dtype=np.int64))
-        k = (self._n[_I32] + 1) // 2
-        h32 = (np.concatenate(p32).astype(np.int32) if p32 else np.zeros(0, dtype=np.int32))
-        host = torch.from_numpy(np.concatenate([h32.view(np.int64), *self._parts[_I64]])
-                                .astype(np.int64, copy=False))
+        """One host buffer, one copy; int32 pieces are cast while they are joined."""
+        n32, n64 = self._n[_I32], self._n[_I64]
+        k = (n32 + 1) // 2  # int32 pieces travel as int64 pairs
+        buf = np.empty(k + n64, dtype=np.int64)
+        if n32:  # joined straight into the buffer's int32 words (cast on the way)
+            np.concatenate(self._parts[_I32], out=buf.view(np.int32)[:n32], casting="unsafe")
+            if n32 % 2:
+                buf.view(np.int32)[n32] = 0
+        if n64:
+            np.concatenate(self._parts[_I64], out=buf[k:])
+        host = torch.from_numpy(buf)
         if device.type == "cuda":  # the host views stay pinned: a kernel library copying
             host = host.pin_memory()  # them to the device (FlashInfer's plan) copies async
             dev = host.to(device, non_blocking=True)
+        elif device.type == "cpu":
+            dev = host  # what host.to(device) returns, without parsing its arguments
         else:
             dev = host.to(device)
         # pieces are sliced from these four on demand: int32 ones from word 0, int64 from k
         self._k = k
-        self._h = {_I32: host.view(_I32), _I64: host}
-        self._d = {_I32: dev.view(_I32), _I64: dev}
+        h32 = host.view(_I32)
+        self._h = {_I32: h32, _I64: host}
+        self._d = {_I32: h32 if dev is host else dev.view(_I32), _I64: dev}
 
     def words(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(the shipped buffer as int64 words, as int32 words, k): int32 piece ``(_, a, b)`` is
@@ -162,7 +169,8 @@ class HostBatch:
             raise IndexError(f"request {bad.rid!r}: row {bad.row} is outside req_to_token's "
                              f"{table.shape[0]} rows")
         self.row_c = np.array(rows, dtype=np.int64) * C
-        self.pre = np.array([r.prefix_len for r in reqs], dtype=np.int64)
+        pre = [r.prefix_len for r in reqs]
+        self.pre = np.array(pre, dtype=np.int64)
         self.shapes = batch.step_shapes
         self.tables = [_shape_tables(s, flat_tree_positions) for s in self.shapes]
         self.of = None  # shape index of each request, when there are several
@@ -173,7 +181,8 @@ class HostBatch:
         self.kvn = self._col([s.kv_nodes for s in self.shapes])
         self.fqd = self._col([s.first_query_depth for s in self.shapes])
         self.kv_end = self.pre + self.kvn
-        self.kv_max = int(self.kv_end.max())
+        # with one shape the longest is the longest prefix's: a Python max, not a numpy reduce
+        self.kv_max = max(pre) + self.kvn if self.of is None else int(self.kv_end.max())
         """The longest request's key count (slot after its last key)."""
         if self.kv_max > C:
             bad = next(r for r in reqs if r.kv_end > C)
@@ -211,21 +220,25 @@ class HostBatch:
         pages only) and every kernel masks them by position."""
         if window is None:
             return self.zeros
-        st = np.minimum(np.maximum(self.pre + self.fqd - (window - 1), 0), self.pre)
-        return st - st % self.page_size
+        st = self.pre + (self.fqd - (window - 1))  # in place from here: one array, not four
+        np.maximum(st, 0, out=st)
+        np.minimum(st, self.pre, out=st)
+        if self.page_size > 1:
+            st -= st % self.page_size
+        return st
 
 
 def key_pieces(h: HostBatch, start: np.ndarray, pack: Pack, running: bool = True) -> dict:
-    """Host numbers of one start set (one or more layer groups): indptrs, and (``running``) the
-    increments whose running sum gives every key's flat table index (row 0) and position
-    (row 1). Without ``running``, the fused kernel (`keys_triton`) computes keys from
-    ``start``."""
+    """Host numbers of one start set (one or more layer groups): indptrs, each request's key
+    count (``kvl``), and (``running``) the increments whose running sum gives every key's flat
+    table index (row 0) and position (row 1). Without ``running``, the fused kernel
+    (`keys_triton`) computes keys from ``start``."""
     kvl = h.kv_end - start
     kvptr = np.zeros(h.B + 1, dtype=np.int64)
-    np.cumsum(kvl, out=kvptr[1:])
+    np.add.accumulate(kvl, out=kvptr[1:])  # np.cumsum's wrapper costs 3x the scan
     n = int(kvptr[-1])
     if not running:
-        return dict(n=n, kv_host=pack.add(kvptr, _I32), start=start, mask=None)
+        return dict(n=n, kv_host=pack.add(kvptr, _I32), start=start, mask=None, kvl=kvl)
     first = np.stack([h.row_c + start, start])  # [2, B]: first key's (flat index, position)
     ends = first + kvl
     if h.fixes is not None:
@@ -237,7 +250,8 @@ def key_pieces(h: HostBatch, start: np.ndarray, pack: Pack, running: bool = True
         idx.append((f.at(kvptr[1:] - h.kvn + (n + 1)) + f.i).reshape(-1))
         vals.append((f.j + h.zeros[:, None] if f.b is None else f.j).reshape(-1))
     return dict(n=n, kv_host=pack.add(kvptr, _I32), idx=pack.add(np.concatenate(idx), _I64),
-                vals=pack.add(np.concatenate(vals), h.idx_dtype), start=start, mask=None)
+                vals=pack.add(np.concatenate(vals), h.idx_dtype), start=start, mask=None,
+                kvl=kvl)
 
 
 def mask_pieces(h: HostBatch, start: np.ndarray, pack: Pack) -> tuple:
