@@ -271,8 +271,11 @@ def key_tables(p: dict, pack: Pack, flat_table: torch.Tensor, dtype: torch.dtype
     """(full-space key slots [n] int64, kv_pos [n] int32, mask, mask_indptr) on the device:
     one running sum gives both the flat table index and the position of every key."""
     n, device = p["n"], flat_table.device
+    vals = pack.dev(p["vals"])
+    if device.type == "cpu":  # torch's CPU scan of int32 writes int64 at twice an int64 scan's cost
+        dtype, vals = _I64, vals.long()
     x = torch.ones(2 * (n + 1), dtype=dtype, device=device)
-    x.index_add_(0, pack.dev(p["idx"]), pack.dev(p["vals"]))
+    x.index_add_(0, pack.dev(p["idx"]), vals)
     # two 1-D scans (a [2, n] scan along dim 1 runs one block per row on CUDA), not in place
     # (an aliased out= scan takes 2.4x as long on CPU)
     idx, pos = (torch.cumsum(row, 0) for row in x.view(2, n + 1))
