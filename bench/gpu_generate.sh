@@ -10,6 +10,7 @@
 #     MODELS / SPECS   comma lists (default: every model and spec of bench/gpu_generate.py)
 #     DEADLINE  seconds from the start until the lanes stop starting jobs (default 520)
 #     WARM=0    skip FlashInfer's parallel JIT warm-up (tests/backends/flashinfer_warm.py)
+#     WARM_DIMS head dims to warm up (default "256 512 64 128": every model's)
 #     WHEELS, FA4   wheels to install (bench/gpu_env.sh); a warm host reuses /tmp/site
 # Writes OUT/rows_BACKEND.jsonl, OUT/lane_BACKEND.log, OUT/host.txt, OUT/warm.txt and
 # OUT/reports_TAG.tgz (every job's report.json and report.png). Back here:
@@ -37,7 +38,7 @@ fi_gpu=""
 for lane in $LANES; do [ "${lane%%:*}" = flashinfer ] && fi_gpu=${lane#*:}; done
 rm -f /tmp/gen_warm.done
 if [ -n "$fi_gpu" ] && [ "${WARM:-1}" != 0 ]; then
-    ( CUDA_VISIBLE_DEVICES=$fi_gpu python3 tests/backends/flashinfer_warm.py 256 512 64 128 \
+    ( CUDA_VISIBLE_DEVICES=$fi_gpu python3 tests/backends/flashinfer_warm.py ${WARM_DIMS:-256 512 64 128} \
         > "$OUT/warm.txt" 2>&1; echo "warm: $(( $(date +%s) - T0 )) s" >> "$OUT/warm.txt"
       touch /tmp/gen_warm.done ) &
 else
