@@ -17,13 +17,14 @@ plan's tables to a kernel and hold no pool logic. CUDA graphs: `init_cuda_graph_
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
-from swafactory.graph_state import GraphState, bucket_writes, capture_plan, check_padding
+from swafactory.graph_state import (GraphState, bucket_writes, capture_plan, check_graphable,
+                                   check_padding)
 from swafactory.kvcache.quant import is_fp8, query_dtype, store_rows
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata.plan import ForwardPlan, plan
@@ -31,24 +32,10 @@ from swafactory.registry.capabilities import Capabilities
 from swafactory.registry.device import detect_device
 from swafactory.registry.select import validate
 from swafactory.registry.table import backend_module
-from swafactory.resolve import RunnerView, resolve_kv_source
+from swafactory.resolve import RunnerView, TargetView, resolve_kv_source
 from swafactory.runner_windows import check_own_pool, model_windows, runner_windows
 
 __all__ = ["AttentionBackend", "build_backend", "TargetView", "model_windows", "runner_windows"]
-
-
-@dataclass
-class TargetView:
-    """The simplest view: a target runner whose active pool is the allocator's."""
-
-    active_pool: object
-    allocator_pool: object | None = None
-    role: str = "target"
-    spec_algorithm: str = "none"
-
-    def __post_init__(self) -> None:
-        if self.allocator_pool is None:
-            self.allocator_pool = self.active_pool
 
 
 class AttentionBackend:
@@ -172,21 +159,8 @@ class AttentionBackend:
         """Ready graphs of up to ``max_bs`` requests × ``max_tokens`` query rows each. Calling
         it again with other limits keeps the buckets already captured."""
         dev = self.view.active_pool.sub_pools[0].device
-        for ad in self.adapters.values():  # off CUDA the contract's planning serves an emulation
-            caps = ad.capabilities
-            if not (caps.replays_graphs(dev.type) or caps.cuda_graph):
-                raise ConfigError([Reason("backend", "backend.cuda_graph",
-                                          f"{caps.name} has no graph path on {dev.type}",
-                                          "backend.cuda_graph=false, or backend=flashinfer",
-                                          rule="cuda_graph")])
-        if self.cascade:
-            raise ConfigError([Reason("backend", "backend.tree_mask",
-                                      "a cascade's prefix/expand split depends on the batch, so "
-                                      "a captured graph cannot replay it",
-                                      "backend.tree_mask=custom_mask", rule="cuda_graph")])
-        if max_bs < 1 or max_tokens < 1:
-            raise ValueError(f"init_cuda_graph_state needs max_bs >= 1 and max_tokens >= 1, got "
-                             f"{max_bs}, {max_tokens}")
+        check_graphable([ad.capabilities for ad in self.adapters.values()], dev.type,
+                        self.cascade, max_bs, max_tokens)
         if self._graph is not None:
             self._graph.max_bs, self._graph.max_tokens = max_bs, max_tokens
             return
@@ -345,10 +319,7 @@ class AttentionBackend:
         del batch
         if self.faults.sink_dropped:
             sinks = None  # FAULT: the kernel takes sinks= and ignores it
-        try:
-            e = self._layers[2][layer_id]
-        except (TypeError, KeyError):
-            e = self._entry(layer_id)  # raises naming what is missing
+        e = self._entry(layer_id)
         key, k_buf, v_buf, sub, kw, pair, ad, _, _, hkv, d, _ = e
         g = self._plan.groups[key]
         if self.guards:

@@ -25,12 +25,33 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from swafactory.errors import SpaceError
+from swafactory.errors import ConfigError, Reason, SpaceError
 from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardMode
 from swafactory.metadata.plan import AttnTables, ForwardPlan, GroupPlan, group_key
 
-__all__ = ["GraphState", "capture_plan", "bucket_writes", "check_padding"]
+__all__ = ["GraphState", "capture_plan", "bucket_writes", "check_graphable", "check_padding"]
+
+
+def check_graphable(caps: list, device_type: str, cascade: bool, max_bs: int,
+                    max_tokens: int) -> None:
+    """Refuse a graph state the backend cannot replay: a kernel (its `Capabilities` in ``caps``)
+    with no graph path on ``device_type`` (off CUDA the contract's planning serves an
+    emulation), a cascade (its split depends on the batch), or empty limits."""
+    for c in caps:
+        if not (c.replays_graphs(device_type) or c.cuda_graph):
+            raise ConfigError([Reason("backend", "backend.cuda_graph",
+                                      f"{c.name} has no graph path on {device_type}",
+                                      "backend.cuda_graph=false, or backend=flashinfer",
+                                      rule="cuda_graph")])
+    if cascade:
+        raise ConfigError([Reason("backend", "backend.tree_mask",
+                                  "a cascade's prefix/expand split depends on the batch, so "
+                                  "a captured graph cannot replay it",
+                                  "backend.tree_mask=custom_mask", rule="cuda_graph")])
+    if max_bs < 1 or max_tokens < 1:
+        raise ValueError(f"init_cuda_graph_state needs max_bs >= 1 and max_tokens >= 1, got "
+                         f"{max_bs}, {max_tokens}")
 
 
 @dataclass

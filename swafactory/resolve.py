@@ -27,8 +27,8 @@ from typing import Literal, Protocol
 from swafactory.errors import SpaceError
 from swafactory.kvcache.locs import Locs, SlotMapping, translate
 
-__all__ = ["Role", "Policy", "POLICIES", "KVPoolLike", "RunnerView", "DraftView", "KVSource",
-           "resolve_kv_source"]
+__all__ = ["Role", "Policy", "POLICIES", "KVPoolLike", "RunnerView", "TargetView", "DraftView",
+           "KVSource", "resolve_kv_source"]
 
 Role = Literal["target", "draft_own_pool", "draft_reads_target"]
 Policy = Literal["auto", "active_pool", "allocator"]
@@ -68,6 +68,20 @@ class RunnerView(Protocol):
     @property
     def spec_algorithm(self) -> str:
         """Spec algorithm key (``none``, ``eagle``, ``frozen_kv_mtp``, …)."""
+
+
+@dataclass
+class TargetView:
+    """The simplest view: a target runner whose active pool is the allocator's."""
+
+    active_pool: object
+    allocator_pool: object | None = None
+    role: str = "target"
+    spec_algorithm: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.allocator_pool is None:
+            self.allocator_pool = self.active_pool
 
 
 class DraftView:

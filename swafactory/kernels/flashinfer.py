@@ -175,8 +175,6 @@ class Adapter:
         ``fast_decode_plan`` keeps (the kernel module, dtypes) is that plan's."""
         self._ones_dev: torch.Tensor | None = None
         """Device last-page lengths (all ones) for ``fast_decode_plan`` at page size 1."""
-        self._cuts: dict[str, tuple] = {}
-        """Buffer name → (the buffer, n, its first n): `_cut`'s kept views."""
         self.fast_plans = 0
         """Decode passes planned through FlashInfer's ``fast_decode_plan``."""
 
@@ -257,15 +255,7 @@ class Adapter:
         if self._ones.numel() < n:
             ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int32)
             self._ones = ones.pin_memory() if torch.cuda.is_available() else ones
-        return self._cut("_ones", n)
-
-    def _cut(self, name: str, n: int) -> torch.Tensor:
-        """``getattr(self, name)[:n]``, the view kept while the buffer and ``n`` stay: a slice
-        is a few µs of host time, and a decode step asks for the same ``n`` every pass."""
-        buf, c = getattr(self, name), self._cuts.get(name)
-        if c is None or c[0] is not buf or c[1] != n:
-            c = self._cuts[name] = (buf, n, buf[:n])
-        return c[2]
+        return self._ones[:n]
 
     def _wrapper(self, p: _Pass, device: torch.device):
         import flashinfer
@@ -342,7 +332,7 @@ class Adapter:
             ones = self._ones_dev = torch.ones(max(n, 64, 2 * (0 if ones is None else
                                                                ones.numel())),
                                                dtype=torch.int32, device=device)
-        return self._cut("_ones_dev", n)
+        return ones[:n]
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
@@ -352,9 +342,7 @@ class Adapter:
         q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D], bf16/fp16 or fp8 e4m3 read with the
         layer's ``k_scale``/``v_scale`` (folded in by FlashInfer); sinks: [Hq] or None.
         """
-        p = self._passes.get(id(tables))
-        if p is None:
-            p = self._passes.of(tables)  # raises: not planned in this forward
+        p = self._passes.of(tables)
         if window != p.window:
             raise ValueError(f"group {p.group!r} was planned for window {p.window}, run with "
                              f"{window}")
@@ -377,9 +365,7 @@ class Adapter:
             self._plan_wrapper(p, sig, q.device)
             self.replans += 1
         want = lse or sinks is not None
-        v = self._views.get(id(k_buf))  # `_paged`, inlined: once per layer
-        paged = v[2] if v is not None and v[0] is k_buf and v[1] is v_buf else self._paged(
-            k_buf, v_buf)
+        paged = self._paged(k_buf, v_buf)
         out = (p.wrapper.run(q, paged, return_lse=want) if k_buf.dtype.itemsize > 1 else
                p.wrapper.run(q, paged, return_lse=want, k_scale=k_scale, v_scale=v_scale))
         if not want:
