@@ -457,12 +457,32 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
               "attention) captured once through `init_forward_metadata_capture`, replayed after "
               "`init_forward_metadata_replay` (graph cycle: both); triton cycle (``--triton``): "
               "the same cycle through `backend=triton` on the same pools."]
+    lines += verify_over_decode(rows, meta)
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "factory-h200.md").write_text(text)
     (out / "factory-h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     _plot(rows, out / "factory-h200.png")
     return text
+
+
+def verify_over_decode(rows: list[dict], meta: dict) -> list[str]:
+    """Issue 16's verify line: each verify/draft cycle over the decode cycle of the same model
+    and batch, both through the factory, from the same run."""
+    dec = {(r["model"], r["bs"]): r["factory_ms"] for r in rows
+           if r.get("mode") == "decode" and "factory_ms" in r}
+    out = [(r["model"], r["bs"], r["mode"], r["factory_ms"], dec[(r["model"], r["bs"])])
+           for r in rows if r.get("mode") != "decode" and "factory_ms" in r
+           and (r["model"], r["bs"]) in dec]
+    if not out:
+        return []
+    lines = ["", f"Each mode's factory cycle over the decode cycle (same model, bs, run). "
+             f"Head-dim-512 verify tiles: {meta.get('verify_tile', 'unknown')}.", "",
+             "| model | bs | mode | factory cycle ms | decode cycle ms | / decode |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {m} | {bs} | {mode} | {f:.2f} | {d:.2f} | {f / d:.2f}× |"
+              for m, bs, mode, f, d in out]
+    return lines
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -561,7 +581,13 @@ def main() -> int:
                     break
                 rows.append(r)
                 print(json.dumps(r), flush=True)
+    from swafactory.kernels.cuda.launch import cuda_kernels_available
+
+    tile = ("our CUDA kernel (kernels/cuda/verify_d512.cu)"
+            if cuda_kernels_available(torch.device("cuda")) else
+            "the Triton tile (the CUDA kernel is off: SWAFACTORY_CUDA_KERNELS=0 or no nvcc)")
     meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                verify_tile=tile,
                 flashinfer=flashinfer.__version__, python=platform.python_version(),
                 copy_tbs=bw / 1e12, ctx=a.ctx,
                 command=f"python3 bench/bench_factory.py --out $OUT --models {a.models} "

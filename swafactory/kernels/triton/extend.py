@@ -36,6 +36,7 @@ from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, inte
                                              plan_splits, sm_count)
 from swafactory.kernels.torch_ref import check_contract
 from swafactory.kernels.triton.verify_wide import wide_verify
+from swafactory.kernels.cuda.verify import dense_verify_d512, verify_d512_serves
 
 __all__ = ["extend_attention", "extend_config", "extend_splits", "dense_runs"]
 
@@ -137,13 +138,13 @@ def _kernel(interpret: bool) -> Any:
     def extend_stage1(q_ptr, k_ptr, v_ptr, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                       mask_ptr, mask_indptr, rng_ptr, sinks_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr,
                       stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
-                      stride_ot, stride_oh, Hq, QT, n_splits, scale, softcap, window,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      stride_ot, stride_oh, Hq, QT, n_splits, part_stride, part_base, scale,
+                      softcap, window, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, SPLIT: tl.constexpr, HAS_MASK: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                       HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
                       SKIP_EMPTY: tl.constexpr, DENSE: tl.constexpr, BLOCK_NG: tl.constexpr,
-                      IDX_AHEAD: tl.constexpr, CDT: tl.constexpr):
+                      IDX_AHEAD: tl.constexpr, CDT: tl.constexpr, SKIP_DENSE: tl.constexpr):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
         b = tl.program_id(0)
         kh = tl.program_id(1) // QT
@@ -179,16 +180,20 @@ def _kernel(interpret: bool) -> Any:
         den = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         poisoned = tl.zeros((BLOCK_M,), tl.int32)
+        if SKIP_DENSE:  # another kernel reads the dense run (the CUDA tile at head_dim 512)
+            e_run = a
+        else:
+            e_run = e
         if IDX_AHEAD:  # the next tile's pool rows are loaded one tile ahead, by hand
             nxt = a + tl.arange(0, BLOCK_N)
-            rows_next = tl.load(kv_indices + kv0 + nxt, mask=nxt < e, other=0)
-        for start in range(a, e, BLOCK_N):  # every row sees every key up to e
+            rows_next = tl.load(kv_indices + kv0 + nxt, mask=nxt < e_run, other=0)
+        for start in range(a, e_run, BLOCK_N):  # every row sees every key up to e
             offs = start + tl.arange(0, BLOCK_N)
-            inr = offs < e
+            inr = offs < e_run
             if IDX_AHEAD:
                 rows = rows_next.to(tl.int64)
                 nxt = offs + BLOCK_N
-                rows_next = tl.load(kv_indices + kv0 + nxt, mask=nxt < e, other=0)
+                rows_next = tl.load(kv_indices + kv0 + nxt, mask=nxt < e_run, other=0)
             else:
                 rows = tl.load(kv_indices + kv0 + offs, mask=inr, other=0).to(tl.int64)
             k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
@@ -268,7 +273,7 @@ def _kernel(interpret: bool) -> Any:
                      o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
             tl.store(lse_ptr + qrow * Hq + heads, lse, mask=rvalid)
         else:
-            part = (qrow * Hq + heads) * n_splits + sp
+            part = (qrow * Hq + heads) * part_stride + part_base + sp
             tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=rvalid[:, None])
             tl.store(plse_ptr + part, lse, mask=rvalid)
 
@@ -302,8 +307,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      max_q_len: int | None = None, num_splits: int | None = None,
                      config: tuple[int, ...] | None = None, dense: bool = True,
-                     k_scale: float = 1.0, v_scale: float = 1.0, wide: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     k_scale: float = 1.0, v_scale: float = 1.0, wide: bool = False,
+                     cuda: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged extend/verify under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
     q: [total_q, Hq, D]; k_buf, v_buf: [rows, Hkv, D] in q's dtype, last dim contiguous;
@@ -316,7 +321,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     path off (tests, benchmarks); by default they are planned from static sizes. fp8 buffers
     (with ``k_scale``/``v_scale``) are read in q's dtype: k_scale joins the softmax scale and
     v_scale the output. ``wide=True`` takes the two-kernel path of ``verify_wide`` instead (up to
-    64 rows per KV head; opt-in, slower on the H200 so far).
+    64 rows per KV head; opt-in, slower on the H200 so far). ``cuda``: the dense run of a
+    head_dim-512 verify tile in our CUDA kernel (``kernels/cuda/verify_d512.cu``) where it
+    serves (None: wherever it serves; False: never; True: required, else ValueError).
     """
     nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                                mask, mask_indptr, sinks)
@@ -356,8 +363,16 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     # keys, a few keys each: narrow tiles
     block_ng = min(block_n, 16) if dense and max_q_len <= 16 and not skip else block_n
     qt = -(-max_q_len // (block_m // group))
-    splits = num_splits or extend_splits(nb * hkv * qt, kv_indices.numel(), nb, block_m, block_n,
-                                         d, q.device)
+    tile = cuda is not False and dense and softcap is None and k_scale == 1.0 and v_scale == 1.0 \
+        and kv_indices.dtype == torch.int32 and verify_d512_serves(q, k_buf, group, rows)
+    if cuda and not tile:
+        raise ValueError("cuda=True: the CUDA verify tile serves bf16 q and pool, head_dim 512, "
+                         "group 8, ≤ 64 rows, int32 indices, no softcap or fp8, with nvcc present")
+    if tile:  # the dense run in the CUDA tile (partials 1..), the other keys here (partial 0)
+        splits = 1 + extend_splits(nb * hkv, kv_indices.numel(), nb, 64, 32, d, q.device)
+    else:
+        splits = num_splits or extend_splits(nb * hkv * qt, kv_indices.numel(), nb, block_m,
+                                             block_n, d, q.device)
     po = plse = lse  # unused when one split writes the output itself
     if splits > 1:
         po = torch.empty(total_q, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -369,19 +384,23 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     if dense:
         rng = dense_runs(qo_indptr, kv_indptr, q_pos, kv_pos, mask, mask_indptr, window, max_q_len)
     sk = sinks.float().contiguous() if sinks is not None else lse
-    stage1[(nb, hkv * qt, splits)](
+    stage1[(nb, hkv * qt, 1 if tile else splits)](
         q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
         dummy_mask, dummy_mi, rng, sk, o, lse, po, plse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), o.stride(0), o.stride(1), hq, qt, splits, float(scale) * k_scale,
-        float(softcap or 1.0), int(window or 1),
+        v_buf.stride(1), o.stride(0), o.stride(1), hq, qt, 1 if tile else splits, splits, 0,
+        float(scale) * k_scale, float(softcap or 1.0), int(window or 1),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, D=d, SPLIT=splits > 1,
         HAS_MASK=mask is not None, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         SKIP_EMPTY=skip or (mask is None and max_q_len > block_n),
         DENSE=dense, BLOCK_NG=block_ng, IDX_AHEAD=idx_ahead,
-        CDT=compute_dtype(q.dtype, k_buf.dtype), num_warps=warps, num_stages=stages)
+        CDT=compute_dtype(q.dtype, k_buf.dtype), SKIP_DENSE=tile, num_warps=warps,
+        num_stages=stages)
+    if tile:
+        dense_verify_d512(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, rng, po, plse,
+                          part_base=1, splits=splits - 1, scale=scale)
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
     if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it

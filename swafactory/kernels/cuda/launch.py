@@ -1,0 +1,173 @@
+"""Build and launch our own CUDA kernels: nvcc to a cached cubin, loaded and launched through
+the driver API with ctypes, so nothing beyond torch and the CUDA driver is needed at run time.
+
+Why not ``torch.utils.cpp_extension``: it links against the running torch's headers and ABI
+and needs ninja; a cubin needs only nvcc once (the result is cached by source hash, flags and
+architecture) and the driver. Launches go on torch's current stream, so a CUDA graph that
+torch captures records them like any other kernel. Host cost: one ``cuLaunchKernel`` (a few µs).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["CudaKernel", "nvcc_path", "cuda_kernels_available", "KernelBuildError"]
+
+_DYN_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+class KernelBuildError(RuntimeError):
+    """nvcc or the driver refused a kernel; the message carries their output."""
+
+
+@functools.cache
+def nvcc_path() -> str | None:
+    """nvcc from $CUDA_HOME/bin, $CUDA_PATH/bin or PATH, or None."""
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(env)
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cuda_kernels_available(device: torch.device) -> bool:
+    """True on a CUDA device of compute capability ≥ 8.0 (cp.async, ldmatrix, bf16 mma) with
+    nvcc present and ``SWAFACTORY_CUDA_KERNELS`` not set to 0."""
+    if os.environ.get("SWAFACTORY_CUDA_KERNELS", "1") == "0" or device.type != "cuda":
+        return False
+    return _capable(device.index)
+
+
+@functools.cache
+def _capable(index: int | None) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 8 and nvcc_path() is not None
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}" + ("a" if major == 9 else "")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SWAFACTORY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swafactory")
+    path = Path(root) / "cuda"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_cubin(source: Path, arch: str, defines: dict[str, int]) -> bytes:
+    """Compile ``source`` for ``sm_<arch>`` with ``-D`` defines; cached by content."""
+    flags = ["-cubin", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    flags += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:20]
+    out = _cache_dir() / f"{source.stem}-{key}.cubin"
+    if out.exists():
+        return out.read_bytes()
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise KernelBuildError("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        raise KernelBuildError(f"nvcc failed on {source.name} ({' '.join(flags)}):\n{res.stderr}")
+    tmp.replace(out)  # atomic: a concurrent builder sees a whole file or none
+    return out.read_bytes()
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        msg = ctypes.c_char_p()
+        _libcuda().cuGetErrorString(rc, ctypes.byref(msg))
+        raise KernelBuildError(f"{what} failed: CUDA error {rc} "
+                               f"({(msg.value or b'?').decode()})")
+
+
+class CudaKernel:
+    """One ``extern "C"`` kernel of a .cu file, built per device and defines.
+
+    ``arg_types``: the kernel's parameters in order, each "ptr" (a tensor or None → 0), "i32",
+    "i64" or "f32".
+    """
+
+    _CT = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "i64": ctypes.c_longlong,
+           "f32": ctypes.c_float}
+
+    def __init__(self, source: Path, name: str, arg_types: Sequence[str],
+                 defines: dict[str, int] | None = None, smem_bytes: int = 0) -> None:
+        self.source, self.name = Path(source), name
+        self.arg_types = tuple(arg_types)
+        self.defines = dict(defines or {})
+        self.smem_bytes = smem_bytes
+        self._fn: dict[int, ctypes.c_void_p] = {}
+
+    def _function(self, device: torch.device) -> ctypes.c_void_p:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        fn = self._fn.get(idx)
+        if fn is not None:
+            return fn
+        cubin = build_cubin(self.source, _arch(device), self.defines)
+        lib = _libcuda()
+        with torch.cuda.device(idx):
+            torch.cuda.current_stream()  # makes torch's (primary) context current
+            ctx = ctypes.c_void_p()
+            _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            if not ctx.value:
+                dev = ctypes.c_int()
+                _check(lib.cuDeviceGet(ctypes.byref(dev), idx), "cuDeviceGet")
+                _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "retain context")
+                _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            mod = ctypes.c_void_p()
+            _check(lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(cubin)),
+                   f"loading {self.source.name}")
+            fn = ctypes.c_void_p()
+            _check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, self.name.encode()),
+                   f"finding {self.name}")
+            if self.smem_bytes > 48 * 1024:
+                _check(lib.cuFuncSetAttribute(fn, _DYN_SMEM_ATTR, self.smem_bytes),
+                       f"{self.name}: {self.smem_bytes} bytes of shared memory")
+        self._fn[idx] = fn
+        return fn
+
+    def registers(self, device: torch.device) -> int:
+        """Registers per thread of the built kernel (CU_FUNC_ATTRIBUTE_NUM_REGS)."""
+        val = ctypes.c_int()
+        _check(_libcuda().cuFuncGetAttribute(ctypes.byref(val), 4, self._function(device)),
+               "cuFuncGetAttribute")
+        return val.value
+
+    def __call__(self, grid: tuple[int, int, int], block: int, *args: Any) -> None:
+        if len(args) != len(self.arg_types):
+            raise TypeError(f"{self.name} takes {len(self.arg_types)} arguments, got {len(args)}")
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        fn = self._function(device)
+        vals = []
+        for kind, a in zip(self.arg_types, args):
+            if kind == "ptr":
+                a = 0 if a is None else a.data_ptr()
+            vals.append(self._CT[kind](a))
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+                                                 for v in vals])
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _check(_libcuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1,
+                                         self.smem_bytes, ctypes.c_void_p(stream), params, None),
+               f"launching {self.name}")

@@ -1,0 +1,50 @@
+"""The CUDA kernels off a GPU: they compile for Hopper without spills (where nvcc is present,
+as on CI), and every route to them refuses clearly where they cannot run."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from swafactory.kernels.cuda import launch
+from swafactory.kernels.cuda.verify import _SRC, verify_d512_kernel
+
+
+@pytest.mark.skipif(launch.nvcc_path() is None, reason="nvcc is not installed")
+def test_the_shipped_verify_tile_compiles_for_sm90a_without_spills(tmp_path):
+    kern = verify_d512_kernel()
+    flags = [f"-D{k}={v}" for k, v in kern.defines.items()]
+    res = subprocess.run([launch.nvcc_path(), "-cubin", "-O3", "-std=c++17",
+                          "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", *flags,
+                          "-o", str(tmp_path / "t.cubin"), str(_SRC)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                       r"loads", res.stderr).groups()
+    assert regs <= 255 and spills == ("0", "0", "0"), res.stderr
+    assert kern.smem_bytes <= 227 * 1024  # one block per multiprocessor on Hopper
+
+
+def test_build_cubin_names_the_missing_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWAFACTORY_CACHE", str(tmp_path))
+    monkeypatch.setattr(launch, "nvcc_path", lambda: None)
+    with pytest.raises(launch.KernelBuildError, match="nvcc was not found"):
+        launch.build_cubin(_SRC, "90a", {"BN": 32})
+
+
+def test_the_tile_is_unavailable_off_a_gpu_and_when_switched_off(monkeypatch):
+    assert not launch.cuda_kernels_available(torch.device("cpu"))
+    monkeypatch.setenv("SWAFACTORY_CUDA_KERNELS", "0")
+    assert not launch.cuda_kernels_available(torch.device("cuda", 0))
+
+
+def test_requiring_the_tile_where_it_cannot_serve_says_what_it_needs():
+    from kernel_batches import Req, make_batch
+    from swafactory.kernels.triton.extend import extend_attention
+
+    batch = make_batch([Req(list(range(40)), list(range(32, 40)))], hq=8, hkv=1, d=16)
+    with pytest.raises(ValueError, match="head_dim 512"):
+        extend_attention(*batch.args(), scale=0.25, max_q_len=8, cuda=True)
