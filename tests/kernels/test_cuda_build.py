@@ -13,8 +13,9 @@ from swafactory.kernels.cuda.verify import _SRC, verify_d512_kernel
 
 
 @pytest.mark.skipif(launch.nvcc_path() is None, reason="nvcc is not installed")
-def test_the_shipped_verify_tile_compiles_for_sm90a_without_spills(tmp_path):
-    kern = verify_d512_kernel()
+@pytest.mark.parametrize("wgmma", [1, 0])  # Hopper's shipped tile, and the mma.sync one
+def test_the_shipped_verify_tile_compiles_for_sm90a_without_spills(tmp_path, wgmma):
+    kern = verify_d512_kernel(wgmma=wgmma)
     flags = [f"-D{k}={v}" for k, v in kern.defines.items()]
     res = subprocess.run([launch.nvcc_path(), "-cubin", "-O3", "-std=c++17",
                           "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", *flags,

@@ -15,16 +15,13 @@ _SRC = Path(__file__).with_name("verify_d512.cu")
 _ARGS = ("ptr",) * 9 + ("i64",) * 6 + ("i32",) * 4 + ("f32",)
 
 
-DEFAULT_CONFIG = (32, 2)
-"""The shipped tile: 32-key tiles, 2 stages, the .cu file's default switches."""
-
-
-def tile_config() -> tuple[int, ...]:
+def tile_config(device: torch.device) -> tuple[int, ...]:
     """``SWAFACTORY_VERIFY_TILE`` (benchmarks: ``BNxSTAGES[xSPLITKVxLAZYxPAIRBARxFULLSxWGMMA]``,
-    e.g. 32x2x1x1x0x0x1) or the shipped default."""
+    e.g. 32x2x0x0x0x0x1) or the shipped tile: 32-key tiles, 2 stages, wgmma on Hopper
+    (compute capability 9.x), mma.sync elsewhere."""
     env = os.environ.get("SWAFACTORY_VERIFY_TILE")
     if not env:
-        return DEFAULT_CONFIG
+        return (32, 2, 0, 0, 0, 0, int(torch.cuda.get_device_capability(device)[0] == 9))
     try:
         cfg = tuple(int(x) for x in env.lower().split("x"))
     except ValueError:
@@ -36,10 +33,13 @@ def tile_config() -> tuple[int, ...]:
 
 
 @functools.cache
-def verify_d512_kernel(bn: int = 32, stages: int = 2, split_kv: int = 1, lazy: int = 1,
-                       pair_bar: int = 1, full_scores: int = 0, wgmma: int = 0) -> CudaKernel:
+def verify_d512_kernel(bn: int = 32, stages: int = 2, split_kv: int = 0, lazy: int = 0,
+                       pair_bar: int = 0, full_scores: int = 0, wgmma: int = 0) -> CudaKernel:
     """The kernel built with BN keys per tile, ``stages`` shared-memory stages and the .cu
-    file's switches (SPLITKV, LAZY, PAIRBAR, FULLS, WGMMA)."""
+    file's switches (SPLITKV, LAZY, PAIRBAR, FULLS, WGMMA; wgmma needs compute capability
+    9.x). Measured on the H200 (bs 64, ctx 8192, 8 tokens; bench/results/
+    probe-verify-cuda-d79e545.md): the dense run 1.197 ms with wgmma (85% of copy bandwidth),
+    1.41-1.45 with mma.sync whatever the switches, 1.79 with FULLS or 16-key tiles."""
     smem = 64 * 1024 + 2 * stages * bn * 1024 + 8 * (bn // 8) * 32 * 16 + 1024
     return CudaKernel(_SRC, "verify_d512", _ARGS, {"BN": bn, "NS": stages, "SPLITKV": split_kv,
                                                   "LAZY": lazy, "PAIRBAR": pair_bar,
@@ -65,14 +65,14 @@ def dense_verify_d512(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     rng: [B, 2] int32 dense runs (``extend.dense_runs``); po: [total_q, Hq, P, 512] fp32 and
     plse: [total_q, Hq, P] fp32, contiguous: partials ``part_base .. part_base + splits - 1``
     are written (an empty run writes o = 0, lse = -inf). ``scale``: the softmax scale (k_scale
-    folded in by the caller). ``config``: ``verify_d512_kernel``'s arguments (None: ``tile_config()``). No host sync;
+    folded in by the caller). ``config``: ``verify_d512_kernel``'s arguments (None: ``tile_config(device)``). No host sync;
     capturable.
     """
     nb = qo_indptr.numel() - 1
     hq, hkv = q.shape[1], k_buf.shape[1]
     if kv_indices.dtype != torch.int32:
         raise ValueError(f"kv_indices must be int32 for the CUDA verify tile, got {kv_indices.dtype}")
-    kern = verify_d512_kernel(*(config or tile_config()))
+    kern = verify_d512_kernel(*(config or tile_config(q.device)))
     kern((nb, hkv, splits), 256, q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, rng, po,
          plse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
          v_buf.stride(1), hq, splits, po.shape[2], part_base, float(scale) * 1.4426950408889634)

@@ -25,13 +25,13 @@
 #define NS 2  // shared-memory stages of K and V
 #endif
 #ifndef SPLITKV
-#define SPLITKV 1  // K and V in separate cp.async groups: the scores start before V lands
+#define SPLITKV 0  // K and V in separate cp.async groups: the scores start before V lands
 #endif
 #ifndef LAZY
-#define LAZY 1  // rescale o only when some row's running max moved
+#define LAZY 0  // rescale o only when some row's running max moved
 #endif
 #ifndef PAIRBAR
-#define PAIRBAR 1  // the score exchange syncs the two warps of a row block, not all eight
+#define PAIRBAR 0  // the score exchange syncs the two warps of a row block, not all eight
 #endif
 #ifndef FULLS
 #define FULLS 0  // each warp computes the whole scores (twice the QK work, no exchange)
