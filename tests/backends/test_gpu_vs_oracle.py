@@ -51,6 +51,22 @@ def test_gemma4_geometry_every_mode(backend: str, mode: str) -> None:
     assert_close(run_mode(w, mode, [0, 5], 8), BF16)
 
 
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_gemma4_full_layer_verify_reaches_our_cuda_tile(backend: str) -> None:
+    """The factory's route, not only the kernel: at `d79e545` both adapters handed the tile int64
+    rows and quietly kept the Triton tile (bench_factory's verify did not move)."""
+    from swafactory.kernels.cuda.launch import cuda_kernels_available
+    from swafactory.kernels.cuda.verify import tile_config, verify_d512_kernel
+
+    if backend not in GPU_BACKENDS or not cuda_kernels_available(torch.device("cuda")):
+        pytest.skip(f"{backend} or the CUDA tile (nvcc) is not available here")
+    kern = verify_d512_kernel(*tile_config(torch.device("cuda")))
+    before = kern.launches
+    w, _ = world(backend, "gemma4", ["model.sliding_window=8"])
+    assert_close(run_mode(w, "verify_tree_2", [0, 5], 8), BF16)  # 6 nodes x 8 heads: 48 rows
+    assert kern.launches > before
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("mode", ["verify_tree_4", "draft_decode"])
 def test_trees_through_cascade(backend: str, mode: str) -> None:

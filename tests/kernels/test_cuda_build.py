@@ -49,3 +49,19 @@ def test_requiring_the_tile_where_it_cannot_serve_says_what_it_needs():
     batch = make_batch([Req(list(range(40)), list(range(32, 40)))], hq=8, hkv=1, d=16)
     with pytest.raises(ValueError, match="head_dim 512"):
         extend_attention(*batch.args(), scale=0.25, max_q_len=8, cuda=True)
+
+
+def test_a_tile_that_does_not_build_falls_back_with_one_warning(monkeypatch):
+    from swafactory.kernels.cuda import verify
+
+    def refuse(self, device):
+        raise launch.KernelBuildError("nvcc failed on verify_d512.cu: unsupported gpu architecture")
+
+    verify._builds.cache_clear()
+    monkeypatch.setattr(launch.CudaKernel, "_function", refuse)
+    try:
+        with pytest.warns(RuntimeWarning, match="Triton tile serves.*unsupported gpu"):
+            assert verify._builds(0, (32, 2)) is False
+        assert verify._builds(0, (32, 2)) is False  # cached: no second warning, no second build
+    finally:
+        verify._builds.cache_clear()

@@ -119,6 +119,13 @@ class CudaKernel:
         self.defines = dict(defines or {})
         self.smem_bytes = smem_bytes
         self._fn: dict[int, ctypes.c_void_p] = {}
+        self.launches = 0
+        """Launches so far (tests check that a route reaches the kernel)."""
+
+    def load(self, device: torch.device) -> None:
+        """Builds (or reads from the cache) and loads the kernel on ``device``, before any
+        capture: loading a module is not a stream operation, so do it in the eager warm-up."""
+        self._function(device)
 
     def _function(self, device: torch.device) -> ctypes.c_void_p:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -171,3 +178,4 @@ class CudaKernel:
         _check(_libcuda().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1,
                                          self.smem_bytes, ctypes.c_void_p(stream), params, None),
                f"launching {self.name}")
+        self.launches += 1

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
-from swafactory.kernels.cuda.launch import CudaKernel, cuda_kernels_available
+from swafactory.kernels.cuda.launch import CudaKernel, KernelBuildError, cuda_kernels_available
 
 __all__ = ["dense_verify_d512", "verify_d512_serves", "verify_d512_kernel"]
 
@@ -50,7 +51,23 @@ def verify_d512_serves(q: torch.Tensor, k_buf: torch.Tensor, group: int, rows: i
     """Whether the CUDA tile serves this pass: bf16 q and pool, head_dim 512, group 8, at most
     64 rows (queries × group) per request and KV head, on a GPU where the kernel builds."""
     return (q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16 and q.shape[-1] == 512
-            and group == 8 and rows <= 64 and cuda_kernels_available(q.device))
+            and group == 8 and rows <= 64 and cuda_kernels_available(q.device)
+            and _builds(q.device.index, tile_config(q.device)))
+
+
+@functools.cache
+def _builds(index: int | None, config: tuple[int, ...]) -> bool:
+    """Builds and loads the tile once per device and config. Where nvcc or the driver refuses it
+    (an nvcc too old for the GPU, say), the Triton tile serves instead, with one warning that
+    carries nvcc's message."""
+    device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+    try:
+        verify_d512_kernel(*config).load(device)
+    except KernelBuildError as exc:
+        warnings.warn(f"swafactory: the CUDA verify tile did not build, so the Triton tile serves "
+                      f"head_dim-512 verify instead ({exc})", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def dense_verify_d512(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -9,6 +9,15 @@
 // run the same online softmax, and each multiplies P by its own half of V. So every K/V byte is
 // read once per KV head, and o is 128 fp32 registers a thread.
 //
+// Two forms of the same tile. WGMMA=1 (Hopper, the default there): each D half is one warpgroup;
+// its scores are one m64n32k16 wgmma chain from Q and K in shared memory, and P.V is m64n64k16
+// wgmmas with P from registers and V read MN-major. So a warpgroup reads each K/V element from
+// shared memory once. WGMMA=0 (other GPUs): ldmatrix + mma.sync, where each of a D half's four
+// row-block warps reads it. The register layouts are the same, so only the matrix products
+// differ. On the H200 (bench/results/probe-verify-cuda-d79e545.md) wgmma reads the dense run at
+// 85% of copy bandwidth and mma.sync at 72%. The other switches below were measured and gave
+// nothing; they stay for the sweeps.
+//
 // Keys: only the request's dense run [lo, hi) (every query sees every key there: no mask, no
 // window), clipped to this program's split. The keys outside it (the draft tokens, a window edge)
 // are another pass's; the two partial states are merged by LSE (merge.combine_splits).
