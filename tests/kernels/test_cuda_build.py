@@ -65,3 +65,12 @@ def test_a_tile_that_does_not_build_falls_back_with_one_warning(monkeypatch):
         assert verify._builds(0, (32, 2)) is False  # cached: no second warning, no second build
     finally:
         verify._builds.cache_clear()
+
+
+def test_the_tile_refuses_rows_it_cannot_copy_16_bytes_at_a_time():
+    from swafactory.kernels.cuda.verify import _aligned
+
+    pool = torch.zeros(10, 4, 512, dtype=torch.bfloat16)
+    assert _aligned(pool)
+    assert not _aligned(pool.view(-1)[4:4 + 9 * 4 * 512].view(9, 4, 512))  # 8-byte base
+    assert not _aligned(torch.zeros(10, 4, 516, dtype=torch.bfloat16)[..., :512])  # odd stride

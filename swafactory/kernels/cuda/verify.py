@@ -47,12 +47,21 @@ def verify_d512_kernel(bn: int = 32, stages: int = 2, split_kv: int = 0, lazy: i
                                                   "FULLS": full_scores, "WGMMA": wgmma}, smem)
 
 
-def verify_d512_serves(q: torch.Tensor, k_buf: torch.Tensor, group: int, rows: int) -> bool:
+def verify_d512_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: int,
+                       rows: int) -> bool:
     """Whether the CUDA tile serves this pass: bf16 q and pool, head_dim 512, group 8, at most
-    64 rows (queries × group) per request and KV head, on a GPU where the kernel builds."""
-    return (q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16 and q.shape[-1] == 512
-            and group == 8 and rows <= 64 and cuda_kernels_available(q.device)
-            and _builds(q.device.index, tile_config(q.device)))
+    64 rows (queries × group) per request and KV head, rows 16-byte aligned (the tile copies
+    16 bytes at a time), on a GPU where the kernel builds."""
+    return (q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
+            and v_buf.dtype == torch.bfloat16 and q.shape[-1] == 512 and group == 8
+            and rows <= 64 and all(_aligned(t) for t in (q, k_buf, v_buf))
+            and cuda_kernels_available(q.device) and _builds(q.device.index, tile_config(q.device)))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Last dim contiguous, 16-byte base, strides in whole 16-byte units (8 bf16)."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st % 8 == 0 for st in t.stride()[:-1]))
 
 
 @functools.cache
@@ -82,8 +91,8 @@ def dense_verify_d512(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     rng: [B, 2] int32 dense runs (``extend.dense_runs``); po: [total_q, Hq, P, 512] fp32 and
     plse: [total_q, Hq, P] fp32, contiguous: partials ``part_base .. part_base + splits - 1``
     are written (an empty run writes o = 0, lse = -inf). ``scale``: the softmax scale (k_scale
-    folded in by the caller). ``config``: ``verify_d512_kernel``'s arguments (None: ``tile_config(device)``). No host sync;
-    capturable.
+    folded in by the caller). ``config``: ``verify_d512_kernel``'s arguments (None:
+    ``tile_config(device)``). No host sync; capturable.
     """
     nb = qo_indptr.numel() - 1
     hq, hkv = q.shape[1], k_buf.shape[1]

@@ -364,7 +364,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     block_ng = min(block_n, 16) if dense and max_q_len <= 16 and not skip else block_n
     qt = -(-max_q_len // (block_m // group))
     tile = cuda is not False and dense and softcap is None and k_scale == 1.0 and v_scale == 1.0 \
-        and verify_d512_serves(q, k_buf, group, rows)
+        and verify_d512_serves(q, k_buf, v_buf, group, rows)
     if cuda and not tile:
         raise ValueError("cuda=True: the CUDA verify tile serves bf16 q and pool, head_dim 512, "
                          "group 8, ≤ 64 rows, no softcap or fp8, with nvcc present")
