@@ -80,13 +80,11 @@ def kernel():
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * Hq * D + heads[:, None] * D + d[None, :], mask=hmask[:, None],
                     other=0.0).to(CDT)
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        den = tl.zeros((BLOCK_H,), tl.float32)
         if KT:
-            m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-            den = tl.zeros((BLOCK_H,), tl.float32)
             acc = tl.zeros((D, BLOCK_H), tl.float32)
         else:
-            m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-            den = tl.zeros((BLOCK_H,), tl.float32)
             acc = tl.zeros((BLOCK_H, D), tl.float32)
         for start in range(lo, hi, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)

@@ -46,15 +46,12 @@ Sinks are served by an exact epilogue on the returned LSE (``o · σ(lse - sink)
 0.6.18's FA2/FA3 paged runs accept ``sinks=`` but drop it (only trtllm-gen, SM100+, reads it).
 
 Wide verify. A multi-query pass of 17-64 rows per KV head at head_dim ≥ 512 (Gemma 4's full
-layers in verify, tree and DFlash steps: 8 tokens × 8 heads) runs swafactory's own extend tile
-(`kernels.triton.extend`) on the same tables instead of FlashInfer's prefill. Its dense run (the
-keys every query sees) goes through our CUDA kernel where nvcc is present
-(`kernels/cuda/verify_d512.cu`: wgmma on Hopper), the other keys through the Triton tile, merged
-by LSE. H200, bs 64, ctx 8192, 8 tokens, side by side on the same data: the whole pass 1.49 ms
-with the mma.sync form of the CUDA tile (commit d79e545; its wgmma form reads the dense run in
-1.20 ms), the Triton tile 2.01, FlashInfer's custom-mask prefill 2.23, the two-kernel
-`verify_wide` 4.04 (2db4d40); FlashInfer's decode of the same K/V 0.97. Eager forwards only: a
-graph bucket keeps FlashInfer's ``use_cuda_graph`` prefill, whose buffers it refills in place.
+layers in verify, tree and DFlash steps) runs swafactory's extend tile on the same tables instead
+of FlashInfer's prefill: its dense run through our CUDA kernel where nvcc is present
+(`kernels/cuda/verify_d512.cu`), the other keys through the Triton tile. H200, bs 64, ctx 8192,
+8 tokens: that dense run 1.20 ms, the Triton tile 2.01, FlashInfer's custom mask 2.23, its decode
+of the same K/V 0.99 (bench/results/probe-verify-cuda-d79e545.md). Eager forwards only: a graph
+bucket keeps FlashInfer's ``use_cuda_graph`` prefill, whose buffers it refills in place.
 """
 from __future__ import annotations
 
@@ -353,8 +350,7 @@ class Adapter:
         sig = (qs[1], ks[1], qs[2], q.dtype, k_buf.dtype, scale, softcap)
         if p.triton and p.planned_for == sig:  # the same rows and rule (off CUDA: the reference)
             t = tables
-            rows = t.kv_indices_i32 if t.kv_indices_i32 is not None else t.kv_indices.tensor
-            return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, rows,
+            return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                    t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                    window=window, scale=scale, softcap=softcap, sinks=sinks,
                                    max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale)

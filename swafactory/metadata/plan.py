@@ -63,6 +63,12 @@ class AttnTables:
     def batch_size(self) -> int:
         return self.qo_indptr.numel() - 1
 
+    @property
+    def kv_rows(self) -> torch.Tensor:
+        """[total_kv] the key rows a kernel indexes with: ``kv_indices_i32`` where the planner
+        wrote them, else ``kv_indices``' int64 tensor."""
+        return self.kv_indices_i32 if self.kv_indices_i32 is not None else self.kv_indices.tensor
+
 
 @dataclass(frozen=True, eq=False)
 class GroupPlan:

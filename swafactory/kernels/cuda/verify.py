@@ -22,7 +22,7 @@ def tile_config(device: torch.device) -> tuple[int, ...]:
     (compute capability 9.x), mma.sync elsewhere."""
     env = os.environ.get("SWAFACTORY_VERIFY_TILE")
     if not env:
-        return (32, 2, 0, 0, 0, 0, int(torch.cuda.get_device_capability(device)[0] == 9))
+        return _shipped(device.index)
     try:
         cfg = tuple(int(x) for x in env.lower().split("x"))
     except ValueError:
@@ -31,6 +31,12 @@ def tile_config(device: torch.device) -> tuple[int, ...]:
         raise ValueError(f"SWAFACTORY_VERIFY_TILE={env!r}: expected BNxSTAGES[xSPLITKVxLAZYx"
                          "PAIRBARxFULLSxWGMMA] integers, e.g. 32x2 or 32x2x1x1x0x0x1")
     return cfg
+
+
+@functools.cache
+def _shipped(index: int | None) -> tuple[int, ...]:
+    """The shipped tile for a device (its compute capability is read once)."""
+    return (32, 2, 0, 0, 0, 0, int(torch.cuda.get_device_capability(index)[0] == 9))
 
 
 @functools.cache

@@ -33,8 +33,7 @@ class Adapter:
         from swafactory.kernels.triton.ops import paged_attention
 
         t = tables
-        rows = t.kv_indices_i32 if t.kv_indices_i32 is not None else t.kv_indices.tensor
-        return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, rows,
+        return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                window=window, scale=scale, softcap=softcap, sinks=sinks,
                                max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale)
