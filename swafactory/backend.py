@@ -245,8 +245,11 @@ class AttentionBackend:
                 # else FAULT fp8_descale_dropped: the full layers' reads skip the scales
                 ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
                 hkv, d = k_buf.shape[1], k_buf.shape[2]
+                # a kernel that writes this step's K/V itself (one launch less per layer); not
+                # for fp8, which the store quantizes
+                fuse = getattr(ad, "fuses_writes", False) and not is_fp8(sub.dtype)
                 entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad, scales,
-                                  (key, sub.pool_id, "w"), hkv, d, is_fp8(sub.dtype))
+                                  (key, sub.pool_id, "w"), hkv, d, is_fp8(sub.dtype), fuse)
             # the pool is held, so its identity cannot be reused by another one
             self._layers = (pool, dict(fplan.layer_groups), entries, version)
 
@@ -271,10 +274,11 @@ class AttentionBackend:
         """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
         self._store(layer_id, self._entry(layer_id), k, v)
 
-    def _store(self, layer_id: int, e: tuple, k, v) -> None:
+    def _store(self, layer_id: int, e: tuple, k, v, fused: bool = False):
         """The per-layer write (hot: about as much Python as the raw ``index_copy_`` pair).
-        e: the layer's `_set_plan` entry."""
-        key, k_buf, v_buf, sub, _, _, _, scales, wpair, hkv, d, fp8 = e
+        e: the layer's `_set_plan` entry. fused: check only, and return the int64 slots for the
+        kernel that writes them (`forward`)."""
+        key, k_buf, v_buf, sub, _, _, _, scales, wpair, hkv, d, fp8, _ = e
         idx = self._writes[key]
         if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
@@ -283,13 +287,15 @@ class AttentionBackend:
         if self.guards and not self._graphed and wpair not in self._checked:
             self._pool.check(layer_id, self._plan.groups[key].write_locs)
             self._checked.add(wpair)
-        if sub.check_mode:  # the pool's own write keeps its dummy page poisoned
-            self._pool.write(layer_id, self._plan.groups[key].write_locs, k, v, checked=False)
-            return
         ks = k.shape
         if len(ks) != 3 or ks[0] != idx.shape[0] or ks[1] != hkv or ks[2] != d or v.shape != ks:
             raise ValueError(f"layer {layer_id}: k/v must be [{idx.shape[0]}, {hkv}, {d}], got "
                              f"{list(k.shape)} / {list(v.shape)}")
+        if fused:  # the adapter writes, leaving the dummy page as it was
+            return idx
+        if sub.check_mode:  # the pool's own write keeps its dummy page poisoned
+            self._pool.write(layer_id, self._plan.groups[key].write_locs, k, v, checked=False)
+            return None
         # the pool's store rule (index_copy_; fp8 quantized with the layer's cached scales)
         if fp8 or k.dtype != k_buf.dtype or v.dtype != v_buf.dtype:
             store_rows(k_buf, idx, k, scales[0])
@@ -297,6 +303,7 @@ class AttentionBackend:
         else:  # store_rows's own path, without its two calls
             k_buf.index_copy_(0, idx, k)
             v_buf.index_copy_(0, idx, v)
+        return None
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
@@ -320,7 +327,7 @@ class AttentionBackend:
         if self.faults.sink_dropped:
             sinks = None  # FAULT: the kernel takes sinks= and ignores it
         e = self._entry(layer_id)
-        key, k_buf, v_buf, sub, kw, pair, ad, _, _, hkv, d, _ = e
+        key, k_buf, v_buf, sub, kw, pair, ad, _, _, hkv, d, _, fuse = e
         g = self._plan.groups[key]
         if self.guards:
             if pair not in self._checked:
@@ -330,9 +337,16 @@ class AttentionBackend:
                 raise SpaceError(f"layer {layer_id}: q is {qs[1]} heads × {qs[-1]}, but the "
                                  f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "
                                  f"{sub.head_dim}): the wrong pool for this layer")
+        new_kv = None
         if save_kv:
-            self._store(layer_id, e, k, v)
+            if fuse and g.cascade is None and k.dtype == k_buf.dtype and v.dtype == v_buf.dtype:
+                new_kv = (k, v, self._store(layer_id, e, k, v, fused=True))
+            else:
+                self._store(layer_id, e, k, v)
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
+        if new_kv is not None:  # the adapter writes this step's K/V (in its kernel, or first)
+            return ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, new_kv=new_kv,
+                          **kw)[0]
         if g.cascade is not None:
             pre, exp = g.cascade
             o1, l1 = ad.run(pre, q, k_buf, v_buf, **kw)

@@ -153,8 +153,12 @@ def test_cuda_graph_and_dtype_rules() -> None:
     assert "dtype@backend.kv_dtype" in rules(flex, CPU)
     graphs = swafactory.compose(["backend=flashinfer", "backend.cuda_graph=true"])
     assert rules(graphs, H200) == set()  # swafactory.graphs serves flashinfer decode/verify
-    no_graphs = swafactory.compose(["backend=triton", "backend.cuda_graph=true"])
-    assert rules(no_graphs, H200) == {"cuda_graph@backend.cuda_graph"}
+    decode = swafactory.compose(["backend=triton", "backend.cuda_graph=true", "spec=none"])
+    assert rules(decode, H200) == set()  # triton replays decode buckets
+    spec = swafactory.compose(["backend=triton", "backend.cuda_graph=true", "spec=eagle3"])
+    why = [r for r in swafactory.check(spec, H200) if r.field == "backend.cuda_graph"]
+    assert len(why) == 1 and "decode graphs only" in why[0].message and "eagle3" in why[0].message
+    assert "backend=flashinfer" in why[0].fix and "backend.cuda_graph=false" in why[0].fix
 
 
 def test_auto_picks_torch_on_cpu_and_the_fastest_on_h200() -> None:

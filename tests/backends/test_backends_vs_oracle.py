@@ -191,6 +191,26 @@ def test_shipped_models_decode_and_verify(model: str, backend: str) -> None:
     assert_close(run_mode(world, "verify_chain", layers, 7))
 
 
+@pytest.mark.parametrize("model", ["gpt_oss_20b", "mistral_7b"])
+def test_triton_decode_runs_whole_rows_and_writes_the_new_kv_in_its_kernel(model: str) -> None:
+    """GPT-OSS and Mistral decode through `decode_rows` (Hkv · D ≤ 1024), which also writes the
+    step's K/V: the second decode step reads the rows the first one's kernel wrote, from pools
+    whose dummy page stays poisoned (check mode)."""
+    if not _runnable_here("triton"):
+        pytest.skip(_why_not("triton"))
+    from swafactory.kernels.triton import decode_rows as dr
+
+    fewer = SHIPPED_INTERPRETED_HEADS[model] if _interpreted("triton") else []
+    world, _ = make_world(model, 1, ["model.sliding_window=7", "model.num_layers=4", *fewer],
+                          backend="triton")
+    layers = [0, 1] if model != "mistral_7b" else [0]
+    before = dr.launches
+    assert_close(run_mode(world, "decode", layers, 7))
+    assert dr.launches - before == 2 * len(layers)  # both steps, every layer
+    for sub in world.pool.sub_pools:
+        assert sub.check_mode and all(torch.isnan(b[:sub.page_size]).all() for b in sub.k_bufs)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_softcap(backend: str) -> None:
     world, _ = make_world("tiny", 1, ["model.logit_softcap=2.0", "model.sliding_window=5"],

@@ -17,29 +17,11 @@ CAPABILITIES = Capabilities(
     tree_masks=frozenset({"custom_mask", "cascade"}),
     sinks=True,
     softcap=True,
-    cuda_graph=False,  # the kernels are capturable, but no graph-replay path is built yet
+    cuda_graph=True,  # decode buckets (`adapter.py`); verify/draft buckets need flashinfer
+    graph_decode_only=True,
+    graph_emulation=True,  # CPU under TRITON_INTERPRET=1: the contract over the same static tables
     kv_dtypes=frozenset({"float32", "float16", "bfloat16", "fp8_e4m3"}),
 )
 
 
-class Adapter:
-    """Wires planner tables to the Triton kernels (`ops.paged_attention`); holds no pool logic."""
-
-    capabilities = CAPABILITIES
-
-    def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
-            lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
-        """One pass → (o, lse); the kernel computes the LSE either way (``lse`` is a hint)."""
-        from swafactory.kernels.triton.ops import paged_attention
-
-        t = tables
-        return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
-                               t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
-                               window=window, scale=scale, softcap=softcap, sinks=sinks,
-                               max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale)
-
-    def merge(self, o1, lse1, o2, lse2, sinks=None):
-        """Cascade merge → o."""
-        from swafactory.kernels.triton.merge import merge_attention_states
-
-        return merge_attention_states(o1, lse1, o2, lse2, sinks)[0]
+from swafactory.kernels.triton.adapter import Adapter  # noqa: E402 - it reads CAPABILITIES

@@ -1,0 +1,138 @@
+"""`decode_rows` (whole pool rows per program, in-kernel split merge, sink and fused K/V write)
+against the fp32 oracle and the torch reference, in the Triton interpreter.
+
+Method as in test_triton_kernels.py: shuffled paged pools whose unowned rows (row 0 included)
+are NaN, so a stray read shows. The fused write is checked by poisoning the new tokens' rows
+before the call: the output can only be right if the new keys came from ``new_kv``, and the rows
+must hold ``new_kv`` afterwards.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swafactory.kernels.torch_ref import attention_reference
+from kernel_batches import Req, make_batch, oracle_outputs, tol
+
+pytest.importorskip("triton")
+from swafactory.kernels.triton import decode_rows as dr  # noqa: E402
+
+
+def _reqs(lens, trim_to=None):
+    return [Req(kv_pos=list(range(0 if trim_to is None else max(0, n - trim_to), n)),
+                q_pos=[n - 1]) for n in lens]
+
+
+def _run(batch, **kw):
+    return dr.decode_rows(batch.q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices,
+                          batch.q_pos, batch.kv_pos, **kw)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_decode_rows_matches_oracle_and_reference(splits, window, with_sinks, softcap):
+    # group 8 (GPT-OSS's) padded to a 16-row tile; lengths across the window edge and tiles
+    batch = make_batch(_reqs([1, 7, 8, 9, 40]), hq=16, hkv=2, d=16, seed=splits + 3)
+    sinks = torch.randn(16, generator=torch.Generator().manual_seed(1)) * 2 if with_sinks else None
+    counters = torch.zeros(8, dtype=torch.int32)
+    o, lse = _run(batch, window=window, scale=0.3, softcap=softcap, sinks=sinks,
+                  num_splits=splits, counters=counters)
+    want = oracle_outputs(batch, window=window, scale=0.3, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(o, want, **tol(torch.float32))
+    ro, rl = attention_reference(*batch.args(), window=window, scale=0.3, softcap=softcap,
+                                 sinks=sinks)
+    torch.testing.assert_close(lse, rl, **(tol(torch.float32) | {"equal_nan": True}))
+    assert torch.equal(counters, torch.zeros_like(counters))  # left zeroed for the next launch
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_write_stores_the_new_rows_and_attends_to_them_from_registers(splits, dtype):
+    batch = make_batch(_reqs([1, 9, 30], trim_to=8), hq=8, hkv=4, d=32, seed=9, dtype=dtype,
+                       page_size=4)
+    last = batch.kv_indptr[1:].long() - 1
+    slots = batch.kv_indices[last].long()
+    kn, vn = batch.k_buf[slots].clone(), batch.v_buf[slots].clone()
+    want = oracle_outputs(batch, window=8, scale=0.2)
+    batch.k_buf[slots] = math.nan  # the pool holds no new row yet: reading one would show
+    batch.v_buf[slots] = math.nan
+    o, _ = _run(batch, window=8, scale=0.2, new_kv=(kn, vn, slots), dummy_rows=4,
+                num_splits=splits)
+    torch.testing.assert_close(o.float(), want, **tol(dtype))
+    assert torch.equal(batch.k_buf[slots], kn) and torch.equal(batch.v_buf[slots], vn)
+
+
+def test_padding_writes_to_the_dummy_page_are_dropped():
+    # a graph's padding request: one key at the dummy row 0, position 0, writing row 0
+    batch = make_batch([Req(kv_pos=[0, 1, 2], q_pos=[2]), Req(kv_pos=[0], q_pos=[0])],
+                       hq=4, hkv=2, d=16, seed=2)
+    batch.kv_indices[3] = 0
+    batch.q_pos[1] = 0
+    kn = torch.randn(2, 2, 16)
+    vn = torch.randn(2, 2, 16)
+    slots = torch.tensor([int(batch.kv_indices[2]), 0])
+    o, _ = _run(batch, window=None, scale=0.25, new_kv=(kn, vn, slots), num_splits=2)
+    assert torch.isnan(batch.k_buf[0]).all() and torch.isnan(batch.v_buf[0]).all()
+    torch.testing.assert_close(o[1], vn[1].repeat_interleave(2, 0))  # its only key: its own
+    assert torch.isfinite(o).all()
+
+
+def test_a_nan_in_a_visible_row_shows_and_one_outside_the_window_does_not():
+    batch = make_batch(_reqs([20, 20]), hq=4, hkv=1, d=16, seed=5)
+    rows = batch.kv_indices.long()
+    batch.v_buf[rows[2], 0, 3] = math.nan    # request 0, position 2: outside W = 8
+    batch.k_buf[rows[20 + 15], 0, 1] = math.nan  # request 1, position 15: inside
+    o, _ = _run(batch, window=8, scale=0.25, num_splits=3)
+    assert torch.isfinite(o[0]).all() and torch.isnan(o[1]).all()
+
+
+def test_refuses_what_it_cannot_serve_naming_the_limits():
+    batch = make_batch(_reqs([4]), hq=4, hkv=4, d=512, seed=1)  # Hkv · D = 2048
+    assert not dr.rows_serve(batch.q, batch.k_buf, batch.v_buf)
+    with pytest.raises(ValueError, match="Hkv·D ≤ 1024"):
+        _run(batch, window=None, scale=0.1)
+    assert dr.rows_config(8, 64) == (32, 8, 3)
+    assert dr.rows_splits(8, 8192, 32, torch.device("cpu")) == 1  # 4 "SMs" off a GPU: 8/8
+    assert dr.rows_splits(1, 8192, 32, torch.device("cpu")) == 8
+    assert dr.rows_splits(1, 40, 32, torch.device("cpu")) == 1   # two tiles a split at least
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [3, 8])
+@pytest.mark.parametrize("window", [None, 128])
+def test_gpt_oss_geometry_on_the_gpu_fused_and_replayed_from_a_graph(bs, window):
+    """GPT-OSS's layers (64 heads over 8 KV heads of 64, sinks) at 3000 keys: the fused kernel
+    against fp32 attention over the logical history, then captured in a CUDA graph and replayed
+    twice: the same output, and the split counters back at zero."""
+    lens = [3000 - 37 * i for i in range(bs)]
+    batch = make_batch(_reqs(lens, trim_to=window), hq=64, hkv=8, d=64, dtype=torch.bfloat16,
+                       seed=bs, device="cuda")
+    sinks = torch.randn(64, device="cuda")
+    last = batch.kv_indptr[1:].long() - 1
+    slots = batch.kv_indices[last].long()
+    kn, vn = batch.k_buf[slots].clone(), batch.v_buf[slots].clone()
+    want = oracle_outputs(batch, window=window, scale=0.125, sinks=sinks)
+    batch.k_buf[slots] = math.nan
+    batch.v_buf[slots] = math.nan
+    counters = torch.zeros(bs, dtype=torch.int32, device="cuda")
+
+    def call():
+        return _run(batch, window=window, scale=0.125, sinks=sinks, new_kv=(kn, vn, slots),
+                    counters=counters)[0]
+
+    o = call()
+    torch.testing.assert_close(o.float().cpu(), want, **tol(torch.bfloat16))
+    assert torch.equal(batch.k_buf[slots], kn)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = call()
+    for _ in range(2):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, o, rtol=0, atol=0)
+    assert int(counters.abs().sum()) == 0
