@@ -135,21 +135,13 @@ def triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory_out, do_bench) -> 
     out = dict(triton_ms=do_bench(cycle, warmup=5, rep=40, return_mode="median"),
                triton_diff=diff)
     if batch.mode == "decode":  # its graphs replay decode buckets (kernels/triton/adapter.py)
-        rows_before = _rows_launches()
         g = graph_case(tb, batch, qs, ks, vs, sinks, cycle, do_bench)
-        out.update({f"triton_{k}": v for k, v in g.items()},
-                   triton_rows=_rows_launches() > rows_before)
-        heads = swafactory.build_backend(tcfg, pools=pool)  # the per-head split-KV kernel
-        heads.adapter.rows = False
-        g = graph_case(heads, batch, qs, ks, vs, sinks, cycle, do_bench)
-        out.update({f"triton_heads_{k}": v for k, v in g.items()})
+        out.update({f"triton_{k}": v for k, v in g.items()})
+        apart = swafactory.build_backend(tcfg, pools=pool)  # the K/V stored by index_copy_
+        apart.adapter.fuses_writes = False
+        g = graph_case(apart, batch, qs, ks, vs, sinks, cycle, do_bench)
+        out.update({f"triton_apart_{k}": v for k, v in g.items()})
     return out
-
-
-def _rows_launches() -> int:
-    from swafactory.kernels.triton import decode_rows
-
-    return decode_rows.launches
 
 
 def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0, backend_name: str =
@@ -486,16 +478,16 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
 
 def triton_graphs(rows: list[dict]) -> list[str]:
     """Decode through ``backend=triton`` captured as an engine captures its step (``--triton``):
-    its graph replay over the floor, with the kernel that serves (whole rows, `decode_rows`, or
-    the per-head split-KV kernel), beside the flashinfer factory's replay of the same step."""
+    its graph replay over the floor, with the K/V written by the decode kernel and, beside it,
+    stored apart (two ``index_copy_`` per layer), and the flashinfer factory's replay."""
     rs = [r for r in rows if "triton_replay_ms" in r or "triton_graph_error" in r]
     if not rs:
         return []
     lines = ["", "Decode through `backend=triton` as an engine captures it (graph replay of every "
              "layer's K/V write and attention), against the floor of the same run:", "",
-             "| model | bs | floor ms | triton replay ms | / floor | decode kernel | per-head "
-             "kernel replay ms | / floor | flashinfer factory replay ms | / floor | max abs "
-             "diff (graph vs eager) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | bs | floor ms | triton replay ms (K/V written by the kernel) | / floor | "
+             "K/V stored apart, replay ms | / floor | flashinfer factory replay ms | / floor | "
+             "max abs diff (graph vs eager) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         f = r["floor_ms"]
 
@@ -505,8 +497,7 @@ def triton_graphs(rows: list[dict]) -> list[str]:
                 f"{r.get(key.replace('replay_ms', 'graph_error'), '-')[:60]} |"
 
         lines.append(f"| {r['model']} | {r['bs']} | {f:.3f} | {cell('triton_replay_ms')} | "
-                     f"{'whole rows' if r.get('triton_rows') else 'per head'} | "
-                     f"{cell('triton_heads_replay_ms')} | {cell('replay_ms')} | "
+                     f"{cell('triton_apart_replay_ms')} | {cell('replay_ms')} | "
                      f"{r.get('triton_graph_diff', math.nan):.1e} |")
     return lines
 

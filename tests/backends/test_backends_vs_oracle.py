@@ -192,21 +192,22 @@ def test_shipped_models_decode_and_verify(model: str, backend: str) -> None:
 
 
 @pytest.mark.parametrize("model", ["gpt_oss_20b", "mistral_7b"])
-def test_triton_decode_runs_whole_rows_and_writes_the_new_kv_in_its_kernel(model: str) -> None:
-    """GPT-OSS and Mistral decode through `decode_rows` (Hkv · D ≤ 1024), which also writes the
-    step's K/V: the second decode step reads the rows the first one's kernel wrote, from pools
+def test_triton_decode_writes_the_steps_kv_in_its_kernel(model: str) -> None:
+    """triton's decode kernel writes the step's K/V itself (`AttentionBackend.forward` hands
+    them over): the second decode step reads the rows the first one's kernel wrote, from pools
     whose dummy page stays poisoned (check mode)."""
     if not _runnable_here("triton"):
         pytest.skip(_why_not("triton"))
-    from swafactory.kernels.triton import decode_rows as dr
+    from swafactory.kernels.triton import decode
 
     fewer = SHIPPED_INTERPRETED_HEADS[model] if _interpreted("triton") else []
     world, _ = make_world(model, 1, ["model.sliding_window=7", "model.num_layers=4", *fewer],
                           backend="triton")
     layers = [0, 1] if model != "mistral_7b" else [0]
-    before = dr.launches
+    before = decode.launches
+    assert world.backend.adapter.fuses_writes
     assert_close(run_mode(world, "decode", layers, 7))
-    assert dr.launches - before == 2 * len(layers)  # both steps, every layer
+    assert decode.launches - before == 2 * len(layers)  # both steps, every layer
     for sub in world.pool.sub_pools:
         assert sub.check_mode and all(torch.isnan(b[:sub.page_size]).all() for b in sub.k_bufs)
 

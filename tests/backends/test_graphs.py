@@ -21,7 +21,7 @@ from swafactory.errors import ConfigError, SpaceError
 from swafactory.graphs import GraphedAttention
 from swafactory.kernels import flashinfer as fi
 from swafactory.kernels.torch_ref import attend
-from swafactory.kernels.triton import decode_rows as dr
+from swafactory.kernels.triton import decode as triton_decode
 from swafactory.metadata import ForwardBatch
 from test_backends_vs_oracle import SHIPPED_INTERPRETED_HEADS, make_world, tree
 from test_flashinfer_host import adapter_world
@@ -113,11 +113,11 @@ def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stal
     batches shrink and grow; padding rows write the dummy row. With the graph_pad_stale_swa_loc
     switch, a shrunk batch's SWA padding rows write the slots an earlier replay wrote there (seen
     with the guards off; the guards refuse that replay). triton: its static decode tables and
-    the decode kernel that writes the step's K/V itself (`decode_rows`)."""
+    the decode kernel that writes the step's K/V itself."""
     fewer = SHIPPED_INTERPRETED_HEADS["gpt_oss_20b"] if backend == "triton" else []
     world, cfg = make_world("gpt_oss_20b", 1, ["model.sliding_window=8", "model.num_layers=4",
                                                *fewer], backend=backend)
-    launched = dr.launches if backend == "triton" else None
+    launched = triton_decode.launches if backend == "triton" else None
     layers = [0, 1]  # SWA, full
     if stale:
         world.backend.faults = world.backend.faults.model_copy(
@@ -163,8 +163,8 @@ def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stal
             torch.testing.assert_close(out[l], ref)
             graphed.backend.init_forward_metadata_replay(batch, graphed.bucket(bs), 1)
     assert swa_key is not None and graphed.captures == 2 and graphed.replays == 4
-    if launched is not None:  # every replayed layer ran the row kernel over the static tables
-        assert dr.launches - launched >= 4 * len(layers)
+    if launched is not None:  # every replayed layer ran the decode kernel over static tables
+        assert triton_decode.launches - launched >= 4 * len(layers)
     if stale:  # the guard: padding rows must write the dummy row, checked at replay planning
         world.backend.guards = True
         reqs = [world.req(r, world.kv_len(r), 1) for r in range(5)]

@@ -25,7 +25,10 @@ from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, inte
                                              plan_splits)
 from swafactory.kernels.torch_ref import check_contract
 
-__all__ = ["decode_attention", "decode_config"]
+__all__ = ["decode_attention", "decode_config", "launches"]
+
+launches = 0
+"""Launches of the decode kernel in this process (tests check that a path reaches it)."""
 
 
 def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
@@ -46,13 +49,15 @@ def _kernel(interpret: bool) -> Any:
 
     @triton.jit
     def decode_stage1(q_ptr, k_ptr, v_ptr, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
-                      sinks_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr,
+                      sinks_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr, kn_ptr, vn_ptr, wloc_ptr,
                       stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
-                      stride_ot, stride_oh, Hq, n_splits, scale, softcap, window,
+                      stride_ot, stride_oh, stride_nt, stride_nh, Hq, n_splits, scale, softcap,
+                      window, dummy_rows,
                       GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-                      PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr, CDT: tl.constexpr):
+                      PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr, CDT: tl.constexpr,
+                      FUSED: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -80,7 +85,10 @@ def _kernel(interpret: bool) -> Any:
             offs = start + tl.arange(0, BLOCK_N)
             inr = offs < hi
             kp = tl.load(kv_pos + kv0 + offs, mask=inr, other=0)
-            vis = inr & (kp <= qp)
+            if FUSED:  # the new token's key comes from registers, after the loop
+                vis = inr & (kp < qp)
+            else:
+                vis = inr & (kp <= qp)
             if HAS_WINDOW:
                 vis = vis & (qp - kp < window)
             if SKIP_EMPTY:  # a runtime branch stops Triton pipelining the loads: only with a window
@@ -103,6 +111,28 @@ def _kernel(interpret: bool) -> Any:
                             mask=vis[:, None], other=0.0).to(CDT)
                 den = den * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m = m_new
+        if FUSED:  # this step's K/V of KV head kh: written once, attended from registers
+            kn = tl.load(kn_ptr + qrow * stride_nt + kh * stride_nh + d)
+            vn = tl.load(vn_ptr + qrow * stride_nt + kh * stride_nh + d)
+            if sp == 0:  # no program reads this row from the pool (keys before q's position)
+                w = tl.load(wloc_ptr + qi).to(tl.int64)
+                # a padding request's write to the dummy page is dropped (a tensor mask: the
+                # interpreter rejects scalar ones)
+                keep = (d * 0 + w) >= dummy_rows
+                tl.store(k_ptr + w * stride_kr + kh * stride_kh + d, kn, mask=keep)
+                tl.store(v_ptr + w * stride_vr + kh * stride_vh + d, vn, mask=keep)
+            if sp == n_splits - 1:
+                s1 = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
+                if HAS_SOFTCAP:
+                    s1 = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s1 / softcap) + 1.0))
+                s1 = tl.where(hmask, s1, float("-inf"))
+                m_new = tl.maximum(m, s1)
+                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - ref)
+                p1 = tl.exp(s1 - ref)
+                den = den * alpha + p1
+                acc = acc * alpha[:, None] + p1[:, None] * vn.to(tl.float32)[None, :]
                 m = m_new
         if not SPLIT:
             if HAS_SINKS:
@@ -135,7 +165,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      mask_indptr: torch.Tensor | None = None, window: int | None = None,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      num_splits: int | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     v_scale: float = 1.0, new_kv: tuple | None = None,
+                     dummy_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged decode under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
     q: [B, Hq, D] (one query per request: qo_indptr = arange(B+1), int32); k_buf, v_buf:
@@ -144,6 +175,11 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     fp8 buffers (with ``k_scale``/``v_scale``) are read in q's dtype: k_scale joins the softmax
     scale and v_scale the output.
     ``num_splits`` overrides the split count (tests); by default it is planned from static sizes.
+    new_kv: (k [B, Hkv, D], v [B, Hkv, D] in the pool's dtype, slots [B] int64): this step's
+    rows, written by the kernel (split 0 of each request and KV head) and attended from
+    registers, so the pool reads stop before q's position (decode lists hold the new key once,
+    at it). Writes to the dummy page (rows below ``dummy_rows``: padding requests) are dropped,
+    which keeps a check-mode pool's poison.
     """
     if mask is not None or mask_indptr is not None:
         raise ValueError("decode_attention is causal by position; use extend_attention for masks")
@@ -170,19 +206,31 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         po = torch.empty(total_q, hq, splits, d, dtype=torch.float32, device=q.device)
         plse = torch.empty(total_q, hq, splits, dtype=torch.float32, device=q.device)
     sk = sinks.float().contiguous() if sinks is not None else lse
+    kn = vn = wloc = q
+    if new_kv is not None:
+        kn, vn, wloc = new_kv
+        if kn.shape != (nb, hkv, d) or vn.shape != kn.shape or kn.dtype != k_buf.dtype or \
+                vn.dtype != v_buf.dtype or k_buf.dtype.itemsize == 1:
+            raise ValueError(f"new_kv must be [{nb}, {hkv}, {d}] in the pool's dtype "
+                             f"{k_buf.dtype} (not fp8: the store quantizes), got "
+                             f"{list(kn.shape)} {kn.dtype} / {list(vn.shape)} {vn.dtype}")
+        kn, vn = kn.contiguous(), vn.contiguous()  # one stride pair serves both
+    global launches
+    launches += 1
     kernel = _kernel(interpreting())
     kernel[(nb, hkv, splits)](
         q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos, sk, o, lse, po, plse,
+        kn, vn, wloc,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), o.stride(0), o.stride(1), hq, splits, float(scale) * k_scale,
-        float(softcap or 1.0), int(window or 1),
+        v_buf.stride(1), o.stride(0), o.stride(1), kn.stride(0), kn.stride(1), hq, splits,
+        float(scale) * k_scale, float(softcap or 1.0), int(window or 1), int(dummy_rows),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, D=d, SPLIT=splits > 1,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         # skip invisible tiles only where the list is longer than the window (not trimmed)
         SKIP_EMPTY=window is not None and kv_indices.numel() > nb * (window + block_n),
-        CDT=compute_dtype(q.dtype, k_buf.dtype), num_warps=warps)
+        CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, num_warps=warps)
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
     if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it

@@ -1,5 +1,5 @@
-"""`decode_rows` (whole pool rows per program, in-kernel split merge, sink and fused K/V write)
-against the fp32 oracle and the torch reference, in the Triton interpreter.
+"""The decode kernel writing this step's K/V itself (``new_kv``), against the fp32 oracle and the
+torch reference, in the Triton interpreter (and at GPT-OSS's geometry on the GPU).
 
 Method as in test_triton_kernels.py: shuffled paged pools whose unowned rows (row 0 included)
 are NaN, so a stray read shows. The fused write is checked by poisoning the new tokens' rows
@@ -17,7 +17,8 @@ from swafactory.kernels.torch_ref import attention_reference
 from kernel_batches import Req, make_batch, oracle_outputs, tol
 
 pytest.importorskip("triton")
-from swafactory.kernels.triton import decode_rows as dr  # noqa: E402
+from swafactory.kernels.triton.decode import decode_attention  # noqa: E402
+from swafactory.kernels.triton.ops import paged_attention  # noqa: E402
 
 
 def _reqs(lens, trim_to=None):
@@ -26,27 +27,28 @@ def _reqs(lens, trim_to=None):
 
 
 def _run(batch, **kw):
-    return dr.decode_rows(batch.q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices,
-                          batch.q_pos, batch.kv_pos, **kw)
+    return decode_attention(*batch.args(), **kw)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("softcap", [None, 4.0])
-def test_decode_rows_matches_oracle_and_reference(splits, window, with_sinks, softcap):
-    # group 8 (GPT-OSS's) padded to a 16-row tile; lengths across the window edge and tiles
+def test_fused_decode_matches_oracle_and_reference(splits, window, with_sinks, softcap):
+    # group 8 (GPT-OSS's); lengths across the window edge and the key tiles
     batch = make_batch(_reqs([1, 7, 8, 9, 40]), hq=16, hkv=2, d=16, seed=splits + 3)
     sinks = torch.randn(16, generator=torch.Generator().manual_seed(1)) * 2 if with_sinks else None
-    counters = torch.zeros(8, dtype=torch.int32)
-    o, lse = _run(batch, window=window, scale=0.3, softcap=softcap, sinks=sinks,
-                  num_splits=splits, counters=counters)
+    last = batch.kv_indptr[1:].long() - 1
+    slots = batch.kv_indices[last].long()
+    new = (batch.k_buf[slots].clone(), batch.v_buf[slots].clone(), slots)
     want = oracle_outputs(batch, window=window, scale=0.3, softcap=softcap, sinks=sinks)
-    torch.testing.assert_close(o, want, **tol(torch.float32))
     ro, rl = attention_reference(*batch.args(), window=window, scale=0.3, softcap=softcap,
                                  sinks=sinks)
+    batch.k_buf[slots] = math.nan
+    o, lse = _run(batch, window=window, scale=0.3, softcap=softcap, sinks=sinks,
+                  num_splits=splits, new_kv=new)
+    torch.testing.assert_close(o, want, **tol(torch.float32))
     torch.testing.assert_close(lse, rl, **(tol(torch.float32) | {"equal_nan": True}))
-    assert torch.equal(counters, torch.zeros_like(counters))  # left zeroed for the next launch
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -81,24 +83,28 @@ def test_padding_writes_to_the_dummy_page_are_dropped():
     assert torch.isfinite(o).all()
 
 
-def test_a_nan_in_a_visible_row_shows_and_one_outside_the_window_does_not():
-    batch = make_batch(_reqs([20, 20]), hq=4, hkv=1, d=16, seed=5)
-    rows = batch.kv_indices.long()
-    batch.v_buf[rows[2], 0, 3] = math.nan    # request 0, position 2: outside W = 8
-    batch.k_buf[rows[20 + 15], 0, 1] = math.nan  # request 1, position 15: inside
-    o, _ = _run(batch, window=8, scale=0.25, num_splits=3)
-    assert torch.isfinite(o[0]).all() and torch.isnan(o[1]).all()
+def test_paged_attention_stores_first_where_the_decode_kernel_does_not_serve():
+    # an extend pass (two queries) with new_kv: stored before the kernel, the dummy page kept
+    batch = make_batch([Req(kv_pos=list(range(6)), q_pos=[4, 5])], hq=4, hkv=2, d=16, seed=8)
+    slots = batch.kv_indices[4:6].long()
+    new = (batch.k_buf[slots].clone(), batch.v_buf[slots].clone(),
+           torch.cat([slots[:1], torch.zeros(1, dtype=torch.long)]))  # the 2nd to the dummy
+    want, _ = attention_reference(*batch.args(), window=None, scale=0.25)
+    batch.k_buf[slots[0]] = math.nan
+    o, _ = paged_attention(*batch.args(), window=None, scale=0.25, max_q_len=2, new_kv=new)
+    torch.testing.assert_close(o, want, **tol(torch.float32))
+    assert torch.isnan(batch.k_buf[0]).all()  # the dummy row kept its poison
 
 
-def test_refuses_what_it_cannot_serve_naming_the_limits():
-    batch = make_batch(_reqs([4]), hq=4, hkv=4, d=512, seed=1)  # Hkv · D = 2048
-    assert not dr.rows_serve(batch.q, batch.k_buf, batch.v_buf)
-    with pytest.raises(ValueError, match="Hkv·D ≤ 1024"):
-        _run(batch, window=None, scale=0.1)
-    assert dr.rows_config(8, 64) == (32, 8, 3)
-    assert dr.rows_splits(8, 8192, 32, torch.device("cpu")) == 1  # 4 "SMs" off a GPU: 8/8
-    assert dr.rows_splits(1, 8192, 32, torch.device("cpu")) == 8
-    assert dr.rows_splits(1, 40, 32, torch.device("cpu")) == 1   # two tiles a split at least
+def test_fused_write_refuses_fp8_pools_and_wrong_shapes():
+    batch = make_batch(_reqs([4]), hq=4, hkv=2, d=16, seed=1)
+    k8 = batch.k_buf.to(torch.float8_e4m3fn)
+    slots = batch.kv_indices[3:4].long()
+    with pytest.raises(ValueError, match="not fp8"):
+        decode_attention(batch.q, k8, k8, *batch.args()[3:], scale=0.1,
+                         new_kv=(k8[slots], k8[slots], slots))
+    with pytest.raises(ValueError, match=r"new_kv must be \[1, 2, 16\]"):
+        _run(batch, scale=0.1, new_kv=(batch.k_buf[:2], batch.v_buf[:2], slots))
 
 
 @pytest.mark.gpu
@@ -107,7 +113,7 @@ def test_refuses_what_it_cannot_serve_naming_the_limits():
 def test_gpt_oss_geometry_on_the_gpu_fused_and_replayed_from_a_graph(bs, window):
     """GPT-OSS's layers (64 heads over 8 KV heads of 64, sinks) at 3000 keys: the fused kernel
     against fp32 attention over the logical history, then captured in a CUDA graph and replayed
-    twice: the same output, and the split counters back at zero."""
+    twice: the same output."""
     lens = [3000 - 37 * i for i in range(bs)]
     batch = make_batch(_reqs(lens, trim_to=window), hq=64, hkv=8, d=64, dtype=torch.bfloat16,
                        seed=bs, device="cuda")
@@ -118,11 +124,9 @@ def test_gpt_oss_geometry_on_the_gpu_fused_and_replayed_from_a_graph(bs, window)
     want = oracle_outputs(batch, window=window, scale=0.125, sinks=sinks)
     batch.k_buf[slots] = math.nan
     batch.v_buf[slots] = math.nan
-    counters = torch.zeros(bs, dtype=torch.int32, device="cuda")
 
     def call():
-        return _run(batch, window=window, scale=0.125, sinks=sinks, new_kv=(kn, vn, slots),
-                    counters=counters)[0]
+        return _run(batch, window=window, scale=0.125, sinks=sinks, new_kv=(kn, vn, slots))[0]
 
     o = call()
     torch.testing.assert_close(o.float().cpu(), want, **tol(torch.bfloat16))
@@ -135,4 +139,3 @@ def test_gpt_oss_geometry_on_the_gpu_fused_and_replayed_from_a_graph(bs, window)
         g.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, o, rtol=0, atol=0)
-    assert int(counters.abs().sum()) == 0
