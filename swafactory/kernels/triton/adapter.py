@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.kernels.triton import CAPABILITIES  # defined before __init__ imports this module
+from swafactory.kernels.triton.decode import decode_config
+from swafactory.kernels.triton.merge import plan_splits
 from swafactory.metadata.plan import PassCache
 
 __all__ = ["Adapter", "StaticTables"]
@@ -124,14 +126,27 @@ class Adapter:
         from swafactory.kernels.triton.ops import paged_attention
 
         t = self._passes.get(id(tables), tables)  # a graph bucket's static tables, or these
+        splits = None
+        if t is not tables and window is not None:  # a static list is sized for the full pool:
+            splits = window_splits(q, k_buf, window)  # split by the window's keys instead
         return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                window=window, scale=scale, softcap=softcap, sinks=sinks,
                                max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
-                               new_kv=new_kv, dummy_rows=self._page)
+                               new_kv=new_kv, dummy_rows=self._page, num_splits=splits)
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""
         from swafactory.kernels.triton.merge import merge_attention_states
 
         return merge_attention_states(o1, lse1, o2, lse2, sinks)[0]
+
+
+def window_splits(q: torch.Tensor, k_buf: torch.Tensor, window: int) -> int:
+    """The decode kernel's splits for a graph bucket of a windowed group: planned from W keys
+    per request (the static tables' size says nothing about a window). GPT-OSS's W = 128 at
+    bs 8: one split, so no merge launch (the default would plan 8, six of them empty)."""
+    nb, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    block_n = decode_config(d, hq // hkv)[1]
+    return plan_splits(nb * hkv, nb * window, nb, block_n, q.device)

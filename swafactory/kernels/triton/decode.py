@@ -31,14 +31,15 @@ launches = 0
 """Launches of the decode kernel in this process (tests check that a path reaches it)."""
 
 
-def decode_config(head_dim: int, group: int) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps) for a head_dim and GQA group; tl.dot needs tiles ≥ 16."""
+def decode_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages) for a head_dim and GQA group; tl.dot needs
+    tiles ≥ 16."""
     block_h = max(16, 1 << (group - 1).bit_length())
     if head_dim >= 512:
-        return block_h, 32, 8
+        return block_h, 32, 8, 3
     if head_dim >= 256:
-        return block_h, 64, 8
-    return block_h, 64, 4
+        return block_h, 64, 8, 3
+    return block_h, 64, 4, 3
 
 
 @functools.cache
@@ -195,7 +196,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         q = q.contiguous()
     if k_buf.stride(2) != 1 or v_buf.stride(2) != 1:
         raise ValueError("k_buf/v_buf need a contiguous last dim (pool rows are [Hkv, D])")
-    block_h, block_n, warps = decode_config(d, group)
+    block_h, block_n, warps, stages = decode_config(d, group)
     splits = num_splits or plan_splits(nb * hkv, kv_indices.numel(), nb, block_n, q.device)
     o = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
@@ -230,7 +231,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         # skip invisible tiles only where the list is longer than the window (not trimmed)
         SKIP_EMPTY=window is not None and kv_indices.numel() > nb * (window + block_n),
-        CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, num_warps=warps)
+        CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, num_warps=warps,
+        num_stages=stages)
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
     if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it
