@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_factory import capture  # noqa: E402
 from bench_triton_vs_flashinfer import build, copy_bandwidth, rel_err  # noqa: E402
 
 HQ, HKV, D = 64, 8, 64
@@ -26,14 +27,7 @@ HQ, HKV, D = 64, 8, 64
 
 def graph_ms(fn, do_bench) -> float:
     """Median replay time of ``fn`` captured once in a CUDA graph (after one eager warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g, _ = capture(fn)
     return do_bench(g.replay, warmup=20, rep=200, return_mode="median")
 
 
