@@ -39,7 +39,13 @@ def decode_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
         return block_h, 32, 8, 3
     if head_dim >= 256:
         return block_h, 64, 8, 3
-    return block_h, 64, 4, 3
+    if head_dim >= 128:
+        return block_h, 64, 4, 3
+    # 128-key tiles, two stages: GPT-OSS's full layer (D 64, 8 KV heads, 8192 keys) with the
+    # step's write and the merge, as a graph runs it on the H200: bs 64 276 µs = 91% of copy
+    # bandwidth against 324 µs with 64-key tiles, bs 8 52 against 56 µs (bench/results/
+    # probe-decode-tiles-091048e.json)
+    return block_h, 128, 4, 2
 
 
 @functools.cache
