@@ -46,9 +46,6 @@ class StaticTables:
     q_pos: torch.Tensor
     kv_pos: torch.Tensor
     window: int | None
-    counters: torch.Tensor
-    """[n · Hkv] int32 zeros the decode kernel's in-kernel merge leaves zeroed: the bucket's own,
-    so the captured launches keep their address whatever eager forwards allocate."""
     mask = None
     mask_indptr = None
     max_q_len = 1
@@ -58,11 +55,11 @@ class StaticTables:
         return self.kv_indices
 
     @classmethod
-    def empty(cls, n: int, max_kv: int, window: int | None, hkv: int, device) -> StaticTables:
+    def empty(cls, n: int, max_kv: int, window: int | None, device) -> StaticTables:
         i32 = dict(dtype=torch.int32, device=device)
         return cls(torch.arange(n + 1, **i32), torch.arange(n + 1, **i32),
                    torch.zeros(max_kv, **i32), torch.zeros(n, **i32), torch.zeros(max_kv, **i32),
-                   window, torch.zeros(n * hkv, **i32))
+                   window)
 
     def fill(self, t) -> None:
         """Copy ``t`` (the planner's tables of B ≤ n one-query requests) in; requests past B read
@@ -96,30 +93,20 @@ class Adapter:
         self._passes = PassCache("triton")
         self._static: dict[tuple, StaticTables] = {}
         self._page = 1  # the planned pool's page size: its first page is the dummy
-        self._counters: torch.Tensor | None = None
-        """[≥ rows · Hkv] int32 zeros for eager forwards' in-kernel merges (the layers run one
-        after another on one stream and each leaves them zeroed); a graph bucket has its own."""
 
     def plan(self, forward_plan, pool, *, sigs=None, graph: tuple[int, int] | None = None) -> None:
-        """Host work of one forward: the merge counters' size; for a graph bucket, refill its
-        static tables from the planner's (device-to-device copies)."""
+        """Host work of one forward: none eagerly; for a graph bucket, refill its static tables
+        from the planner's (device-to-device copies)."""
         del sigs
         self._passes.clear()
         self._page = pool.sub_pools[0].page_size
-        if not forward_plan.groups:
-            return
-        hkv = max(sp.num_kv_heads for sp in pool.sub_pools)
-        dev = next(iter(forward_plan.groups.values())).tables.qo_indptr.device
-        if graph is None:
-            need = forward_plan.total_q * hkv
-            c = self._counters
-            if c is None or c.numel() < need or c.device != dev:
-                self._counters = torch.zeros(max(need, 1024), dtype=torch.int32, device=dev)
+        if graph is None or not forward_plan.groups:
             return
         bucket, tokens = graph
         if tokens != 1:
             raise ValueError(f"backend=triton replays decode graphs only (1 token per request); "
                              f"a bucket of {tokens} tokens needs backend=flashinfer")
+        dev = next(iter(forward_plan.groups.values())).tables.qo_indptr.device
         max_rows = max(sp.rows for sp in pool.sub_pools)
         for key, g in forward_plan.groups.items():
             for role, t in g.passes:
@@ -127,7 +114,7 @@ class Adapter:
                 st = self._static.get(sk)
                 if st is None:
                     st = self._static[sk] = StaticTables.empty(bucket, bucket * max_rows,
-                                                               g.window, hkv, dev)
+                                                               g.window, dev)
                 st.fill(t)
                 self._passes.put(t, st)
 
@@ -139,17 +126,14 @@ class Adapter:
         from swafactory.kernels.triton.ops import paged_attention
 
         t = self._passes.get(id(tables), tables)  # a graph bucket's static tables, or these
-        splits, counters = None, self._counters
-        if t is not tables:
-            counters = t.counters
-            if window is not None:  # a static list is sized for the full pool:
-                splits = window_splits(q, k_buf, window)  # split by the window's keys instead
+        splits = None
+        if t is not tables and window is not None:  # a static list is sized for the full pool:
+            splits = window_splits(q, k_buf, window)  # split by the window's keys instead
         return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                window=window, scale=scale, softcap=softcap, sinks=sinks,
                                max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
-                               new_kv=new_kv, dummy_rows=self._page, num_splits=splits,
-                               counters=counters)
+                               new_kv=new_kv, dummy_rows=self._page, num_splits=splits)
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""

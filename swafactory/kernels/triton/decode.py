@@ -7,14 +7,10 @@ once per KV head, not once per query head. It walks its share of the request's k
 in the future, or past the list) are loaded under a mask. So they cost no bytes, and a NaN
 in the dummy slot or in an evicted row never enters the sum. A tile with no visible key is
 skipped (only
-with a window: the branch costs load pipelining where every tile is visible). With several
-splits, each stores its partial (o, lse) and the last split of a (request, KV head) to finish (an
-atomic counter, left zeroed for the next launch or graph replay) merges them, up to 8 splits a
-load, and adds the sink: no second launch per layer (a small batch under a CUDA graph pays for
-launches). With one split, the program writes the final output itself. The split count is a
-runtime argument (only "split or not" is compiled in): it follows the batch
-(`merge.plan_splits`), and a compiled count would JIT a new kernel, about a second, whenever a
-serving step met a new count.
+with a window: the branch costs load pipelining where every tile is visible). Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one
+split, stage 1 writes the final output itself. The split count is a runtime argument (only
+"split or not" is compiled in): it follows the batch (`merge.plan_splits`), and a compiled
+count would JIT a new kernel, about a second, whenever a serving step met a new count.
 
 Contract: see ``kernels/torch_ref.py``; here ``mask`` must be None and ``qo_indptr`` = arange(B+1).
 """
@@ -25,16 +21,14 @@ from typing import Any
 
 import torch
 
-from swafactory.kernels.triton.merge import compute_dtype, interpreting, plan_splits
+from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, interpreting,
+                                             plan_splits)
 from swafactory.kernels.torch_ref import check_contract
 
 __all__ = ["decode_attention", "decode_config", "launches"]
 
 launches = 0
 """Launches of the decode kernel in this process (tests check that a path reaches it)."""
-_MERGE_ELEMS = 16384
-"""Largest [splits, heads, D] tile the in-kernel merge loads at once (fp32: 64 registers a thread
-at 8 warps): up to 8 splits a load at head_dim 64, 2 at 512."""
 
 
 def decode_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
@@ -63,7 +57,6 @@ def _kernel(interpret: bool) -> Any:
     @triton.jit
     def decode_stage1(q_ptr, k_ptr, v_ptr, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                       sinks_ptr, o_ptr, lse_ptr, po_ptr, plse_ptr, kn_ptr, vn_ptr, wloc_ptr,
-                      cnt_ptr,
                       stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                       stride_ot, stride_oh, stride_nt, stride_nh, Hq, n_splits, scale, softcap,
                       window, dummy_rows,
@@ -71,7 +64,7 @@ def _kernel(interpret: bool) -> Any:
                       D: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
                       PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr, CDT: tl.constexpr,
-                      FUSED: tl.constexpr, MERGE: tl.constexpr, S_CHUNK: tl.constexpr):
+                      FUSED: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -169,50 +162,6 @@ def _kernel(interpret: bool) -> Any:
             part = (qrow * Hq + heads) * n_splits + sp
             tl.store(po_ptr + part[:, None] * D + d[None, :], o, mask=hmask[:, None])
             tl.store(plse_ptr + part, lse, mask=hmask)
-            if MERGE:  # the last split of this (request, KV head) to finish merges them all
-                tl.debug_barrier()  # every thread's partial is stored before the release
-                c = cnt_ptr + b * tl.num_programs(1) + kh
-                done = tl.atomic_add(c, 1, sem="acq_rel")
-                if done == n_splits - 1:
-                    tl.debug_barrier()
-                    base = (qrow * Hq + heads) * n_splits  # [BLOCK_H]
-                    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-                    den = tl.zeros((BLOCK_H,), tl.float32)
-                    acc = tl.zeros((BLOCK_H, D), tl.float32)
-                    # S_CHUNK splits' partials per load: a few L2 round trips, not one per split
-                    for s0 in range(0, n_splits, S_CHUNK):
-                        s_i = s0 + tl.arange(0, S_CHUNK)
-                        sm = (s_i < n_splits)[:, None] & hmask[None, :]
-                        ls = tl.load(plse_ptr + base[None, :] + s_i[:, None], mask=sm,
-                                     other=float("-inf"), cache_modifier=".cg")
-                        os_ = tl.load(po_ptr + (base[None, :, None] + s_i[:, None, None]) * D +
-                                      d[None, None, :], mask=sm[:, :, None], other=0.0,
-                                      cache_modifier=".cg")
-                        m_new = tl.maximum(m, tl.max(ls, axis=0))
-                        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        alpha = tl.exp(m - ref)
-                        w = tl.exp(ls - ref[None, :])
-                        den = den * alpha + tl.sum(w, axis=0)
-                        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * os_, axis=0)
-                        m = m_new
-                    if HAS_SINKS:
-                        sk = tl.load(sinks_ptr + heads, mask=hmask,
-                                     other=float("-inf")).to(tl.float32)
-                        m_new = tl.maximum(m, sk)
-                        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        alpha = tl.exp(m - ref)
-                        acc = acc * alpha[:, None]
-                        den = den * alpha + tl.exp(sk - ref)
-                        m = m_new
-                    ref = tl.where(m == float("-inf"), 0.0, m)
-                    ok = den != 0  # NaN stays NaN: a visible stale read must show
-                    o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
-                    tl.store(o_ptr + qrow * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                             o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
-                    tl.store(lse_ptr + qrow * Hq + heads,
-                             tl.where(ok, ref + tl.log(tl.where(ok, den, 1.0)), float("-inf")),
-                             mask=hmask)
-                    tl.store(c, 0)  # zeroed for the next launch (a graph replays it)
 
     return decode_stage1
 
@@ -224,8 +173,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      num_splits: int | None = None, k_scale: float = 1.0,
                      v_scale: float = 1.0, new_kv: tuple | None = None,
-                     dummy_rows: int = 1, counters: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     dummy_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged decode under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
     q: [B, Hq, D] (one query per request: qo_indptr = arange(B+1), int32); k_buf, v_buf:
@@ -239,9 +187,6 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     registers, so the pool reads stop before q's position (decode lists hold the new key once,
     at it). Writes to the dummy page (rows below ``dummy_rows``: padding requests) are dropped,
     which keeps a check-mode pool's poison.
-    counters: [≥ B·Hkv] int32 zeros, left zeroed: with splits, the last split of each (request,
-    KV head) to finish merges them in the kernel (no merge launch). A graph passes its own
-    buffer; by default a fresh one (one fill).
     """
     if mask is not None or mask_indptr is not None:
         raise ValueError("decode_attention is causal by position; use extend_attention for masks")
@@ -277,15 +222,12 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                              f"{k_buf.dtype} (not fp8: the store quantizes), got "
                              f"{list(kn.shape)} {kn.dtype} / {list(vn.shape)} {vn.dtype}")
         kn, vn = kn.contiguous(), vn.contiguous()  # one stride pair serves both
-    merge = splits > 1
-    if merge and (counters is None or counters.numel() < nb * hkv):
-        counters = torch.zeros(nb * hkv, dtype=torch.int32, device=q.device)
     global launches
     launches += 1
     kernel = _kernel(interpreting())
     kernel[(nb, hkv, splits)](
         q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos, sk, o, lse, po, plse,
-        kn, vn, wloc, counters if merge else lse,
+        kn, vn, wloc,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), o.stride(0), o.stride(1), kn.stride(0), kn.stride(1), hq, splits,
         float(scale) * k_scale, float(softcap or 1.0), int(window or 1), int(dummy_rows),
@@ -295,9 +237,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         # skip invisible tiles only where the list is longer than the window (not trimmed)
         SKIP_EMPTY=window is not None and kv_indices.numel() > nb * (window + block_n),
-        CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, MERGE=merge,
-        S_CHUNK=max(1, min(8, _MERGE_ELEMS // (block_h * d))), num_warps=warps,
+        CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, num_warps=warps,
         num_stages=stages)
+    if splits > 1:
+        combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
     if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it
         o.mul_(v_scale)
     return o, lse
