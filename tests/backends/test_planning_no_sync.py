@@ -52,3 +52,36 @@ def test_planning_makes_no_host_sync(mode: str, backend: str) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert plan.group(0).tables.qo_host is not None  # host indptrs from host lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_decode_graph_replay_planning_makes_no_host_sync(backend: str) -> None:
+    """`init_forward_metadata_replay` of a decode bucket (the planner, then the refill of what
+    the captured kernels read: FlashInfer's graph wrappers, triton's static tables) under
+    ``set_sync_debug_mode("error")``, with a batch smaller than its bucket (padding)."""
+    pytest.importorskip(backend)
+    cfg = swafactory.validate(swafactory.compose(
+        [f"backend={backend}", "spec=none", "model=gpt_oss_20b", "workload.device=cuda"]))
+    bs, bucket, ctx, W = 5, 8, 300, cfg.model.sliding_window
+    pool, alloc = build_pools(cfg, bucket * 512, bucket * 512, "cuda")
+    slots = RequestSlots(alloc, ReqToToken(bucket, 512, "cuda"))
+    for rid in range(bs):
+        slots.open(rid)
+        slots.extend(rid, ctx + 1)
+        slots.evict_out_of_window(rid, ctx, W)
+    backend_ = swafactory.build_backend(cfg, pools=pool)
+    backend_.init_cuda_graph_state(bucket, 1)
+    backend_.init_forward_metadata_capture(bucket, 1, "decode")
+    batch = ForwardBatch.of("decode", [ReqForward(r, slots.reqs[r].row, ctx, 1)
+                                       for r in range(bs)], slots.req_to_token.table,
+                            alloc.full_id)
+    backend_.guards = False  # the replay guard reads the padding rows back, on purpose
+    backend_.init_forward_metadata_replay(batch, bucket, 1)  # first use: lazy imports
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = backend_.init_forward_metadata_replay(batch, bucket, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert plan.total_q == bucket
