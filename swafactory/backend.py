@@ -66,6 +66,7 @@ class AttentionBackend:
         # which (group, sub-pool) pairs were checked; a check runs once per pair, not per layer
         self._layers: tuple | None = None
         self._writes: dict[str, torch.Tensor | None] = {}
+        self._decode: set[str] = set()
         self._checked: set[tuple[str, str]] = set()
         self._frozen = None
         if self.faults.pool_cached_at_init:  # FAULT: what the view says at construction
@@ -228,6 +229,9 @@ class AttentionBackend:
         self._checked = set()
         self._writes = {key: (None if g.write_locs is None else _rows(g.write_locs.tensor))
                         for key, g in fplan.groups.items()}
+        # groups whose pass is decode (host facts): a kernel may write their K/V itself
+        self._decode = {key for key, g in fplan.groups.items() if g.cascade is None
+                        and g.tables.mask is None and g.tables.max_q_len == 1}
         pool = self._pool
         cached = self._layers
         version = pool.scales_version
@@ -245,8 +249,7 @@ class AttentionBackend:
                 # else FAULT fp8_descale_dropped: the full layers' reads skip the scales
                 ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
                 hkv, d = k_buf.shape[1], k_buf.shape[2]
-                # a kernel that writes this step's K/V itself (one launch less per layer); not
-                # for fp8, which the store quantizes
+                # a decode kernel that writes the step's K/V itself (not fp8: the store quantizes)
                 fuse = getattr(ad, "fuses_writes", False) and not is_fp8(sub.dtype)
                 entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad, scales,
                                   (key, sub.pool_id, "w"), hkv, d, is_fp8(sub.dtype), fuse)
@@ -294,8 +297,8 @@ class AttentionBackend:
         if fused:  # the adapter writes, leaving the dummy page as it was
             return idx
         if sub.check_mode:  # the pool's own write keeps its dummy page poisoned
-            self._pool.write(layer_id, self._plan.groups[key].write_locs, k, v, checked=False)
-            return None
+            return self._pool.write(layer_id, self._plan.groups[key].write_locs, k, v,
+                                    checked=False)
         # the pool's store rule (index_copy_; fp8 quantized with the layer's cached scales)
         if fp8 or k.dtype != k_buf.dtype or v.dtype != v_buf.dtype:
             store_rows(k_buf, idx, k, scales[0])
@@ -303,7 +306,6 @@ class AttentionBackend:
         else:  # store_rows's own path, without its two calls
             k_buf.index_copy_(0, idx, k)
             v_buf.index_copy_(0, idx, v)
-        return None
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
@@ -337,16 +339,12 @@ class AttentionBackend:
                 raise SpaceError(f"layer {layer_id}: q is {qs[1]} heads × {qs[-1]}, but the "
                                  f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "
                                  f"{sub.head_dim}): the wrong pool for this layer")
-        new_kv = None
-        if save_kv:
-            if fuse and g.cascade is None and k.dtype == k_buf.dtype and v.dtype == v_buf.dtype:
-                new_kv = (k, v, self._store(layer_id, e, k, v, fused=True))
-            else:
-                self._store(layer_id, e, k, v)
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
-        if new_kv is not None:  # the adapter writes this step's K/V (in its kernel, or first)
-            return ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, new_kv=new_kv,
-                          **kw)[0]
+        if save_kv and fuse and key in self._decode and k.dtype == k_buf.dtype == v.dtype:
+            new_kv = (k, v, self._store(layer_id, e, k, v, fused=True))  # the kernel writes
+            return ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, new_kv=new_kv, **kw)[0]
+        if save_kv:
+            self._store(layer_id, e, k, v)
         if g.cascade is not None:
             pre, exp = g.cascade
             o1, l1 = ad.run(pre, q, k_buf, v_buf, **kw)

@@ -4,7 +4,8 @@ Every pass goes to `ops.paged_attention` (decode or extend by the tables). A dec
 this step's K/V from the backend (``new_kv``) and its kernel writes them: split 0 of each
 (request, KV head) stores the row, the last split attends to it from registers. That is two
 launches less per layer, what a small batch under a CUDA graph pays for (GPT-OSS at bs 8: the
-48 ``index_copy_`` writes took 165 µs of a 1.06 ms step). Other passes store first.
+48 ``index_copy_`` writes took 165 µs of a 1.06 ms step). The backend hands ``new_kv`` to decode
+passes only; other passes it stores first, as for every adapter.
 
 CUDA graphs (`plan(…, graph=(bucket, 1))`): decode buckets only. Each (group, pass, bucket) owns
 static tables (indptr, rows, positions) sized for ``bucket`` requests over the largest sub-pool;
@@ -16,7 +17,8 @@ launches. Multi-token buckets (verify, draft extend) are refused: use backend=fl
 Measured and dropped (H200, `695e8c6`, bench/results/probe-decode-rows-695e8c6.json): a decode
 kernel reading whole pool rows per (request, split), all KV heads at once, with the split merge
 in the kernel's last program. Its serial merge tail made GPT-OSS's bs-8 full layer 67-112 µs
-against the per-head kernel's 55, and the whole graphed step 1.15 ms against 1.01.
+against the per-head kernel's 55, and the whole graphed step 1.15 ms against 1.01. The split
+merge inside this kernel (`6d5bdb3`, reverted): bs-8 graphed step 0.896 ms against 0.626.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class StaticTables:
     """A decode graph bucket's tables at fixed addresses (the kernel contract's names).
 
     qo_indptr: [n+1] int32 = arange; kv_indptr: [n+1] int32; kv_indices: [n·rows] int32;
-    q_pos: [n] int32; kv_pos: [n·rows] int32; window: the group's W (sizes the split count).
+    q_pos: [n] int32; kv_pos: [n·rows] int32.
     """
 
     qo_indptr: torch.Tensor
@@ -45,7 +47,6 @@ class StaticTables:
     kv_indices: torch.Tensor
     q_pos: torch.Tensor
     kv_pos: torch.Tensor
-    window: int | None
     mask = None
     mask_indptr = None
     max_q_len = 1
@@ -55,11 +56,10 @@ class StaticTables:
         return self.kv_indices
 
     @classmethod
-    def empty(cls, n: int, max_kv: int, window: int | None, device) -> StaticTables:
+    def empty(cls, n: int, max_kv: int, device) -> StaticTables:
         i32 = dict(dtype=torch.int32, device=device)
         return cls(torch.arange(n + 1, **i32), torch.arange(n + 1, **i32),
-                   torch.zeros(max_kv, **i32), torch.zeros(n, **i32), torch.zeros(max_kv, **i32),
-                   window)
+                   torch.zeros(max_kv, **i32), torch.zeros(n, **i32), torch.zeros(max_kv, **i32))
 
     def fill(self, t) -> None:
         """Copy ``t`` (the planner's tables of B ≤ n one-query requests) in; requests past B read
@@ -113,8 +113,7 @@ class Adapter:
                 sk = (key, role, bucket, id(pool))
                 st = self._static.get(sk)
                 if st is None:
-                    st = self._static[sk] = StaticTables.empty(bucket, bucket * max_rows,
-                                                               g.window, dev)
+                    st = self._static[sk] = StaticTables.empty(bucket, bucket * max_rows, dev)
                 st.fill(t)
                 self._passes.put(t, st)
 
