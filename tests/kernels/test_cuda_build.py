@@ -74,3 +74,43 @@ def test_the_tile_refuses_rows_it_cannot_copy_16_bytes_at_a_time():
     assert _aligned(pool)
     assert not _aligned(pool.view(-1)[4:4 + 9 * 4 * 512].view(9, 4, 512))  # 8-byte base
     assert not _aligned(torch.zeros(10, 4, 516, dtype=torch.bfloat16)[..., :512])  # odd stride
+
+
+@pytest.mark.skipif(launch.nvcc_path() is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+def test_the_cluster_decode_kernel_compiles_for_sm90a_without_spills(tmp_path, cluster):
+    from swafactory.kernels.cuda.decode import _SRC as DEC, decode_d64_kernel
+
+    kern = decode_d64_kernel(8, cluster)
+    flags = [f"-D{k}={v}" for k, v in kern.defines.items()]
+    res = subprocess.run([launch.nvcc_path(), "-cubin", "-O3", "-std=c++17",
+                          "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", *flags,
+                          "-o", str(tmp_path / "d.cubin"), str(DEC)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                       r"loads", res.stderr).groups()
+    # four CTAs of 128 threads a multiprocessor: ≤ 128 registers and ≤ 56 KB of shared memory
+    assert regs <= 128 and spills == ("0", "0", "0"), res.stderr
+    assert 4 * (kern.smem_bytes + 1024) <= 228 * 1024
+
+
+def test_cluster_splits_fill_one_wave_and_never_split_past_the_tiles():
+    from swafactory.kernels.cuda.decode import cluster_splits
+
+    assert cluster_splits(8 * 8, 8192, 132) == 8    # GPT-OSS bs 8: 512 CTAs of 528 slots
+    assert cluster_splits(64 * 8, 8192, 132) == 1   # bs 64: 512 CTAs unsplit
+    assert cluster_splits(16 * 8, 8192, 132) == 4
+    assert cluster_splits(8 * 8, 129, 132) == 2     # a W = 128 list: three tiles
+    assert cluster_splits(8 * 8, 129, 132, hint=1) == 1
+    assert cluster_splits(1, 100000, 132) == 8      # a portable cluster holds 8 CTAs
+    assert cluster_splits(1000, 8192, 132) == 1
+
+
+def test_requiring_the_cluster_decode_where_it_cannot_serve_says_what_it_needs():
+    from kernel_batches import Req, make_batch
+    from swafactory.kernels.triton.decode import decode_attention
+
+    batch = make_batch([Req(list(range(40)), [39])], hq=8, hkv=1, d=64)
+    with pytest.raises(ValueError, match="head_dim 64, GQA group ≤ 8"):
+        decode_attention(*batch.args(), scale=0.25, cuda=True)

@@ -108,9 +108,10 @@ def test_fused_write_refuses_fp8_pools_and_wrong_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cuda", [False, None])  # the Triton kernel; the CUDA one where it serves
 @pytest.mark.parametrize("bs", [3, 8])
 @pytest.mark.parametrize("window", [None, 128])
-def test_gpt_oss_geometry_on_the_gpu_fused_and_replayed_from_a_graph(bs, window):
+def test_gpt_oss_geometry_on_the_gpu_fused_and_replayed_from_a_graph(bs, window, cuda):
     """GPT-OSS's layers (64 heads over 8 KV heads of 64, sinks) at 3000 keys: the fused kernel
     against fp32 attention over the logical history, then captured in a CUDA graph and replayed
     twice: the same output."""
@@ -126,7 +127,8 @@ def test_gpt_oss_geometry_on_the_gpu_fused_and_replayed_from_a_graph(bs, window)
     batch.v_buf[slots] = math.nan
 
     def call():
-        return _run(batch, window=window, scale=0.125, sinks=sinks, new_kv=(kn, vn, slots))[0]
+        return _run(batch, window=window, scale=0.125, sinks=sinks, new_kv=(kn, vn, slots),
+                    cuda=cuda)[0]
 
     o = call()
     torch.testing.assert_close(o.float().cpu(), want, **tol(torch.bfloat16))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from swafactory.kernels.cuda.decode import decode_d64, decode_d64_serves
 from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, interpreting,
                                              plan_splits)
 from swafactory.kernels.torch_ref import check_contract
@@ -28,7 +29,8 @@ from swafactory.kernels.torch_ref import check_contract
 __all__ = ["decode_attention", "decode_config", "launches"]
 
 launches = 0
-"""Launches of the decode kernel in this process (tests check that a path reaches it)."""
+"""Decode passes launched in this process, through the Triton kernel or the CUDA cluster kernel
+(tests check that a path reaches the decode kernel)."""
 
 
 def decode_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
@@ -173,7 +175,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      num_splits: int | None = None, k_scale: float = 1.0,
                      v_scale: float = 1.0, new_kv: tuple | None = None,
-                     dummy_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     dummy_rows: int = 1,
+                     cuda: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged decode under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
     q: [B, Hq, D] (one query per request: qo_indptr = arange(B+1), int32); k_buf, v_buf:
@@ -187,6 +190,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     registers, so the pool reads stop before q's position (decode lists hold the new key once,
     at it). Writes to the dummy page (rows below ``dummy_rows``: padding requests) are dropped,
     which keeps a check-mode pool's poison.
+    ``cuda``: head_dim-64 bf16 passes in our CUDA kernel (``kernels/cuda/decode_d64.cu``: the
+    splits merged in a thread-block cluster, one launch) where it serves (None: wherever it
+    serves; False: never; True: required, else ValueError). ``num_splits`` caps its splits.
     """
     if mask is not None or mask_indptr is not None:
         raise ValueError("decode_attention is causal by position; use extend_attention for masks")
@@ -202,6 +208,25 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         q = q.contiguous()
     if k_buf.stride(2) != 1 or v_buf.stride(2) != 1:
         raise ValueError("k_buf/v_buf need a contiguous last dim (pool rows are [Hkv, D])")
+    kn = vn = wloc = q
+    if new_kv is not None:
+        kn, vn, wloc = new_kv
+        if kn.shape != (nb, hkv, d) or vn.shape != kn.shape or kn.dtype != k_buf.dtype or \
+                vn.dtype != v_buf.dtype or k_buf.dtype.itemsize == 1:
+            raise ValueError(f"new_kv must be [{nb}, {hkv}, {d}] in the pool's dtype "
+                             f"{k_buf.dtype} (not fp8: the store quantizes), got "
+                             f"{list(kn.shape)} {kn.dtype} / {list(vn.shape)} {vn.dtype}")
+        kn, vn = kn.contiguous(), vn.contiguous()  # one stride pair serves both
+    fp8_scaled = k_buf.dtype.itemsize == 1 or k_scale != 1.0 or v_scale != 1.0
+    global launches
+    if cuda is not False and decode_d64_serves(q, k_buf, v_buf, group, softcap, fp8_scaled):
+        launches += nb > 0
+        return decode_d64(q, k_buf, v_buf, kv_indptr, kv_indices, q_pos, kv_pos, window=window,
+                          scale=scale, sinks=sinks, new_kv=new_kv, dummy_rows=dummy_rows,
+                          num_splits=num_splits)
+    if cuda:
+        raise ValueError("cuda=True: the CUDA decode kernel serves bf16 q and pool, head_dim 64, "
+                         "GQA group ≤ 8, no softcap or fp8, on Hopper with nvcc present")
     block_h, block_n, warps, stages = decode_config(d, group)
     splits = num_splits or plan_splits(nb * hkv, kv_indices.numel(), nb, block_n, q.device)
     o = torch.empty_like(q)
@@ -213,16 +238,6 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         po = torch.empty(total_q, hq, splits, d, dtype=torch.float32, device=q.device)
         plse = torch.empty(total_q, hq, splits, dtype=torch.float32, device=q.device)
     sk = sinks.float().contiguous() if sinks is not None else lse
-    kn = vn = wloc = q
-    if new_kv is not None:
-        kn, vn, wloc = new_kv
-        if kn.shape != (nb, hkv, d) or vn.shape != kn.shape or kn.dtype != k_buf.dtype or \
-                vn.dtype != v_buf.dtype or k_buf.dtype.itemsize == 1:
-            raise ValueError(f"new_kv must be [{nb}, {hkv}, {d}] in the pool's dtype "
-                             f"{k_buf.dtype} (not fp8: the store quantizes), got "
-                             f"{list(kn.shape)} {kn.dtype} / {list(vn.shape)} {vn.dtype}")
-        kn, vn = kn.contiguous(), vn.contiguous()  # one stride pair serves both
-    global launches
     launches += 1
     kernel = _kernel(interpreting())
     kernel[(nb, hkv, splits)](

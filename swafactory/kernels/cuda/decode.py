@@ -1,0 +1,132 @@
+"""Split-KV decode at head_dim 64, its splits merged inside a thread-block cluster
+(``decode_d64.cu``): one launch a layer where the Triton decode needs a second for the merge."""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from swafactory.kernels.cuda.launch import CudaKernel, KernelBuildError, cuda_kernels_available
+
+__all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_splits"]
+
+_SRC = Path(__file__).with_name("decode_d64.cu")
+_ARGS = ("ptr",) * 13 + ("i64",) * 10 + ("i32",) * 3 + ("f32",)
+_BN = 64  # keys per tile (the .cu file's BN)
+_CTAS_PER_SM = 4  # 128 threads, 3 stages of 16 KB: four CTAs fit a Hopper multiprocessor
+
+
+def _stages() -> int:
+    """``SWAFACTORY_DECODE_STAGES`` (benchmarks) or 3."""
+    return int(os.environ.get("SWAFACTORY_DECODE_STAGES", "3"))
+
+
+@functools.cache
+def decode_d64_kernel(group: int, cluster: int, stages: int = 3) -> CudaKernel:
+    """The kernel for a GQA group (≤ 8), ``cluster`` splits per (request, KV head) (1, 2, 4, 8)
+    and ``stages`` shared-memory stages of 64 keys."""
+    smem = stages * 2 * _BN * 128 + stages * _BN * 4 + 2048
+    return CudaKernel(_SRC, "decode_d64", _ARGS,
+                      {"GROUP": group, "CLUSTER": cluster, "NS": stages}, smem)
+
+
+def cluster_splits(programs: int, keys_per_request: float, sms: int,
+                   hint: int | None = None) -> int:
+    """Splits per (request, KV head), a power of two ≤ 8 (a portable cluster), from static sizes:
+    the most that keep ``programs`` × splits CTAs in one wave on ``sms`` multiprocessors, and no
+    more splits than 64-key tiles. ``hint`` (a caller's split count, e.g. planned from a
+    window) caps it. GPT-OSS on the H200 (132 SMs, 8 KV heads, 8192 keys): 8 splits at bs 8,
+    1 at bs 64."""
+    slots = _CTAS_PER_SM * sms
+    tiles = max(1, -(-int(keys_per_request) // _BN))
+    cap = min(8, tiles, hint or 8)
+    s = 1
+    while s * 2 <= cap and programs * s * 2 <= slots:
+        s *= 2
+    return s
+
+
+def decode_d64_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: int,
+                      softcap: float | None, fp8_scaled: bool) -> bool:
+    """Whether the cluster kernel serves this decode pass: bf16 q and pool, head_dim 64, GQA
+    group ≤ 8, no softcap, no fp8, rows 16-byte aligned, on a Hopper (compute capability 9.x:
+    clusters) GPU where the kernel builds, and ``SWAFACTORY_CUDA_DECODE`` not set to 0."""
+    return (os.environ.get("SWAFACTORY_CUDA_DECODE", "1") != "0"
+            and q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
+            and v_buf.dtype == torch.bfloat16 and q.shape[-1] == 64 and 1 <= group <= 8
+            and softcap is None and not fp8_scaled and q.is_cuda
+            and all(_aligned(t) for t in (q, k_buf, v_buf))
+            and cuda_kernels_available(q.device) and _hopper(q.device.index)
+            and _builds(q.device.index, group))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st % 8 == 0 for st in t.stride()[:-1]))
+
+
+@functools.cache
+def _hopper(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+@functools.cache
+def _sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _builds(index: int | None, group: int) -> bool:
+    """Builds and loads every cluster size once per device and group; where nvcc or the driver
+    refuses, the Triton decode serves instead, with one warning carrying the message."""
+    device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+    try:
+        for cluster in (1, 2, 4, 8):
+            decode_d64_kernel(group, cluster, _stages()).load(device)
+    except KernelBuildError as exc:
+        warnings.warn(f"swafactory: the CUDA decode kernel did not build, so the Triton decode "
+                      f"serves head_dim-64 decode instead ({exc})", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def decode_d64(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               kv_indptr: torch.Tensor, kv_indices: torch.Tensor, q_pos: torch.Tensor,
+               kv_pos: torch.Tensor, *, window: int | None, scale: float,
+               sinks: torch.Tensor | None, new_kv: tuple | None, dummy_rows: int,
+               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention → (o [B, Hq, 64] bf16, lse [B, Hq] fp32).
+
+    q: [B, Hq, 64] bf16 (one query per request), last dim contiguous; k_buf, v_buf: [rows, Hkv,
+    64] bf16; kv_indptr: [B+1] int32; kv_indices: [total_kv] int32/int64 pool rows; q_pos: [B]
+    int32; kv_pos: [total_kv] int32; sinks: [Hq] fp32 or None. new_kv: (k, v [B, Hkv, 64] bf16,
+    slots [B] int64) written by the kernel (rows below ``dummy_rows`` are not written) and
+    attended from the inputs, or None (the list's key at q's position is read from the pool).
+    ``num_splits`` caps the split count (planned from static sizes otherwise). No host sync;
+    capturable.
+    """
+    nb, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    group = hq // hkv
+    o = torch.empty_like(q)
+    lse = torch.empty(nb, hq, dtype=torch.float32, device=q.device)
+    if nb == 0:
+        return o, lse
+    if kv_indices.dtype != torch.int32:  # pool rows fit int32; the kernel reads int32
+        kv_indices = kv_indices.to(torch.int32)
+    splits = cluster_splits(nb * hkv, kv_indices.numel() / nb, _sms(q.device.index), num_splits)
+    kn = vn = wloc = None
+    if new_kv is not None:
+        kn, vn, wloc = new_kv
+        kn, vn, wloc = kn.contiguous(), vn.contiguous(), wloc.contiguous()
+    sk = sinks.float().contiguous() if sinks is not None else None
+    kern = decode_d64_kernel(group, splits, _stages())
+    kern((splits, hkv, nb), 128, q, k_buf, v_buf, kv_indptr, kv_indices, q_pos, kv_pos, sk,
+         kn, vn, wloc, o, lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+         v_buf.stride(0), v_buf.stride(1), kn.stride(0) if kn is not None else 0,
+         kn.stride(1) if kn is not None else 0, o.stride(0), o.stride(1), hq,
+         int(window or 0), int(dummy_rows), float(scale) * 1.4426950408889634)
+    return o, lse
