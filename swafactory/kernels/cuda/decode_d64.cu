@@ -14,11 +14,11 @@
 // GQA group fills an m16n8k16 tile with no padding rows: S^T = K . Q^T, then O^T += V^T . P^T
 // (V^T from ldmatrix.trans, P^T from the score fragment by movmatrix.trans).
 //
-// This step's K/V (new_kv): the key list holds the new token once, at q's position; pool rows
-// at or after q's position are not read. The list gets one more entry, index n, whose row comes
-// from kn/vn (the step's k, v) instead of the pool, and rank 0 writes kn/vn to pool row wloc
-// unless it is below dummy_rows (a padding request's write to the dummy page is dropped). No CTA
-// reads row wloc, so the write does not race.
+// This step's K/V (new_kv): the key list holds the new token once, at q's position (the
+// contract of a decode list). That entry's row is read from kn/vn (the step's k, v) instead of
+// the pool, and rank 0 writes kn/vn to pool row wloc unless it is below dummy_rows (a padding
+// request's write to the dummy page is dropped). No CTA reads row wloc, so the write does not
+// race; and the list keeps its length, so 8192 keys split into eight equal 16-tile shares.
 //
 // Keys no query may see (past q, outside the window) are not read (cp.async zero-fill) and score
 // -inf, so NaN in an unowned row never enters the sum; a visible NaN propagates to o.
@@ -120,7 +120,7 @@ __device__ __forceinline__ float ld_rank(uint32_t addr, int rank) {  // rank's s
 // kv_indptr: [B+1] int32; kv_indices: [total_kv] int32 pool rows; q_pos: [B] int32;
 // kv_pos: [total_kv] int32; sinks: [Hq] fp32 or null
 // kn, vn: [B, Hkv, 64] bf16 (strides snt, snh) this step's rows, wloc: [B] int64 their pool
-//   rows, or all three null (the list's entry at q's position is then read from the pool)
+//   rows, read for the list's entry at q's position; or all three null (read from the pool)
 // o: [B, Hq, 64] bf16 (strides sot, soh); lse: [B, Hq] fp32 (natural log)
 // window: keys with q_pos - kv_pos < window are visible (0: no window); scale_log2: softmax
 //   scale x log2(e)
@@ -146,9 +146,8 @@ extern "C" __global__ void KERNEL_ATTRS
 
   const int kv0 = kv_indptr[b], n = kv_indptr[b + 1] - kv0;
   const int qp = q_pos[b];
-  const int ne = n + (fused ? 1 : 0);  // entry n: this step's key, from kn / vn
-  const int chunk = (((ne + CLUSTER - 1) / CLUSTER + BN - 1) / BN) * BN;
-  const int lo = min(rank * chunk, ne), hi = min(lo + chunk, ne);
+  const int chunk = (((n + CLUSTER - 1) / CLUSTER + BN - 1) / BN) * BN;
+  const int lo = min(rank * chunk, n), hi = min(lo + chunk, n);
   const int ntiles = (hi - lo + BN - 1) / BN;
 
   if (fused && rank == 0 && tid < 16) {  // write this step's row of KV head kh (16-byte chunks)
@@ -184,24 +183,18 @@ extern "C" __global__ void KERNEL_ATTRS
     nrow = -1;
     npos = 0;
     if (e < hi) {
-      if (e < n) {
-        npos = kv_pos[kv0 + e];
-        nrow = kv_indices[kv0 + e];
-      } else {  // this step's key
-        npos = qp;
-        nrow = -2;
-      }
+      npos = kv_pos[kv0 + e];
+      nrow = kv_indices[kv0 + e];
     }
   };
   auto issue = [&](int t) {  // tile t into stage t % NS, then the next tile's rows
     const int st = t % NS;
-    bool vis = nrow != -1;
-    if (vis && nrow >= 0) vis = fused ? npos < qp : npos <= qp;
+    bool vis = nrow >= 0 && npos <= qp;
     if (vis && window > 0) vis = qp - npos < window;
     const __nv_bfloat16* ks = k;
     const __nv_bfloat16* vs = v;
     if (vis) {
-      if (nrow == -2) {
+      if (fused && npos == qp) {  // this step's key: from the inputs, not the pool
         ks = kn + b * snt + kh * snh;
         vs = vn + b * snt + kh * snh;
       } else {
