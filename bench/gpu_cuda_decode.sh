@@ -3,7 +3,7 @@
 # and the decode tests it now serves, a per-layer probe against the Triton decode on GPT-OSS
 # geometry (probe_decode_tiles.py --cuda), the graph tests through backend=triton, the
 # no-sync planning test, then the factory's GPT-OSS decode step with --triton.
-#     bench/gpu_cuda_decode.sh OUT COMMIT     (env: STAGES for the probe, PROBE=0, FACTORY=0)
+#     bench/gpu_cuda_decode.sh OUT COMMIT     (env: TILES for the probe, PROBE=0, FACTORY=0)
 set -u
 OUT=$1; COMMIT=${2:-unknown}
 python3 tests/backends/flashinfer_warm.py 64 > "$OUT/flashinfer-warm.log" 2>&1 &
@@ -12,7 +12,7 @@ python3 -m pytest -q -m gpu tests/kernels/test_cuda_decode_gpu.py tests/kernels/
     -p no:cacheprovider -x 2>&1 | tail -15
 if [ "${PROBE:-1}" != 0 ]; then
     python3 bench/probe_decode_tiles.py --out "$OUT" --tiles 128x4x2 --splits 0,4 \
-        --cuda "${STAGES:-2,3,4}" 2>&1 | grep -v '^{' | tail -40
+        --cuda "${TILES:-64x2,64x3,64x4,128x2,128x3}" 2>&1 | grep -v '^{' | tail -40
 fi
 wait $WARM
 tail -1 "$OUT/flashinfer-warm.log"

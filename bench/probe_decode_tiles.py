@@ -8,10 +8,10 @@ median). TB/s: the K/V bytes read over that time, beside a device copy of the sa
 variant is checked against an fp32 reference.
 
     python3 bench/probe_decode_tiles.py --out DIR [--tiles 64x4x3,32x4x4] [--splits 0,4,8,16]
-        [--cuda 2,3,4]
+        [--cuda 64x3,128x2]
 
 ``--cuda`` adds our CUDA cluster kernel (``kernels/cuda/decode_d64.cu``, splits merged in the
-cluster, one launch) with each listed stage count; its ``splits`` is a cap (0: planned). The
+cluster, one launch) with each listed tile (keys x stages); its ``splits`` is a cap (0: planned). The
 Triton rows run with ``cuda=False``.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--bs", default="8,64")
     ap.add_argument("--tiles", default="64x4x3,32x4x3,32x4x4,64x4x4,128x4x2,64x8x3,32x2x4")
     ap.add_argument("--splits", default="0,4,8,16", help="0: the planned count")
-    ap.add_argument("--cuda", default="", help="stage counts of the CUDA kernel to add, e.g. 2,3,4")
+    ap.add_argument("--cuda", default="", help="tiles of the CUDA kernel to add, e.g. 64x3,128x2")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -66,11 +66,11 @@ def main() -> None:
             new = (t["k"][slots].clone(), t["v"][slots].clone(), slots)
             gb = t["kv_bytes"] / 1e9
             variants = [t for t in args.tiles.split(",") if t]
-            variants += [f"cuda-ns{x}" for x in args.cuda.split(",") if x]
+            variants += [f"cuda-{x}" for x in args.cuda.split(",") if x]
             for tile in variants:
                 cuda = tile.startswith("cuda")
                 if cuda:
-                    os.environ["SWAFACTORY_DECODE_STAGES"] = tile[len("cuda-ns"):]
+                    os.environ["SWAFACTORY_DECODE_TILE"] = tile[len("cuda-"):]
                 else:
                     bn, warps, stages = (int(x) for x in tile.split("x"))
                     dec.decode_config = lambda d, g, c=(16, bn, warps, stages): c  # noqa: E731
@@ -90,7 +90,7 @@ def main() -> None:
                     rows.append(r)
                     print(json.dumps(r), flush=True)
             dec.decode_config = own
-            os.environ.pop("SWAFACTORY_DECODE_STAGES", None)
+            os.environ.pop("SWAFACTORY_DECODE_TILE", None)
             del t
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)

@@ -15,33 +15,53 @@ __all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_spli
 
 _SRC = Path(__file__).with_name("decode_d64.cu")
 _ARGS = ("ptr",) * 13 + ("i64",) * 10 + ("i32",) * 3 + ("f32",)
-_BN = 64  # keys per tile (the .cu file's BN)
-_CTAS_PER_SM = 4  # 128 threads, 3 stages of 16 KB: four CTAs fit a Hopper multiprocessor
+_SHIPPED = (64, 3)  # (keys per tile, shared-memory stages)
 
 
-def _stages() -> int:
-    """``SWAFACTORY_DECODE_STAGES`` (benchmarks) or 3."""
-    return int(os.environ.get("SWAFACTORY_DECODE_STAGES", "3"))
+def tile() -> tuple[int, int]:
+    """``SWAFACTORY_DECODE_TILE`` (benchmarks: ``BNxSTAGES``, BN 64 or 128) or the shipped
+    tile."""
+    env = os.environ.get("SWAFACTORY_DECODE_TILE")
+    if not env:
+        return _SHIPPED
+    try:
+        bn, ns = (int(x) for x in env.lower().split("x"))
+    except ValueError:
+        bn = ns = 0
+    if bn not in (64, 128) or not 2 <= ns <= 4:
+        raise ValueError(f"SWAFACTORY_DECODE_TILE={env!r}: expected BNxSTAGES with BN 64 or 128 "
+                         "and 2-4 stages, e.g. 64x3")
+    return bn, ns
+
+
+def _smem(bn: int, stages: int) -> int:
+    return stages * 2 * bn * 128 + stages * bn * 4 + 2048
+
+
+def ctas_per_sm(bn: int, stages: int) -> int:
+    """CTAs of this tile a Hopper multiprocessor holds (228 KB of shared memory, 1 KB reserved
+    a CTA; registers allow more)."""
+    return max(1, min(8, 228 * 1024 // (_smem(bn, stages) + 1024)))
 
 
 @functools.cache
-def decode_d64_kernel(group: int, cluster: int, stages: int = 3) -> CudaKernel:
-    """The kernel for a GQA group (≤ 8), ``cluster`` splits per (request, KV head) (1, 2, 4, 8)
-    and ``stages`` shared-memory stages of 64 keys."""
-    smem = stages * 2 * _BN * 128 + stages * _BN * 4 + 2048
+def decode_d64_kernel(group: int, cluster: int, bn: int = 64, stages: int = 3) -> CudaKernel:
+    """The kernel for a GQA group (≤ 8), ``cluster`` splits per (request, KV head) (1, 2, 4, 8),
+    ``bn`` keys per tile and ``stages`` shared-memory stages."""
     return CudaKernel(_SRC, "decode_d64", _ARGS,
-                      {"GROUP": group, "CLUSTER": cluster, "NS": stages}, smem)
+                      {"GROUP": group, "CLUSTER": cluster, "BN": bn, "NS": stages},
+                      _smem(bn, stages))
 
 
 def cluster_splits(programs: int, keys_per_request: float, sms: int,
-                   hint: int | None = None) -> int:
+                   hint: int | None = None, per_sm: int = 4, bn: int = 64) -> int:
     """Splits per (request, KV head), a power of two ≤ 8 (a portable cluster), from static sizes:
-    the most that keep ``programs`` × splits CTAs in one wave on ``sms`` multiprocessors, and no
-    more splits than 64-key tiles. ``hint`` (a caller's split count, e.g. planned from a
+    the most that keep ``programs`` × splits CTAs in one wave on ``sms`` multiprocessors holding
+    ``per_sm`` CTAs each, and no more splits than ``bn``-key tiles. ``hint`` (a caller's split count, e.g. planned from a
     window) caps it. GPT-OSS on the H200 (132 SMs, 8 KV heads, 8192 keys): 8 splits at bs 8,
     1 at bs 64."""
-    slots = _CTAS_PER_SM * sms
-    tiles = max(1, -(-int(keys_per_request) // _BN))
+    slots = per_sm * sms
+    tiles = max(1, -(-int(keys_per_request) // bn))
     cap = min(8, tiles, hint or 8)
     s = 1
     while s * 2 <= cap and programs * s * 2 <= slots:
@@ -60,7 +80,7 @@ def decode_d64_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
             and softcap is None and not fp8_scaled and q.is_cuda
             and all(_aligned(t) for t in (q, k_buf, v_buf))
             and cuda_kernels_available(q.device) and _hopper(q.device.index)
-            and _builds(q.device.index, group))
+            and _builds(q.device.index, group, tile()))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -79,13 +99,13 @@ def _sms(index: int | None) -> int:
 
 
 @functools.cache
-def _builds(index: int | None, group: int) -> bool:
+def _builds(index: int | None, group: int, cfg: tuple[int, int]) -> bool:
     """Builds and loads every cluster size once per device and group; where nvcc or the driver
     refuses, the Triton decode serves instead, with one warning carrying the message."""
     device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
     try:
         for cluster in (1, 2, 4, 8):
-            decode_d64_kernel(group, cluster, _stages()).load(device)
+            decode_d64_kernel(group, cluster, *cfg).load(device)
     except KernelBuildError as exc:
         warnings.warn(f"swafactory: the CUDA decode kernel did not build, so the Triton decode "
                       f"serves head_dim-64 decode instead ({exc})", RuntimeWarning, stacklevel=2)
@@ -117,13 +137,15 @@ def decode_d64(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         return o, lse
     if kv_indices.dtype != torch.int32:  # pool rows fit int32; the kernel reads int32
         kv_indices = kv_indices.to(torch.int32)
-    splits = cluster_splits(nb * hkv, kv_indices.numel() / nb, _sms(q.device.index), num_splits)
+    bn, stages = tile()
+    splits = cluster_splits(nb * hkv, kv_indices.numel() / nb, _sms(q.device.index), num_splits,
+                            ctas_per_sm(bn, stages), bn)
     kn = vn = wloc = None
     if new_kv is not None:
         kn, vn, wloc = new_kv
         kn, vn, wloc = kn.contiguous(), vn.contiguous(), wloc.contiguous()
     sk = sinks.float().contiguous() if sinks is not None else None
-    kern = decode_d64_kernel(group, splits, _stages())
+    kern = decode_d64_kernel(group, splits, bn, stages)
     kern((splits, hkv, nb), 128, q, k_buf, v_buf, kv_indptr, kv_indices, q_pos, kv_pos, sk,
          kn, vn, wloc, o, lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
          v_buf.stride(0), v_buf.stride(1), kn.stride(0) if kn is not None else 0,

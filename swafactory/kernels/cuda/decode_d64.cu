@@ -8,8 +8,8 @@
 // partial state in its own shared memory, and rank 0 merges the CLUSTER states through
 // distributed shared memory (Hopper), adds the sink and writes o and the LSE. One launch a layer.
 //
-// Inside a CTA: 4 warps share a cp.async ring of NS stages of BN = 64 keys (K and V rows of this
-// KV head, gathered by kv_indices); warp w takes keys 16w..16w+15 of each tile, with its own
+// Inside a CTA: 4 warps share a cp.async ring of NS stages of BN keys (K and V rows of this
+// KV head, gathered by kv_indices); warp w takes keys 16w..16w+15 of each 64, with its own
 // online softmax. Keys are the MMA's M dimension and the GROUP (<= 8) query heads its N, so the
 // GQA group fills an m16n8k16 tile with no padding rows: S^T = K . Q^T, then O^T += V^T . P^T
 // (V^T from ldmatrix.trans, P^T from the score fragment by movmatrix.trans).
@@ -36,14 +36,18 @@
 #ifndef NS
 #define NS 3  // shared-memory stages
 #endif
+#ifndef BN
+#define BN 64  // keys per tile: 64 or 128 (each warp takes 16 of every 64)
+#endif
 #define D 64
-#define BN 64
+#define RPT (BN / 16)             // rows each thread copies per tile
 #define NT 128
 #define ROWB (D * 2)              // bytes of one bf16 row of one KV head
 #define TILE_BYTES (BN * ROWB)    // K (or V) of one tile: 8 KB
 #define STAGE_BYTES (2 * TILE_BYTES)
 #define SMEM_BYTES (NS * STAGE_BYTES + NS * BN * 4 + 2048)
 static_assert(GROUP >= 1 && GROUP <= 8, "GROUP is the MMA's N (8)");
+static_assert(BN == 64 || BN == 128, "BN: 64 or 128 keys");
 static_assert(NS * STAGE_BYTES >= 4 * 8 * D * 4 + 2 * 4 * 8 * 4, "merge buffers reuse the ring");
 
 // row r, 16-byte chunk c of a [BN, 64] bf16 tile -> byte offset; chunks XOR-swizzled by r % 8 so
@@ -175,44 +179,54 @@ extern "C" __global__ void KERNEL_ATTRS
     }
   }
 
-  // loads: thread tid copies chunks 4 (tid & 1) .. +3 of row tid / 2, of K and of V
-  const int lrow = tid >> 1, lch = (tid & 1) * 4;
-  int nrow = -1, npos = 0;  // the next tile's pool row and position for this thread's row
-  auto fetch = [&](int t) {  // pool row and position of entry lo + t BN + lrow
-    const int e = lo + t * BN + lrow;
-    nrow = -1;
-    npos = 0;
-    if (e < hi) {
-      npos = kv_pos[kv0 + e];
-      nrow = kv_indices[kv0 + e];
-    }
-  };
-  auto issue = [&](int t) {  // tile t into stage t % NS, then the next tile's rows
-    const int st = t % NS;
-    bool vis = nrow >= 0 && npos <= qp;
-    if (vis && window > 0) vis = qp - npos < window;
-    const __nv_bfloat16* ks = k;
-    const __nv_bfloat16* vs = v;
-    if (vis) {
-      if (fused && npos == qp) {  // this step's key: from the inputs, not the pool
-        ks = kn + b * snt + kh * snh;
-        vs = vn + b * snt + kh * snh;
-      } else {
-        ks = k + nrow * skr + kh * skh;
-        vs = v + nrow * svr + kh * svh;
+  // loads: eight threads copy a row's eight 16-byte chunks (a warp instruction reads four whole
+  // 128-byte rows); thread tid takes chunk tid % 8 of rows tid / 8 + 16 i. The pool rows and
+  // positions of a tile are read two tiles before its copies are issued, so their latency
+  // overlaps two tiles of work instead of stalling the next issue.
+  const int lrow = tid >> 3, lch = tid & 7;
+  int crow[RPT], cpos[RPT], frow[RPT], fpos[RPT];  // the next tile to issue; the one after
+  auto fetch = [&](int t, int* rr, int* pp) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int e = lo + t * BN + lrow + 16 * i;
+      rr[i] = -1;
+      pp[i] = 0;
+      if (e < hi) {
+        pp[i] = kv_pos[kv0 + e];
+        rr[i] = kv_indices[kv0 + e];
       }
     }
+  };
+  auto issue = [&](int t) {  // tile t (rows in crow) into stage t % NS; then shift the fetches
+    const int st = t % NS;
     const uint32_t kb = s_base + st * STAGE_BYTES, vb = kb + TILE_BYTES;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      cp_async16(kb + swz(lrow, lch + i), ks + (lch + i) * 8, vis);
-      cp_async16(vb + swz(lrow, lch + i), vs + (lch + i) * 8, vis);
+    for (int i = 0; i < RPT; ++i) {
+      const int r = lrow + 16 * i;
+      bool vis = crow[i] >= 0 && cpos[i] <= qp;
+      if (vis && window > 0) vis = qp - cpos[i] < window;
+      const __nv_bfloat16* ks = k;
+      const __nv_bfloat16* vs = v;
+      if (vis) {
+        if (fused && cpos[i] == qp) {  // this step's key: from the inputs, not the pool
+          ks = kn + b * snt + kh * snh;
+          vs = vn + b * snt + kh * snh;
+        } else {
+          ks = k + crow[i] * skr + kh * skh;
+          vs = v + crow[i] * svr + kh * svh;
+        }
+      }
+      cp_async16(kb + swz(r, lch), ks + lch * 8, vis);
+      cp_async16(vb + swz(r, lch), vs + lch * 8, vis);
+      if (lch == 0) s_vis[st * BN + r] = vis ? 1 : 0;
+      crow[i] = frow[i];
+      cpos[i] = fpos[i];
     }
-    if ((tid & 1) == 0) s_vis[st * BN + lrow] = vis ? 1 : 0;
-    fetch(t + 1);
+    fetch(t + 2, frow, fpos);
   };
 
-  fetch(0);
+  fetch(0, crow, cpos);
+  fetch(1, frow, fpos);
 #pragma unroll
   for (int t = 0; t < NS - 1; ++t) {
     if (t < ntiles) issue(t);
@@ -234,40 +248,43 @@ extern "C" __global__ void KERNEL_ATTRS
     cp_commit();
     const int st = t % NS;
     const uint32_t kb = s_base + st * STAGE_BYTES, vb = kb + TILE_BYTES;
-
-    float s[4] = {0.f, 0.f, 0.f, 0.f};  // S^T: keys g, g + 8 of this warp x rows 2c, 2c + 1
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      uint32_t a[4];
-      ldsm4(kb + swz(kr, 2 * ks + kc), a);
-      mma(s, a, qb[ks][0], qb[ks][1]);
-    }
-    const bool v0 = s_vis[st * BN + warp * 16 + g] != 0;
-    const bool v1 = s_vis[st * BN + warp * 16 + g + 8] != 0;
-    s[0] = v0 ? s[0] * scale_log2 : -INFINITY;
-    s[1] = v0 ? s[1] * scale_log2 : -INFINITY;
-    s[2] = v1 ? s[2] * scale_log2 : -INFINITY;
-    s[3] = v1 ? s[3] * scale_log2 : -INFINITY;
-    const float mn0 = fmaxf(m0, xmax(fmaxf(s[0], s[2])));
-    const float mn1 = fmaxf(m1, xmax(fmaxf(s[1], s[3])));
-    const float r0 = mn0 == -INFINITY ? 0.f : mn0, r1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float al0 = ex2(m0 - r0), al1 = ex2(m1 - r1);
-    const float p0 = ex2(s[0] - r0), p1 = ex2(s[1] - r1);
-    const float p2 = ex2(s[2] - r0), p3 = ex2(s[3] - r1);
-    l0 = l0 * al0 + p0 + p2;
-    l1 = l1 * al1 + p1 + p3;
-    m0 = mn0;
-    m1 = mn1;
-    const uint32_t pb0 = movtrans(pack_bf16(p0, p1)), pb1 = movtrans(pack_bf16(p2, p3));
+    for (int sub = 0; sub < BN / 64; ++sub) {  // this warp's 16 keys of each 64
+      const int k0 = 64 * sub;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};  // S^T: keys g, g + 8 of this warp x rows 2c, 2c + 1
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      oacc[j][0] *= al0;
-      oacc[j][1] *= al1;
-      oacc[j][2] *= al0;
-      oacc[j][3] *= al1;
-      uint32_t a[4];
-      ldsm4t(vb + swz(vr, 2 * j + vc), a);
-      mma(oacc[j], a, pb0, pb1);
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t a[4];
+        ldsm4(kb + swz(k0 + kr, 2 * ks + kc), a);
+        mma(s, a, qb[ks][0], qb[ks][1]);
+      }
+      const bool v0 = s_vis[st * BN + k0 + warp * 16 + g] != 0;
+      const bool v1 = s_vis[st * BN + k0 + warp * 16 + g + 8] != 0;
+      s[0] = v0 ? s[0] * scale_log2 : -INFINITY;
+      s[1] = v0 ? s[1] * scale_log2 : -INFINITY;
+      s[2] = v1 ? s[2] * scale_log2 : -INFINITY;
+      s[3] = v1 ? s[3] * scale_log2 : -INFINITY;
+      const float mn0 = fmaxf(m0, xmax(fmaxf(s[0], s[2])));
+      const float mn1 = fmaxf(m1, xmax(fmaxf(s[1], s[3])));
+      const float r0 = mn0 == -INFINITY ? 0.f : mn0, r1 = mn1 == -INFINITY ? 0.f : mn1;
+      const float al0 = ex2(m0 - r0), al1 = ex2(m1 - r1);
+      const float p0 = ex2(s[0] - r0), p1 = ex2(s[1] - r1);
+      const float p2 = ex2(s[2] - r0), p3 = ex2(s[3] - r1);
+      l0 = l0 * al0 + p0 + p2;
+      l1 = l1 * al1 + p1 + p3;
+      m0 = mn0;
+      m1 = mn1;
+      const uint32_t pb0 = movtrans(pack_bf16(p0, p1)), pb1 = movtrans(pack_bf16(p2, p3));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        oacc[j][0] *= al0;
+        oacc[j][1] *= al1;
+        oacc[j][2] *= al0;
+        oacc[j][3] *= al1;
+        uint32_t a[4];
+        ldsm4t(vb + swz(k0 + vr, 2 * j + vc), a);
+        mma(oacc[j], a, pb0, pb1);
+      }
     }
   }
   cp_wait<0>();
