@@ -11,7 +11,7 @@ variant is checked against an fp32 reference.
         [--cuda 64x3,128x2]
 
 ``--cuda`` adds our CUDA cluster kernel (``kernels/cuda/decode_d64.cu``, splits merged in the
-cluster, one launch) with each listed tile (keys x stages); its ``splits`` is a cap (0: planned). The
+cluster, one launch) with each listed tile (keys x stages); its ``splits`` is forced (0: planned). The
 Triton rows run with ``cuda=False``.
 """
 from __future__ import annotations
@@ -47,11 +47,12 @@ def main() -> None:
     args = ap.parse_args()
     from triton.testing import do_bench
 
+    import swafactory.kernels.cuda.decode as cdec
     import swafactory.kernels.triton.decode as dec
     from swafactory.kernels.torch_ref import attention_reference
 
     bw = copy_bandwidth(do_bench)
-    rows, own = [], dec.decode_config
+    rows, own, own_splits = [], dec.decode_config, cdec.cluster_splits
     scale = D ** -0.5
     sinks = torch.randn(HQ, device="cuda")
     for bs in (int(x) for x in args.bs.split(",")):
@@ -78,6 +79,8 @@ def main() -> None:
                     if window is not None and sp > 4:
                         continue
                     r = dict(bs=bs, layer=layer, ctx=args.ctx, tile=tile, splits=sp, kv_gb=gb)
+                    cdec.cluster_splits = own_splits if not (cuda and sp) else (
+                        lambda *_, s=sp, **__: s)
                     fn = lambda: dec.decode_attention(*a, window=window, scale=scale,  # noqa
                                                       sinks=sinks, new_kv=new,
                                                       num_splits=sp or None, cuda=cuda)
@@ -90,6 +93,7 @@ def main() -> None:
                     rows.append(r)
                     print(json.dumps(r), flush=True)
             dec.decode_config = own
+            cdec.cluster_splits = own_splits
             os.environ.pop("SWAFACTORY_DECODE_TILE", None)
             del t
             torch.cuda.empty_cache()

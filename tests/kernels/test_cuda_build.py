@@ -98,11 +98,14 @@ def test_the_cluster_decode_kernel_compiles_for_sm90a_without_spills(tmp_path, c
 def test_cluster_splits_fill_one_wave_and_never_split_past_the_tiles():
     from swafactory.kernels.cuda.decode import cluster_splits
 
-    assert cluster_splits(8 * 8, 8192, 132) == 8    # GPT-OSS bs 8: 512 CTAs of 528 slots
+    # GPT-OSS bs 8: 8 splits would fill 97% of 528 slots, more than whole GPCs hold
+    assert cluster_splits(8 * 8, 8192, 132) == 4
+    assert cluster_splits(8 * 8, 8192, 132, per_sm=6) == 8
     assert cluster_splits(64 * 8, 8192, 132) == 1   # bs 64: 512 CTAs unsplit
-    assert cluster_splits(16 * 8, 8192, 132) == 4
+    assert cluster_splits(16 * 8, 8192, 132) == 2
     assert cluster_splits(8 * 8, 129, 132) == 2     # a W = 128 list: three tiles
     assert cluster_splits(8 * 8, 129, 132, hint=1) == 1
+    assert cluster_splits(8 * 8, 129, 132, bn=128) == 2
     assert cluster_splits(1, 100000, 132) == 8      # a portable cluster holds 8 CTAs
     assert cluster_splits(1000, 8192, 132) == 1
 

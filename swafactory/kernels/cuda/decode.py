@@ -35,7 +35,7 @@ def tile() -> tuple[int, int]:
 
 
 def _smem(bn: int, stages: int) -> int:
-    return stages * 2 * bn * 128 + stages * bn * 4 + 2048
+    return stages * 2 * bn * 128 + stages * bn * 4 + 2 * stages * 2 * bn * 4 + 2048
 
 
 def ctas_per_sm(bn: int, stages: int) -> int:
@@ -58,13 +58,15 @@ def cluster_splits(programs: int, keys_per_request: float, sms: int,
     """Splits per (request, KV head), a power of two ≤ 8 (a portable cluster), from static sizes:
     the most that keep ``programs`` × splits CTAs in one wave on ``sms`` multiprocessors holding
     ``per_sm`` CTAs each, and no more splits than ``bn``-key tiles. ``hint`` (a caller's split count, e.g. planned from a
-    window) caps it. GPT-OSS on the H200 (132 SMs, 8 KV heads, 8192 keys): 8 splits at bs 8,
-    1 at bs 64."""
+    window) caps it. GPT-OSS on the H200 (132 SMs, 8 KV heads, 8192 keys): 4 splits at bs 8
+    with 4 CTAs a multiprocessor (8 with 6), 1 at bs 64."""
     slots = per_sm * sms
     tiles = max(1, -(-int(keys_per_request) // bn))
     cap = min(8, tiles, hint or 8)
     s = 1
-    while s * 2 <= cap and programs * s * 2 <= slots:
+    # a cluster's CTAs must share a GPC: leave a tenth of the slots to that granularity (8 × 8
+    # CTAs at 4 a multiprocessor, 97% of the H200's slots, ran as two waves)
+    while s * 2 <= cap and programs * s * 2 * 10 <= slots * 9:
         s *= 2
     return s
 

@@ -45,7 +45,9 @@
 #define ROWB (D * 2)              // bytes of one bf16 row of one KV head
 #define TILE_BYTES (BN * ROWB)    // K (or V) of one tile: 8 KB
 #define STAGE_BYTES (2 * TILE_BYTES)
-#define SMEM_BYTES (NS * STAGE_BYTES + NS * BN * 4 + 2048)
+#define TR (2 * NS)               // ring slots of pool rows and positions
+#define TAB_OFF (NS * STAGE_BYTES + NS * BN * 4)
+#define SMEM_BYTES (TAB_OFF + TR * 2 * BN * 4 + 2048)
 static_assert(GROUP >= 1 && GROUP <= 8, "GROUP is the MMA's N (8)");
 static_assert(BN == 64 || BN == 128, "BN: 64 or 128 keys");
 static_assert(NS * STAGE_BYTES >= 4 * 8 * D * 4 + 2 * 4 * 8 * 4, "merge buffers reuse the ring");
@@ -57,6 +59,10 @@ __device__ __forceinline__ uint32_t swz(int r, int c) { return r * ROWB + ((c ^ 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   int n = valid ? 16 : 0;  // 0: zero-fill, no read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -180,56 +186,59 @@ extern "C" __global__ void KERNEL_ATTRS
   }
 
   // loads: eight threads copy a row's eight 16-byte chunks (a warp instruction reads four whole
-  // 128-byte rows); thread tid takes chunk tid % 8 of rows tid / 8 + 16 i. The pool rows and
-  // positions of a tile are read two tiles before its copies are issued, so their latency
-  // overlaps two tiles of work instead of stalling the next issue.
+  // 128-byte rows); thread tid takes chunk tid % 8 of rows tid / 8 + 16 i. A tile's pool rows and
+  // positions come into a shared-memory ring by cp.async too, in the group of the tile NS - 1
+  // before it, so issuing a tile never waits on a global load: reading them into registers a
+  // tile ahead held every tile for one load latency (2x slower at bs 8, bench/results/
+  // probe-decode-cuda-eec90d0.json).
   const int lrow = tid >> 3, lch = tid & 7;
-  int crow[RPT], cpos[RPT], frow[RPT], fpos[RPT];  // the next tile to issue; the one after
-  auto fetch = [&](int t, int* rr, int* pp) {
+  auto tab = [&](int t) {  // pool rows and positions of tile t into ring slot t % TR
+    if (t * BN >= hi - lo) return;
+    const uint32_t sb = s_base + TAB_OFF + (t % TR) * (2 * BN * 4);
 #pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      const int e = lo + t * BN + lrow + 16 * i;
-      rr[i] = -1;
-      pp[i] = 0;
-      if (e < hi) {
-        pp[i] = kv_pos[kv0 + e];
-        rr[i] = kv_indices[kv0 + e];
-      }
+    for (int j = 0; j < (2 * BN) / NT; ++j) {
+      const int x = tid + j * NT, r = x % BN;  // x < BN: the row; else the position
+      const int e = lo + t * BN + r;
+      const int* src = (x < BN ? kv_indices : kv_pos) + kv0 + (e < hi ? e : 0);
+      cp_async4(sb + x * 4, src, e < hi);
     }
   };
-  auto issue = [&](int t) {  // tile t (rows in crow) into stage t % NS; then shift the fetches
+  auto issue = [&](int t) {  // tile t into stage t % NS, its rows from ring slot t % TR
     const int st = t % NS;
     const uint32_t kb = s_base + st * STAGE_BYTES, vb = kb + TILE_BYTES;
+    const int* tb = reinterpret_cast<const int*>(smem + TAB_OFF + (t % TR) * (2 * BN * 4));
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int r = lrow + 16 * i;
-      bool vis = crow[i] >= 0 && cpos[i] <= qp;
-      if (vis && window > 0) vis = qp - cpos[i] < window;
+      const int row = tb[r], pos = tb[BN + r];
+      bool vis = lo + t * BN + r < hi && pos <= qp;
+      if (vis && window > 0) vis = qp - pos < window;
       const __nv_bfloat16* ks = k;
       const __nv_bfloat16* vs = v;
       if (vis) {
-        if (fused && cpos[i] == qp) {  // this step's key: from the inputs, not the pool
+        if (fused && pos == qp) {  // this step's key: from the inputs, not the pool
           ks = kn + b * snt + kh * snh;
           vs = vn + b * snt + kh * snh;
         } else {
-          ks = k + crow[i] * skr + kh * skh;
-          vs = v + crow[i] * svr + kh * svh;
+          ks = k + row * skr + kh * skh;
+          vs = v + row * svr + kh * svh;
         }
       }
       cp_async16(kb + swz(r, lch), ks + lch * 8, vis);
       cp_async16(vb + swz(r, lch), vs + lch * 8, vis);
       if (lch == 0) s_vis[st * BN + r] = vis ? 1 : 0;
-      crow[i] = frow[i];
-      cpos[i] = fpos[i];
     }
-    fetch(t + 2, frow, fpos);
   };
 
-  fetch(0, crow, cpos);
-  fetch(1, frow, fpos);
 #pragma unroll
-  for (int t = 0; t < NS - 1; ++t) {
+  for (int t = 0; t < NS - 1; ++t) tab(t);
+  cp_commit();
+  cp_wait<0>();
+  __syncthreads();  // the first NS - 1 tiles' rows are in the ring
+#pragma unroll
+  for (int t = 0; t < NS - 1; ++t) {  // group t: tile t's K/V and tile t + NS - 1's rows
     if (t < ntiles) issue(t);
+    tab(t + NS - 1);
     cp_commit();
   }
 
@@ -245,6 +254,7 @@ extern "C" __global__ void KERNEL_ATTRS
     cp_wait<NS - 2>();  // tile t has landed (this thread's copies)
     __syncthreads();    // everyone's copies of tile t; everyone is done with tile t - 1's stage
     if (t + NS - 1 < ntiles) issue(t + NS - 1);
+    tab(t + 2 * NS - 2);
     cp_commit();
     const int st = t % NS;
     const uint32_t kb = s_base + st * STAGE_BYTES, vb = kb + TILE_BYTES;
