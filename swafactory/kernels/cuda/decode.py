@@ -15,23 +15,27 @@ __all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_spli
 
 _SRC = Path(__file__).with_name("decode_d64.cu")
 _ARGS = ("ptr",) * 13 + ("i64",) * 10 + ("i32",) * 3 + ("f32",)
-_SHIPPED = (64, 3)  # (keys per tile, shared-memory stages)
+# (keys per tile, shared-memory stages): a batch with a CTA per multiprocessor or more, and a
+# smaller one, whose few CTAs need deeper rings to keep enough bytes in flight
+_BIG, _SMALL = (64, 3), (64, 6)
 
 
-def tile() -> tuple[int, int]:
-    """``SWAFACTORY_DECODE_TILE`` (benchmarks: ``BNxSTAGES``, BN 64 or 128) or the shipped
-    tile."""
+def tile(programs: int, sms: int) -> tuple[int, int, int]:
+    """(keys per tile, stages, forced splits or 0) for ``programs`` (request, KV head) pairs on
+    ``sms`` multiprocessors: ``SWAFACTORY_DECODE_TILE`` (benchmarks: ``BNxSTAGES[xSPLITS]``,
+    BN 64 or 128) or the shipped tile for the batch's size."""
     env = os.environ.get("SWAFACTORY_DECODE_TILE")
     if not env:
-        return _SHIPPED
+        return (*(_BIG if programs >= sms else _SMALL), 0)
     try:
-        bn, ns = (int(x) for x in env.lower().split("x"))
+        cfg = tuple(int(x) for x in env.lower().split("x"))
     except ValueError:
-        bn = ns = 0
-    if bn not in (64, 128) or not 2 <= ns <= 4:
-        raise ValueError(f"SWAFACTORY_DECODE_TILE={env!r}: expected BNxSTAGES with BN 64 or 128 "
-                         "and 2-4 stages, e.g. 64x3")
-    return bn, ns
+        cfg = ()
+    if len(cfg) not in (2, 3) or cfg[0] not in (64, 128) or not 2 <= cfg[1] <= 8 or \
+            (len(cfg) == 3 and cfg[2] not in (1, 2, 4, 8)):
+        raise ValueError(f"SWAFACTORY_DECODE_TILE={env!r}: expected BNxSTAGES[xSPLITS] with BN "
+                         "64 or 128, 2-8 stages and 1, 2, 4 or 8 splits, e.g. 64x3 or 64x6x4")
+    return cfg[0], cfg[1], cfg[2] if len(cfg) == 3 else 0
 
 
 def _smem(bn: int, stages: int) -> int:
@@ -82,7 +86,7 @@ def decode_d64_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
             and softcap is None and not fp8_scaled and q.is_cuda
             and all(_aligned(t) for t in (q, k_buf, v_buf))
             and cuda_kernels_available(q.device) and _hopper(q.device.index)
-            and _builds(q.device.index, group, tile()))
+            and _builds(q.device.index, group, os.environ.get("SWAFACTORY_DECODE_TILE")))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -101,13 +105,15 @@ def _sms(index: int | None) -> int:
 
 
 @functools.cache
-def _builds(index: int | None, group: int, cfg: tuple[int, int]) -> bool:
+def _builds(index: int | None, group: int, env: str | None) -> bool:
     """Builds and loads every cluster size once per device and group; where nvcc or the driver
     refuses, the Triton decode serves instead, with one warning carrying the message."""
     device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
     try:
-        for cluster in (1, 2, 4, 8):
-            decode_d64_kernel(group, cluster, *cfg).load(device)
+        tiles = {_BIG, _SMALL} if env is None else {tile(0, 1)[:2]}
+        for bn, stages in tiles:
+            for cluster in (1, 2, 4, 8):
+                decode_d64_kernel(group, cluster, bn, stages).load(device)
     except KernelBuildError as exc:
         warnings.warn(f"swafactory: the CUDA decode kernel did not build, so the Triton decode "
                       f"serves head_dim-64 decode instead ({exc})", RuntimeWarning, stacklevel=2)
@@ -139,9 +145,10 @@ def decode_d64(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         return o, lse
     if kv_indices.dtype != torch.int32:  # pool rows fit int32; the kernel reads int32
         kv_indices = kv_indices.to(torch.int32)
-    bn, stages = tile()
-    splits = cluster_splits(nb * hkv, kv_indices.numel() / nb, _sms(q.device.index), num_splits,
-                            ctas_per_sm(bn, stages), bn)
+    sms = _sms(q.device.index)
+    bn, stages, splits = tile(nb * hkv, sms)
+    splits = splits or cluster_splits(nb * hkv, kv_indices.numel() / nb, sms, num_splits,
+                                      ctas_per_sm(bn, stages), bn)
     kn = vn = wloc = None
     if new_kv is not None:
         kn, vn, wloc = new_kv
