@@ -15,9 +15,9 @@ __all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_spli
 
 _SRC = Path(__file__).with_name("decode_d64.cu")
 _ARGS = ("ptr",) * 13 + ("i64",) * 10 + ("i32",) * 3 + ("f32",)
-# (keys per tile, shared-memory stages): a batch with a CTA per multiprocessor or more, and a
-# smaller one, whose few CTAs need deeper rings to keep enough bytes in flight
-_BIG, _SMALL = (64, 3), (64, 6)
+# (keys per tile, shared-memory stages) for every batch. Deeper rings for small batches (5, 6 or
+# 8 stages, 128-key tiles) were slower at GPT-OSS bs 8 (bench/results/probe-decode-cuda-1453c9f.json)
+_BIG = _SMALL = (64, 3)
 
 
 def tile(programs: int, sms: int) -> tuple[int, int, int]:
