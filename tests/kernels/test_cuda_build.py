@@ -117,3 +117,31 @@ def test_requiring_the_cluster_decode_where_it_cannot_serve_says_what_it_needs()
     batch = make_batch([Req(list(range(40)), [39])], hq=8, hkv=1, d=64)
     with pytest.raises(ValueError, match="head_dim 64, GQA group ≤ 8"):
         decode_attention(*batch.args(), scale=0.25, cuda=True)
+
+
+def test_a_decode_kernel_that_does_not_build_falls_back_with_one_warning(monkeypatch):
+    from swafactory.kernels.cuda import decode
+
+    def refuse(self, device):
+        raise launch.KernelBuildError("nvcc failed on decode_d64.cu: unsupported gpu architecture")
+
+    decode._builds.cache_clear()
+    monkeypatch.setattr(launch.CudaKernel, "_function", refuse)
+    try:
+        with pytest.warns(RuntimeWarning, match="Triton decode serves.*unsupported gpu"):
+            assert decode._builds(0, 8, None) is False
+        assert decode._builds(0, 8, None) is False  # cached: no second warning
+    finally:
+        decode._builds.cache_clear()
+
+
+def test_the_decode_tile_knob_is_checked(monkeypatch):
+    from swafactory.kernels.cuda.decode import tile
+
+    assert tile(64, 132) == (64, 3, 0)
+    monkeypatch.setenv("SWAFACTORY_DECODE_TILE", "128x2x4")
+    assert tile(64, 132) == (128, 2, 4)
+    for bad in ("96x3", "64x9", "64x3x3", "64"):
+        monkeypatch.setenv("SWAFACTORY_DECODE_TILE", bad)
+        with pytest.raises(ValueError, match="SWAFACTORY_DECODE_TILE=.*BNxSTAGES"):
+            tile(64, 132)

@@ -1,5 +1,13 @@
 """Split-KV decode at head_dim 64, its splits merged inside a thread-block cluster
-(``decode_d64.cu``): one launch a layer where the Triton decode needs a second for the merge."""
+(``decode_d64.cu``): one launch a layer where the Triton decode needs a second for the merge.
+
+It serves the triton backend's bf16 decode passes at head_dim 64 (GPT-OSS) on Hopper. Measured on
+the H200 (GPT-OSS-20b, ctx 8192, the step's K/V written by the kernel, captured in a graph;
+bench/results/session-2026-12-04a-h200.md): a full layer at bs 64 in 264 µs = 96% of copy
+bandwidth (the Triton decode: 278 µs, 91%); at bs 8 52 µs against 52 for Triton's kernel + merge.
+The whole GPT-OSS step replays in 0.609 ms (1.58× the floor) at bs 8 and 3.21 ms (1.04×) at bs 64,
+against 0.626 and 3.41 through the Triton decode.
+"""
 from __future__ import annotations
 
 import functools
@@ -15,9 +23,9 @@ __all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_spli
 
 _SRC = Path(__file__).with_name("decode_d64.cu")
 _ARGS = ("ptr",) * 13 + ("i64",) * 10 + ("i32",) * 3 + ("f32",)
-# (keys per tile, shared-memory stages) for every batch. Deeper rings for small batches (5, 6 or
-# 8 stages, 128-key tiles) were slower at GPT-OSS bs 8 (bench/results/probe-decode-cuda-1453c9f.json)
-_BIG = _SMALL = (64, 3)
+# (keys per tile, shared-memory stages) for every batch. Deeper rings for small batches (4, 5, 6
+# or 8 stages, 128-key tiles) were slower at GPT-OSS bs 8 (bench/results/probe-decode-cuda-*.json)
+_SHIPPED = (64, 3)
 
 
 def tile(programs: int, sms: int) -> tuple[int, int, int]:
@@ -26,7 +34,8 @@ def tile(programs: int, sms: int) -> tuple[int, int, int]:
     BN 64 or 128) or the shipped tile for the batch's size."""
     env = os.environ.get("SWAFACTORY_DECODE_TILE")
     if not env:
-        return (*(_BIG if programs >= sms else _SMALL), 0)
+        del programs, sms  # one tile serves every batch so far (see _SHIPPED)
+        return (*_SHIPPED, 0)
     try:
         cfg = tuple(int(x) for x in env.lower().split("x"))
     except ValueError:
@@ -107,13 +116,14 @@ def _sms(index: int | None) -> int:
 @functools.cache
 def _builds(index: int | None, group: int, env: str | None) -> bool:
     """Builds and loads every cluster size once per device and group; where nvcc or the driver
-    refuses, the Triton decode serves instead, with one warning carrying the message."""
+    refuses, the Triton decode serves instead, with one warning carrying the message. ``env``
+    (``SWAFACTORY_DECODE_TILE``) is part of the cache key: a benchmark's tile is built too."""
+    del env
     device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
     try:
-        tiles = {_BIG, _SMALL} if env is None else {tile(0, 1)[:2]}
-        for bn, stages in tiles:
-            for cluster in (1, 2, 4, 8):
-                decode_d64_kernel(group, cluster, bn, stages).load(device)
+        bn, stages, _ = tile(0, 1)
+        for cluster in (1, 2, 4, 8):
+            decode_d64_kernel(group, cluster, bn, stages).load(device)
     except KernelBuildError as exc:
         warnings.warn(f"swafactory: the CUDA decode kernel did not build, so the Triton decode "
                       f"serves head_dim-64 decode instead ({exc})", RuntimeWarning, stacklevel=2)
