@@ -7,6 +7,10 @@ launches less per layer, what a small batch under a CUDA graph pays for (GPT-OSS
 48 ``index_copy_`` writes took 165 µs of a 1.06 ms step). The backend hands ``new_kv`` to decode
 passes only; other passes it stores first, as for every adapter.
 
+At head_dim 64 in bf16 on Hopper (GPT-OSS) `decode_attention` sends the pass to our CUDA
+cluster kernel (`kernels/cuda/decode_d64.cu`), with the same contract: the splits merge inside
+the kernel, so a layer is one launch (GPT-OSS bs 64 graphed step 3.21 ms against 3.41).
+
 CUDA graphs (`plan(…, graph=(bucket, 1))`): decode buckets only. Each (group, pass, bucket) owns
 static tables (indptr, rows, positions) sized for ``bucket`` requests over the largest sub-pool;
 `plan` refills them in place from the planner's device tables (device-to-device copies, nothing
