@@ -142,3 +142,16 @@ def tol(dtype: torch.dtype) -> dict:
     """assert_close tolerances by dtype; NaN never passes (equal_nan=False)."""
     return {torch.float32: dict(rtol=2e-4, atol=2e-4), torch.float16: dict(rtol=5e-3, atol=5e-3),
             torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}[dtype] | {"equal_nan": False}
+
+
+def assert_graph_replays_equal(call, want: torch.Tensor, replays: int = 2) -> None:
+    """Captures ``call`` (→ a tensor) in a CUDA graph and replays it ``replays`` times, the
+    output zeroed before each: every replay must equal ``want`` bit for bit."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = call()
+    for _ in range(replays):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
