@@ -12,20 +12,27 @@ from swafactory.kernels.cuda import launch
 from swafactory.kernels.cuda.verify import _SRC, verify_d512_kernel
 
 
-@pytest.mark.skipif(launch.nvcc_path() is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("wgmma", [1, 0])  # Hopper's shipped tile, and the mma.sync one
-def test_the_shipped_verify_tile_compiles_for_sm90a_without_spills(tmp_path, wgmma):
-    kern = verify_d512_kernel(wgmma=wgmma)
+def _ptxas(kern: launch.CudaKernel, tmp_path) -> tuple[int, tuple[str, ...], str]:
+    """Compiles ``kern``'s source with its defines for sm_90a: (registers a thread, (stack frame,
+    spill stores, spill loads) bytes, ptxas's log); the compile must succeed."""
     flags = [f"-D{k}={v}" for k, v in kern.defines.items()]
     res = subprocess.run([launch.nvcc_path(), "-cubin", "-O3", "-std=c++17",
                           "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", *flags,
-                          "-o", str(tmp_path / "t.cubin"), str(_SRC)],
+                          "-o", str(tmp_path / "k.cubin"), str(kern.source)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
                        r"loads", res.stderr).groups()
-    assert regs <= 255 and spills == ("0", "0", "0"), res.stderr
+    return regs, spills, res.stderr
+
+
+@pytest.mark.skipif(launch.nvcc_path() is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("wgmma", [1, 0])  # Hopper's shipped tile, and the mma.sync one
+def test_the_shipped_verify_tile_compiles_for_sm90a_without_spills(tmp_path, wgmma):
+    kern = verify_d512_kernel(wgmma=wgmma)
+    regs, spills, log = _ptxas(kern, tmp_path)
+    assert regs <= 255 and spills == ("0", "0", "0"), log
     assert kern.smem_bytes <= 227 * 1024  # one block per multiprocessor on Hopper
 
 
@@ -79,19 +86,12 @@ def test_the_tile_refuses_rows_it_cannot_copy_16_bytes_at_a_time():
 @pytest.mark.skipif(launch.nvcc_path() is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("cluster", [1, 2, 4, 8])
 def test_the_cluster_decode_kernel_compiles_for_sm90a_without_spills(tmp_path, cluster):
-    from swafactory.kernels.cuda.decode import _SRC as DEC, decode_d64_kernel
+    from swafactory.kernels.cuda.decode import decode_d64_kernel
 
     kern = decode_d64_kernel(8, cluster)
-    flags = [f"-D{k}={v}" for k, v in kern.defines.items()]
-    res = subprocess.run([launch.nvcc_path(), "-cubin", "-O3", "-std=c++17",
-                          "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", *flags,
-                          "-o", str(tmp_path / "d.cubin"), str(DEC)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
-    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
-                       r"loads", res.stderr).groups()
+    regs, spills, log = _ptxas(kern, tmp_path)
     # four CTAs of 128 threads a multiprocessor: ≤ 128 registers and ≤ 56 KB of shared memory
-    assert regs <= 128 and spills == ("0", "0", "0"), res.stderr
+    assert regs <= 128 and spills == ("0", "0", "0"), log
     assert 4 * (kern.smem_bytes + 1024) <= 228 * 1024
 
 

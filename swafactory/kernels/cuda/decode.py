@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from pathlib import Path
 
 import torch
 
-from swafactory.kernels.cuda.launch import CudaKernel, KernelBuildError, cuda_kernels_available
+from swafactory.kernels.cuda.launch import CudaKernel, cuda_kernels_available, loads_or_warns
 
 __all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_splits"]
 
@@ -119,16 +118,10 @@ def _builds(index: int | None, group: int, env: str | None) -> bool:
     refuses, the Triton decode serves instead, with one warning carrying the message. ``env``
     (``SWAFACTORY_DECODE_TILE``) is part of the cache key: a benchmark's tile is built too."""
     del env
-    device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
-    try:
-        bn, stages, _ = tile(0, 1)
-        for cluster in (1, 2, 4, 8):
-            decode_d64_kernel(group, cluster, bn, stages).load(device)
-    except KernelBuildError as exc:
-        warnings.warn(f"swafactory: the CUDA decode kernel did not build, so the Triton decode "
-                      f"serves head_dim-64 decode instead ({exc})", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    bn, stages, _ = tile(0, 1)
+    return loads_or_warns([decode_d64_kernel(group, c, bn, stages) for c in (1, 2, 4, 8)], index,
+                          "the CUDA decode kernel did not build, so the Triton decode serves "
+                          "head_dim-64 decode instead")
 
 
 def decode_d64(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

@@ -14,12 +14,14 @@ import hashlib
 import os
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["CudaKernel", "nvcc_path", "cuda_kernels_available", "KernelBuildError"]
+__all__ = ["CudaKernel", "nvcc_path", "cuda_kernels_available", "KernelBuildError",
+           "loads_or_warns"]
 
 _DYN_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -179,3 +181,17 @@ class CudaKernel:
                                          self.smem_bytes, ctypes.c_void_p(stream), params, None),
                f"launching {self.name}")
         self.launches += 1
+
+
+def loads_or_warns(kernels: Sequence[CudaKernel], index: int | None, fallback: str) -> bool:
+    """Builds and loads ``kernels`` on GPU ``index`` (None: the current one) before any capture.
+    Where nvcc or the driver refuses one (an nvcc too old for the GPU, say), warns once with
+    their message and ``fallback`` (what serves instead) and returns False. Callers cache it."""
+    device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+    try:
+        for kern in kernels:
+            kern.load(device)
+    except KernelBuildError as exc:
+        warnings.warn(f"swafactory: {fallback} ({exc})", RuntimeWarning, stacklevel=3)
+        return False
+    return True

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from pathlib import Path
 
 import torch
 
-from swafactory.kernels.cuda.launch import CudaKernel, KernelBuildError, cuda_kernels_available
+from swafactory.kernels.cuda.launch import CudaKernel, cuda_kernels_available, loads_or_warns
 
 __all__ = ["dense_verify_d512", "verify_d512_serves", "verify_d512_kernel"]
 
@@ -75,14 +74,9 @@ def _builds(index: int | None, config: tuple[int, ...]) -> bool:
     """Builds and loads the tile once per device and config. Where nvcc or the driver refuses it
     (an nvcc too old for the GPU, say), the Triton tile serves instead, with one warning that
     carries nvcc's message."""
-    device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
-    try:
-        verify_d512_kernel(*config).load(device)
-    except KernelBuildError as exc:
-        warnings.warn(f"swafactory: the CUDA verify tile did not build, so the Triton tile serves "
-                      f"head_dim-512 verify instead ({exc})", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return loads_or_warns([verify_d512_kernel(*config)], index,
+                          "the CUDA verify tile did not build, so the Triton tile serves "
+                          "head_dim-512 verify instead")
 
 
 def dense_verify_d512(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
