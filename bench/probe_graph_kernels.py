@@ -27,7 +27,10 @@ import bench_factory as bf  # noqa: E402
 def one(spec: str, do_bench, bw: float, eager: bool) -> dict:
     model, mode, bs, *ov = spec.split(":")
     bs, ctx, nodes = int(bs), 8192, bf.MODES[mode]
-    cfg, pool, alloc, slots, backend = bf.setup(model, bs, ctx, nodes, overrides=tuple(ov))
+    name = next((o.split("=", 1)[1] for o in ov if o.startswith("backend=")), "flashinfer")
+    ov = [o for o in ov if not o.startswith("backend=")]
+    cfg, pool, alloc, slots, backend = bf.setup(model, bs, ctx, nodes, backend_name=name,
+                                                overrides=tuple(ov))
     batch = bf.batch_of(mode, slots, alloc, bs, ctx)
     plan = backend.init_forward_metadata(batch)
     qs, ks, vs, sinks = bf.step_inputs(cfg, pool, batch.total_q)
@@ -56,8 +59,14 @@ def one(spec: str, do_bench, bw: float, eager: bool) -> dict:
             run()
         torch.cuda.synchronize()
     kernels = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    per = len(evs) // n  # one replay's kernels in order, with the gap before each (µs)
+    order = [dict(name=e.name[:40], us=round(e.time_range.elapsed_us(), 2),
+                  gap=round(e.time_range.start - evs[i - 1].time_range.end, 2) if i else 0.0)
+             for i, e in enumerate(evs[per * (n // 2):per * (n // 2 + 1)], start=per * (n // 2))]
+    for e in evs:
+        if True:
             k = kernels[e.name[:90]]
             k[0] += 1
             k[1] += e.time_range.elapsed_us()
@@ -66,7 +75,7 @@ def one(spec: str, do_bench, bw: float, eager: bool) -> dict:
     floor = bf.kv_bytes_read(plan, pool) / bw * 1e3
     return dict(case=spec, eager=eager, step_ms=ms, floor_ms=floor, layers=L,
                 kernel_us_sum=sum(r[2] for r in rows) / 1e3,
-                kernels=[dict(name=a, calls=b, us=c) for a, b, c in rows])
+                kernels=[dict(name=a, calls=b, us=c) for a, b, c in rows], order=order)
 
 
 def main() -> None:
@@ -92,6 +101,8 @@ def main() -> None:
               f"({r['step_ms'] / r['floor_ms']:.2f}x), kernels {r['kernel_us_sum']:.3f} ms")
         for k in r["kernels"][:14]:
             print(f"  {k['us']:9.1f} us  {k['calls']:5.1f}x  {k['name']}")
+        print("  one replay in order (us, gap before):",
+              " ".join(f"{o['us']:.1f}/{o['gap']:.1f}" for o in r["order"]))
         torch.cuda.empty_cache()
     (out / "probe-graph-kernels.json").write_text(json.dumps(dict(copy_tbs=bw / 1e12, rows=res),
                                                              indent=1))

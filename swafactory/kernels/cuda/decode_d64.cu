@@ -115,11 +115,22 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
                ::: "memory");
 }
-__device__ __forceinline__ float ld_rank(uint32_t addr, int rank) {  // rank's smem, same offset
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {  // rank's smem address
   uint32_t ra;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(addr), "r"(rank));
+  return ra;
+}
+// no "memory" clobber: the loads follow a cluster barrier (asm volatile keeps them after it),
+// and being free to issue them back to back lets their latencies overlap
+__device__ __forceinline__ float ld_rank(uint32_t addr, int rank) {
   float x;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(ra) : "memory");
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(map_rank(addr, rank)));
+  return x;
+}
+__device__ __forceinline__ float4 ld_rank4(uint32_t addr, int rank) {  // 16-byte aligned
+  float4 x;
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+               : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(map_rank(addr, rank)));
   return x;
 }
 #define KERNEL_ATTRS __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NT)
@@ -162,17 +173,14 @@ extern "C" __global__ void KERNEL_ATTRS
   const int lo = min(rank * chunk, n), hi = min(lo + chunk, n);
   const int ntiles = (hi - lo + BN - 1) / BN;
 
-  if (fused && rank == 0 && tid < 16) {  // write this step's row of KV head kh (16-byte chunks)
-    const long long w = wloc[b];
-    if (w >= dummy_rows) {
-      const int ch = tid & 7;
-      if (tid < 8)
-        reinterpret_cast<int4*>(k + w * skr + kh * skh)[ch] =
-            reinterpret_cast<const int4*>(kn + b * snt + kh * snh)[ch];
-      else
-        reinterpret_cast<int4*>(v + w * svr + kh * svh)[ch] =
-            reinterpret_cast<const int4*>(vn + b * snt + kh * snh)[ch];
-    }
+  // this step's row of KV head kh, written by rank 0 after its loop (no CTA reads row wloc):
+  // loaded here so the two dependent loads do not hold up the prologue
+  const bool writer = fused && rank == 0 && tid < 16;
+  long long wrow = -1;
+  int4 wval = make_int4(0, 0, 0, 0);
+  if (writer) {
+    wrow = wloc[b];
+    wval = reinterpret_cast<const int4*>((tid < 8 ? kn : vn) + b * snt + kh * snh)[tid & 7];
   }
 
   // Q^T as the MMA's B operand: b0 = Q[row g][16 ks + 2c, +1], b1 = Q[row g][16 ks + 8 + 2c, +1]
@@ -299,6 +307,9 @@ extern "C" __global__ void KERNEL_ATTRS
       }
     }
   }
+  if (writer && wrow >= dummy_rows)  // 16-byte chunks: threads 0-7 the K row, 8-15 the V row
+    reinterpret_cast<int4*>(tid < 8 ? k + wrow * skr + kh * skh
+                                    : v + wrow * svr + kh * svh)[tid & 7] = wval;
   cp_wait<0>();
   __syncthreads();  // the ring is free: reuse it for the merge
 
@@ -353,13 +364,17 @@ extern "C" __global__ void KERNEL_ATTRS
     const uint32_t am = static_cast<uint32_t>(__cvta_generic_to_shared(x_m + row));
     const uint32_t al = static_cast<uint32_t>(__cvta_generic_to_shared(x_l + row));
     const uint32_t ao = static_cast<uint32_t>(__cvta_generic_to_shared(x_o + row * D + d4));
-    float ms[CLUSTER];
+    float ms[CLUSTER], ls[CLUSTER];
+    float4 os[CLUSTER];
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) {  // every remote load in flight at once
+      ms[r] = ld_rank(am, r);
+      ls[r] = ld_rank(al, r);
+      os[r] = ld_rank4(ao, r);
+    }
     float mx = -INFINITY;
 #pragma unroll
-    for (int r = 0; r < CLUSTER; ++r) {
-      ms[r] = ld_rank(am, r);
-      mx = fmaxf(mx, ms[r]);
-    }
+    for (int r = 0; r < CLUSTER; ++r) mx = fmaxf(mx, ms[r]);
 #else
   __syncthreads();
   {
@@ -377,9 +392,11 @@ extern "C" __global__ void KERNEL_ATTRS
     for (int r = 0; r < CLUSTER; ++r) {
       const float f = ex2(ms[r] - ref);
 #if CLUSTER > 1
-      l += f * ld_rank(al, r);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[i] += f * ld_rank(ao + 4 * i, r);
+      l += f * ls[r];
+      acc[0] += f * os[r].x;
+      acc[1] += f * os[r].y;
+      acc[2] += f * os[r].z;
+      acc[3] += f * os[r].w;
 #else
       l += f * x_l[row];
 #pragma unroll
