@@ -9,6 +9,7 @@ OUT=$1; COMMIT=${2:-unknown}
 python3 tests/backends/flashinfer_warm.py 64 > "$OUT/flashinfer-warm.log" 2>&1 &
 WARM=$!
 python3 -m pytest -q -m gpu tests/kernels/test_cuda_decode_gpu.py tests/kernels/test_decode_fused_write.py \
+    tests/kernels/test_cuda_decode_fp8_gpu.py \
     -p no:cacheprovider -x 2>&1 | tail -15
 if [ "${PROBE:-1}" != 0 ]; then
     python3 bench/probe_decode_tiles.py --out "$OUT" --tiles 128x4x2 --splits "${SPLITS:-0,2,4,8}" \

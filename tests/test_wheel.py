@@ -40,7 +40,7 @@ def test_installed_wheel_finds_its_configs(tmp_path: Path) -> None:
     assert pkg_file.startswith(str(env_dir)) and conf.startswith(str(env_dir)), where.stdout
     assert Path(conf, "model", "gemma4.yaml").is_file()
     # the CUDA kernels ship as source, compiled on first use: the wheel must carry the .cu files
-    for name in ("verify_d512.cu", "decode_d64.cu"):
+    for name in ("verify_d512.cu", "decode_d64.cu", "decode_fp8.cu", "decode_common.cuh"):
         cu = Path(pkg_file).parent / "kernels" / "cuda" / name
         assert cu.is_file(), f"{cu} is missing from the wheel"
     out = _run([str(py), "-m", "swafactory", "run=plan", f"hydra.run.dir={tmp_path}/o"], tmp_path)

@@ -74,13 +74,16 @@ def test_a_tile_that_does_not_build_falls_back_with_one_warning(monkeypatch):
         verify._builds.cache_clear()
 
 
-def test_the_tile_refuses_rows_it_cannot_copy_16_bytes_at_a_time():
-    from swafactory.kernels.cuda.verify import _aligned
+def test_the_kernels_refuse_rows_they_cannot_copy_16_bytes_at_a_time():
+    from swafactory.kernels.cuda.launch import aligned16
 
     pool = torch.zeros(10, 4, 512, dtype=torch.bfloat16)
-    assert _aligned(pool)
-    assert not _aligned(pool.view(-1)[4:4 + 9 * 4 * 512].view(9, 4, 512))  # 8-byte base
-    assert not _aligned(torch.zeros(10, 4, 516, dtype=torch.bfloat16)[..., :512])  # odd stride
+    assert aligned16(pool)
+    assert not aligned16(pool.view(-1)[4:4 + 9 * 4 * 512].view(9, 4, 512))  # 8-byte base
+    assert not aligned16(torch.zeros(10, 4, 516, dtype=torch.bfloat16)[..., :512])  # odd stride
+    fp8 = torch.zeros(10, 4, 264, dtype=torch.float8_e4m3fn)
+    assert aligned16(fp8[..., :256]) is False  # a 264-byte row stride: 8 bytes off by row 1
+    assert aligned16(torch.zeros(10, 4, 256, dtype=torch.float8_e4m3fn))
 
 
 @pytest.mark.skipif(launch.nvcc_path() is None, reason="nvcc is not installed")
@@ -93,6 +96,48 @@ def test_the_cluster_decode_kernel_compiles_for_sm90a_without_spills(tmp_path, c
     # four CTAs of 128 threads a multiprocessor: ≤ 128 registers and ≤ 56 KB of shared memory
     assert regs <= 128 and spills == ("0", "0", "0"), log
     assert 4 * (kern.smem_bytes + 1024) <= 228 * 1024
+
+
+@pytest.mark.skipif(launch.nvcc_path() is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("d,group", [(256, 2), (512, 8)])
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+def test_the_fp8_decode_kernel_compiles_for_sm90a_without_spills(tmp_path, d, group, cluster):
+    from swafactory.kernels.cuda.decode_fp8 import ctas_per_sm, decode_fp8_kernel, fp8_tile
+
+    bn, stages, _ = fp8_tile(d)
+    kern = decode_fp8_kernel(d, group, cluster, bn, stages)
+    regs, spills, log = _ptxas(kern, tmp_path)
+    # two CTAs of 128 threads a multiprocessor, each with NS - 1 tiles of K/V in flight
+    assert regs <= 128 and spills == ("0", "0", "0"), log
+    assert ctas_per_sm(d, bn, stages) == 2 and 2 * (kern.smem_bytes + 1024) <= 228 * 1024
+
+
+def test_the_fp8_tile_knob_is_checked(monkeypatch):
+    from swafactory.kernels.cuda.decode_fp8 import fp8_tile
+
+    assert fp8_tile(512) == (32, 3, 0) and fp8_tile(256) == (64, 3, 0)
+    monkeypatch.setenv("SWAFACTORY_FP8_TILE", "64x2x2")
+    assert fp8_tile(512) == (64, 2, 2)
+    for bad in ("16x3", "32x9", "32x3x3", "32"):
+        monkeypatch.setenv("SWAFACTORY_FP8_TILE", bad)
+        with pytest.raises(ValueError, match="SWAFACTORY_FP8_TILE=.*BNxSTAGES"):
+            fp8_tile(512)
+
+
+def test_an_fp8_decode_kernel_that_does_not_build_falls_back_with_one_warning(monkeypatch):
+    from swafactory.kernels.cuda import decode_fp8
+
+    def refuse(self, device):
+        raise launch.KernelBuildError("nvcc failed on decode_fp8.cu: unsupported gpu architecture")
+
+    decode_fp8._builds.cache_clear()
+    monkeypatch.setattr(launch.CudaKernel, "_function", refuse)
+    try:
+        with pytest.warns(RuntimeWarning, match="Triton decode serves fp8.*unsupported gpu"):
+            assert decode_fp8._builds(0, 512, 8, None) is False
+        assert decode_fp8._builds(0, 512, 8, None) is False  # cached: no second warning
+    finally:
+        decode_fp8._builds.cache_clear()
 
 
 def test_cluster_splits_fill_one_wave_and_never_split_past_the_tiles():
@@ -115,7 +160,7 @@ def test_requiring_the_cluster_decode_where_it_cannot_serve_says_what_it_needs()
     from swafactory.kernels.triton.decode import decode_attention
 
     batch = make_batch([Req(list(range(40)), [39])], hq=8, hkv=1, d=64)
-    with pytest.raises(ValueError, match="head_dim 64, GQA group ≤ 8"):
+    with pytest.raises(ValueError, match="head_dim 64 or an fp8_e4m3 pool at head_dim 256/512"):
         decode_attention(*batch.args(), scale=0.25, cuda=True)
 
 

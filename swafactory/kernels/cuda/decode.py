@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from swafactory.kernels.cuda.launch import CudaKernel, cuda_kernels_available, loads_or_warns
+from swafactory.kernels.cuda.launch import (CudaKernel, aligned16, cuda_kernels_available,
+                                            is_hopper, loads_or_warns, sm_count, tile_knob)
 
 __all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_splits"]
 
@@ -31,19 +32,8 @@ def tile(programs: int, sms: int) -> tuple[int, int, int]:
     """(keys per tile, stages, forced splits or 0) for ``programs`` (request, KV head) pairs on
     ``sms`` multiprocessors: ``SWAFACTORY_DECODE_TILE`` (benchmarks: ``BNxSTAGES[xSPLITS]``,
     BN 64 or 128) or the shipped tile for the batch's size."""
-    env = os.environ.get("SWAFACTORY_DECODE_TILE")
-    if not env:
-        del programs, sms  # one tile serves every batch so far (see _SHIPPED)
-        return (*_SHIPPED, 0)
-    try:
-        cfg = tuple(int(x) for x in env.lower().split("x"))
-    except ValueError:
-        cfg = ()
-    if len(cfg) not in (2, 3) or cfg[0] not in (64, 128) or not 2 <= cfg[1] <= 8 or \
-            (len(cfg) == 3 and cfg[2] not in (1, 2, 4, 8)):
-        raise ValueError(f"SWAFACTORY_DECODE_TILE={env!r}: expected BNxSTAGES[xSPLITS] with BN "
-                         "64 or 128, 2-8 stages and 1, 2, 4 or 8 splits, e.g. 64x3 or 64x6x4")
-    return cfg[0], cfg[1], cfg[2] if len(cfg) == 3 else 0
+    del programs, sms  # one tile serves every batch so far (see _SHIPPED)
+    return tile_knob("SWAFACTORY_DECODE_TILE", (64, 128), 8) or (*_SHIPPED, 0)
 
 
 def _smem(bn: int, stages: int) -> int:
@@ -92,24 +82,9 @@ def decode_d64_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
             and q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
             and v_buf.dtype == torch.bfloat16 and q.shape[-1] == 64 and 1 <= group <= 8
             and softcap is None and not fp8_scaled and q.is_cuda
-            and all(_aligned(t) for t in (q, k_buf, v_buf))
-            and cuda_kernels_available(q.device) and _hopper(q.device.index)
+            and all(aligned16(t) for t in (q, k_buf, v_buf))
+            and cuda_kernels_available(q.device) and is_hopper(q.device.index)
             and _builds(q.device.index, group, os.environ.get("SWAFACTORY_DECODE_TILE")))
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(st % 8 == 0 for st in t.stride()[:-1]))
-
-
-@functools.cache
-def _hopper(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
-@functools.cache
-def _sms(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache
@@ -148,7 +123,7 @@ def decode_d64(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         return o, lse
     if kv_indices.dtype != torch.int32:  # pool rows fit int32; the kernel reads int32
         kv_indices = kv_indices.to(torch.int32)
-    sms = _sms(q.device.index)
+    sms = sm_count(q.device.index)
     bn, stages, splits = tile(nb * hkv, sms)
     splits = splits or cluster_splits(nb * hkv, kv_indices.numel() / nb, sms, num_splits,
                                       ctas_per_sm(bn, stages), bn)

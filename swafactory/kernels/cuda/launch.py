@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["CudaKernel", "nvcc_path", "cuda_kernels_available", "KernelBuildError",
-           "loads_or_warns"]
+           "loads_or_warns", "aligned16", "is_hopper", "sm_count", "tile_knob"]
 
 _DYN_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -55,6 +55,41 @@ def _capable(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 8 and nvcc_path() is not None
 
 
+def aligned16(t: torch.Tensor) -> bool:
+    """Last dim contiguous, data and every other stride 16-byte aligned (cp.async, ldmatrix)."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]))
+
+
+@functools.cache
+def is_hopper(index: int | None) -> bool:
+    """Compute capability 9.x: thread-block clusters, the kernels' sm_90a build."""
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+@functools.cache
+def sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def tile_knob(name: str, bns: tuple[int, ...], max_stages: int) -> tuple[int, int, int] | None:
+    """A benchmark's tile from environment variable ``name``: ``BNxSTAGES[xSPLITS]`` → (keys
+    per tile, stages, splits or 0), or None where unset; ValueError names a malformed value."""
+    env = os.environ.get(name)
+    if not env:
+        return None
+    try:
+        cfg = tuple(int(x) for x in env.lower().split("x"))
+    except ValueError:
+        cfg = ()
+    if len(cfg) not in (2, 3) or cfg[0] not in bns or not 2 <= cfg[1] <= max_stages or \
+            (len(cfg) == 3 and cfg[2] not in (1, 2, 4, 8)):
+        raise ValueError(f"{name}={env!r}: expected BNxSTAGES[xSPLITS] with BN "
+                         f"{' or '.join(map(str, bns))}, 2-{max_stages} stages and 1, 2, 4 or 8 "
+                         f"splits, e.g. {bns[0]}x3 or {bns[0]}x3x4")
+    return cfg[0], cfg[1], cfg[2] if len(cfg) == 3 else 0
+
+
 def _arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"{major}{minor}" + ("a" if major == 9 else "")
@@ -69,10 +104,12 @@ def _cache_dir() -> Path:
 
 
 def build_cubin(source: Path, arch: str, defines: dict[str, int]) -> bytes:
-    """Compile ``source`` for ``sm_<arch>`` with ``-D`` defines; cached by content."""
+    """Compile ``source`` for ``sm_<arch>`` with ``-D`` defines; cached by content (the source
+    and every ``.cuh`` header beside it, which it may include)."""
     flags = ["-cubin", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
     flags += [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes()
+                                          for h in sorted(source.parent.glob("*.cuh")))
     key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:20]
     out = _cache_dir() / f"{source.stem}-{key}.cubin"
     if out.exists():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from swafactory.kernels.cuda.launch import CudaKernel, cuda_kernels_available, loads_or_warns
+from swafactory.kernels.cuda.launch import (CudaKernel, aligned16, cuda_kernels_available,
+                                            loads_or_warns)
 
 __all__ = ["dense_verify_d512", "verify_d512_serves", "verify_d512_kernel"]
 
@@ -59,14 +60,8 @@ def verify_d512_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor
     16 bytes at a time), on a GPU where the kernel builds."""
     return (q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
             and v_buf.dtype == torch.bfloat16 and q.shape[-1] == 512 and group == 8
-            and rows <= 64 and all(_aligned(t) for t in (q, k_buf, v_buf))
+            and rows <= 64 and all(aligned16(t) for t in (q, k_buf, v_buf))
             and cuda_kernels_available(q.device) and _builds(q.device.index, tile_config(q.device)))
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    """Last dim contiguous, 16-byte base, strides in whole 16-byte units (8 bf16)."""
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(st % 8 == 0 for st in t.stride()[:-1]))
 
 
 @functools.cache

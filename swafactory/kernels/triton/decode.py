@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from swafactory.kernels.cuda.decode import decode_d64, decode_d64_serves
+from swafactory.kernels.cuda.decode_fp8 import decode_fp8, decode_fp8_serves
 from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, interpreting,
                                              plan_splits)
 from swafactory.kernels.torch_ref import check_contract
@@ -191,8 +192,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     at it). Writes to the dummy page (rows below ``dummy_rows``: padding requests) are dropped,
     which keeps a check-mode pool's poison.
     ``cuda``: head_dim-64 bf16 passes in our CUDA kernel (``kernels/cuda/decode_d64.cu``: the
-    splits merged in a thread-block cluster, one launch) where it serves (None: wherever it
-    serves; False: never; True: required, else ValueError). ``num_splits`` caps its splits.
+    splits merged in a thread-block cluster, one launch), and fp8_e4m3 pools at head_dim 256/512
+    (with the step's K/V stored first) in ``kernels/cuda/decode_fp8.cu``, where they serve
+    (None: wherever they serve; False: never; True: required, else ValueError).
+    ``num_splits`` caps their splits.
     """
     if mask is not None or mask_indptr is not None:
         raise ValueError("decode_attention is causal by position; use extend_attention for masks")
@@ -224,9 +227,16 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         return decode_d64(q, k_buf, v_buf, kv_indptr, kv_indices, q_pos, kv_pos, window=window,
                           scale=scale, sinks=sinks, new_kv=new_kv, dummy_rows=dummy_rows,
                           num_splits=num_splits)
+    if cuda is not False and new_kv is None and \
+            decode_fp8_serves(q, k_buf, v_buf, group, softcap):
+        launches += nb > 0
+        return decode_fp8(q, k_buf, v_buf, kv_indptr, kv_indices, q_pos, kv_pos, window=window,
+                          scale=scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                          num_splits=num_splits)
     if cuda:
-        raise ValueError("cuda=True: the CUDA decode kernel serves bf16 q and pool, head_dim 64, "
-                         "GQA group ≤ 8, no softcap or fp8, on Hopper with nvcc present")
+        raise ValueError("cuda=True: the CUDA decode kernels serve bf16 q over a bf16 pool at "
+                         "head_dim 64 or an fp8_e4m3 pool at head_dim 256/512 (the step's K/V "
+                         "stored first), GQA group ≤ 8, no softcap, on Hopper with nvcc present")
     block_h, block_n, warps, stages = decode_config(d, group)
     splits = num_splits or plan_splits(nb * hkv, kv_indices.numel(), nb, block_n, q.device)
     o = torch.empty_like(q)

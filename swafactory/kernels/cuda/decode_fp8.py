@@ -1,0 +1,114 @@
+"""Split-KV decode over an fp8 e4m3 pool at head_dim 256 and 512 (``decode_fp8.cu``): Gemma 4's
+SWA and full layers, the e4m3 bytes converted in the MMA's registers, the splits merged in a
+thread-block cluster.
+
+It serves the triton backend's decode passes with ``backend.kv_dtype=fp8_e4m3`` on Hopper, where
+neither FlashInfer (no head_dim-512 fp8 kernel on SM90; 1.23× its bf16 at 256) nor our Triton
+tile (conversion-bound) reads fp8 K/V much faster than bf16.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from swafactory.kernels.cuda.decode import cluster_splits
+from swafactory.kernels.cuda.launch import (CudaKernel, aligned16, cuda_kernels_available,
+                                            is_hopper, loads_or_warns, sm_count, tile_knob)
+
+__all__ = ["decode_fp8", "decode_fp8_serves", "decode_fp8_kernel", "fp8_tile"]
+
+_SRC = Path(__file__).with_name("decode_fp8.cu")
+_ARGS = ("ptr",) * 10 + ("i64",) * 8 + ("i32",) * 2 + ("f32",) * 2
+# (keys per tile, shared-memory stages) per head_dim
+_SHIPPED = {256: (64, 3), 512: (32, 3)}
+
+
+def fp8_tile(d: int) -> tuple[int, int, int]:
+    """(keys per tile, stages, forced splits or 0) at head_dim ``d``: ``SWAFACTORY_FP8_TILE``
+    (benchmarks: ``BNxSTAGES[xSPLITS]``, BN 32 or 64) or the shipped tile."""
+    return tile_knob("SWAFACTORY_FP8_TILE", (32, 64), 6) or (*_SHIPPED[d], 0)
+
+
+def _smem(d: int, bn: int, stages: int) -> int:
+    return stages * 2 * bn * d + stages * bn * 4 + 2 * stages * 2 * bn * 4 + 4 * (bn // 16) * 512
+
+
+def ctas_per_sm(d: int, bn: int, stages: int) -> int:
+    """CTAs of this tile a Hopper multiprocessor holds (228 KB of shared memory, 1 KB reserved
+    a CTA; 128 threads of at most 128 registers allow four)."""
+    return max(1, min(4, 228 * 1024 // (_smem(d, bn, stages) + 1024)))
+
+
+@functools.cache
+def decode_fp8_kernel(d: int, group: int, cluster: int, bn: int, stages: int) -> CudaKernel:
+    """The kernel for head_dim ``d`` (256, 512), a GQA group (≤ 8), ``cluster`` splits per
+    (request, KV head) (1, 2, 4, 8), ``bn`` keys per tile and ``stages`` shared-memory stages."""
+    return CudaKernel(_SRC, "decode_fp8", _ARGS,
+                      {"D": d, "GROUP": group, "CLUSTER": cluster, "BN": bn, "NS": stages},
+                      _smem(d, bn, stages))
+
+
+def decode_fp8_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: int,
+                      softcap: float | None) -> bool:
+    """Whether this kernel serves the decode pass: bf16 q over e4m3 pools, head_dim 256 or
+    512, GQA group ≤ 8, no softcap, rows 16-byte aligned, on a Hopper GPU where it builds, and
+    ``SWAFACTORY_CUDA_DECODE`` not set to 0."""
+    d = q.shape[-1]
+    return (os.environ.get("SWAFACTORY_CUDA_DECODE", "1") != "0"
+            and q.dtype == torch.bfloat16 and k_buf.dtype == torch.float8_e4m3fn
+            and v_buf.dtype == torch.float8_e4m3fn and d in (256, 512) and 1 <= group <= 8
+            and softcap is None and q.is_cuda
+            and all(aligned16(t) for t in (q, k_buf, v_buf))
+            and cuda_kernels_available(q.device) and is_hopper(q.device.index)
+            and _builds(q.device.index, d, group, os.environ.get("SWAFACTORY_FP8_TILE")))
+
+
+@functools.cache
+def _builds(index: int | None, d: int, group: int, env: str | None) -> bool:
+    """Builds and loads every cluster size once per device, head_dim and group; where nvcc or
+    the driver refuses, the Triton decode serves instead, with one warning. ``env``
+    (``SWAFACTORY_FP8_TILE``) is part of the cache key: a benchmark's tile is built too."""
+    del env
+    bn, stages, _ = fp8_tile(d)
+    return loads_or_warns([decode_fp8_kernel(d, group, c, bn, stages) for c in (1, 2, 4, 8)],
+                          index, "the CUDA fp8 decode kernel did not build, so the Triton "
+                          "decode serves fp8 decode at head_dim 256/512 instead")
+
+
+def decode_fp8(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               kv_indptr: torch.Tensor, kv_indices: torch.Tensor, q_pos: torch.Tensor,
+               kv_pos: torch.Tensor, *, window: int | None, scale: float, k_scale: float,
+               v_scale: float, sinks: torch.Tensor | None,
+               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over an fp8 pool → (o [B, Hq, D] bf16, lse [B, Hq] fp32).
+
+    q: [B, Hq, D] bf16 (one query per request), last dim contiguous, D 256 or 512; k_buf,
+    v_buf: [rows, Hkv, D] float8_e4m3fn holding K / k_scale and V / v_scale; kv_indptr: [B+1]
+    int32; kv_indices: [total_kv] int32/int64 pool rows; q_pos: [B] int32; kv_pos: [total_kv]
+    int32; sinks: [Hq] fp32 or None. The step's K/V is in the pool already (stored, quantized,
+    before the call). ``num_splits`` caps the split count (planned from static sizes
+    otherwise). No host sync; capturable.
+    """
+    nb, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    group = hq // hkv
+    o = torch.empty_like(q)
+    lse = torch.empty(nb, hq, dtype=torch.float32, device=q.device)
+    if nb == 0:
+        return o, lse
+    if kv_indices.dtype != torch.int32:  # pool rows fit int32; the kernel reads int32
+        kv_indices = kv_indices.to(torch.int32)
+    sms = sm_count(q.device.index)
+    bn, stages, splits = fp8_tile(d)
+    splits = splits or cluster_splits(nb * hkv, kv_indices.numel() / nb, sms, num_splits,
+                                      ctas_per_sm(d, bn, stages), bn)
+    sk = sinks.float().contiguous() if sinks is not None else None
+    kern = decode_fp8_kernel(d, group, splits, bn, stages)
+    kern((splits, hkv, nb), 128, q, k_buf, v_buf, kv_indptr, kv_indices, q_pos, kv_pos, sk, o,
+         lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+         v_buf.stride(1), o.stride(0), o.stride(1), hq, int(window or 0),
+         float(scale) * float(k_scale) * 1.4426950408889634, float(v_scale))
+    return o, lse
