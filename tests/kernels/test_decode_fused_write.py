@@ -51,6 +51,30 @@ def test_fused_decode_matches_oracle_and_reference(splits, window, with_sinks, s
     torch.testing.assert_close(lse, rl, **(tol(torch.float32) | {"equal_nan": True}))
 
 
+@pytest.mark.parametrize("d,hq,hkv", [(256, 4, 2), (512, 8, 1)])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fused_decode_at_gemma_head_dims(d, hq, hkv, splits):
+    # head_dim 512 takes the tail in the loop's MMA layouts (DOT_TAIL), 256 the broadcast sum
+    batch = make_batch(_reqs([1, 33, 70]), hq=hq, hkv=hkv, d=d, seed=d + splits)
+    last = batch.kv_indptr[1:].long() - 1
+    slots = batch.kv_indices[last].long()
+    new = (batch.k_buf[slots].clone(), batch.v_buf[slots].clone(), slots)
+    want = oracle_outputs(batch, window=None, scale=0.05, softcap=3.0)
+    batch.k_buf[slots] = math.nan
+    o, _ = _run(batch, scale=0.05, softcap=3.0, num_splits=splits, new_kv=new)
+    torch.testing.assert_close(o, want, **tol(torch.float32))
+
+
+def test_fused_registers_cap_only_fused_eight_warp_launches(monkeypatch):
+    import swafactory.kernels.triton.decode as dec
+
+    monkeypatch.setattr(dec, "interpreting", lambda: False)
+    assert dec.fused_registers(True, 8) == {"maxnreg": 128}  # two 256-thread CTAs an SM
+    assert dec.fused_registers(False, 8) == {} and dec.fused_registers(True, 4) == {}
+    monkeypatch.setattr(dec, "interpreting", lambda: True)
+    assert dec.fused_registers(True, 8) == {}
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_write_stores_the_new_rows_and_attends_to_them_from_registers(splits, dtype):
@@ -134,3 +158,22 @@ def test_gpt_oss_geometry_on_the_gpu_fused_and_replayed_from_a_graph(bs, window,
     torch.testing.assert_close(o.float().cpu(), want, **tol(torch.bfloat16))
     assert torch.equal(batch.k_buf[slots], kn)
     assert_graph_replays_equal(call, o)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hkv,window", [(256, 16, 1024), (512, 4, None)])
+def test_gemma4_geometry_on_the_gpu_fused(d, hkv, window):
+    """Gemma 4's layers (32 heads; SWA: 16 KV heads of 256, W 1024; full: 4 of 512) at 2000
+    keys, the fused kernel under its register cap against fp32 attention."""
+    lens = [2000 - 129 * i for i in range(5)]
+    batch = make_batch(_reqs(lens, trim_to=window), hq=32, hkv=hkv, d=d, dtype=torch.bfloat16,
+                       seed=d, device="cuda")
+    last = batch.kv_indptr[1:].long() - 1
+    slots = batch.kv_indices[last].long()
+    kn, vn = batch.k_buf[slots].clone(), batch.v_buf[slots].clone()
+    want = oracle_outputs(batch, window=window, scale=1.0)
+    batch.k_buf[slots] = math.nan
+    batch.v_buf[slots] = math.nan
+    o = _run(batch, window=window, scale=1.0, new_kv=(kn, vn, slots))[0]
+    torch.testing.assert_close(o.float().cpu(), want, **tol(torch.bfloat16))
+    assert torch.equal(batch.k_buf[slots], kn) and torch.equal(batch.v_buf[slots], vn)

@@ -6,11 +6,14 @@ once per KV head, not once per query head. It walks its share of the request's k
 ``BLOCK_N`` tiles and keeps an online softmax. Keys a query cannot see (outside the window,
 in the future, or past the list) are loaded under a mask. So they cost no bytes, and a NaN
 in the dummy slot or in an evicted row never enters the sum. A tile with no visible key is
-skipped (only
-with a window: the branch costs load pipelining where every tile is visible). Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one
-split, stage 1 writes the final output itself. The split count is a runtime argument (only
+skipped (only with a window: the branch costs load pipelining where every tile is visible).
+Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one split, stage 1 writes the final output itself. The split count is a runtime argument (only
 "split or not" is compiled in): it follows the batch (`merge.plan_splits`), and a compiled
 count would JIT a new kernel, about a second, whenever a serving step met a new count.
+
+With ``new_kv`` the kernel writes the step's K/V and attends to its key from registers; at
+8 warps (head_dim ≥ 256) that launch is capped at 128 registers, as the plain kernel compiles,
+so two CTAs still share a multiprocessor (`fused_registers`).
 
 Contract: see ``kernels/torch_ref.py``; here ``mask`` must be None and ``qo_indptr`` = arange(B+1).
 """
@@ -51,6 +54,20 @@ def decode_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
     return block_h, 128, 4, 2
 
 
+def fused_registers(fused: bool, warps: int) -> dict:
+    """Launch options that keep the fused write's kernel at two CTAs a multiprocessor.
+
+    The plain kernel at head_dim 256/512 (8 warps) takes 128 registers, so two CTAs fit; the
+    step's write and its key's tail took it to 153-164, one CTA a multiprocessor, and the layer
+    from 92% to 61% of copy bandwidth (H200, Gemma 4 at bs 64: 0.415 against 0.281 ms SWA, 1.60
+    against 1.12 full; capped at 128 registers: 0.294 and, with the MMA-layout tail at head_dim
+    512, 1.156; bench/results/probe-fused-decode-49b0cc2.md). Interpreted runs take no options.
+    """
+    if not fused or warps < 8 or interpreting():
+        return {}
+    return {"maxnreg": 65536 // (2 * 32 * warps)}
+
+
 @functools.cache
 def _kernel(interpret: bool) -> Any:
     del interpret  # cache key only: triton.jit reads TRITON_INTERPRET when decorating
@@ -67,7 +84,7 @@ def _kernel(interpret: bool) -> Any:
                       D: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
                       PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr, CDT: tl.constexpr,
-                      FUSED: tl.constexpr):
+                      FUSED: tl.constexpr, DOT_TAIL: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -123,9 +140,10 @@ def _kernel(interpret: bool) -> Any:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m = m_new
         if FUSED:  # this step's K/V of KV head kh: written once, attended from registers
-            kn = tl.load(kn_ptr + qrow * stride_nt + kh * stride_nh + d)
-            vn = tl.load(vn_ptr + qrow * stride_nt + kh * stride_nh + d)
+            nrow = qrow * stride_nt + kh * stride_nh
             if sp == 0:  # no program reads this row from the pool (keys before q's position)
+                kn = tl.load(kn_ptr + nrow + d)
+                vn = tl.load(vn_ptr + nrow + d)
                 w = tl.load(wloc_ptr + qi).to(tl.int64)
                 # a padding request's write to the dummy page is dropped (a tensor mask: the
                 # interpreter rejects scalar ones)
@@ -133,16 +151,35 @@ def _kernel(interpret: bool) -> Any:
                 tl.store(k_ptr + w * stride_kr + kh * stride_kh + d, kn, mask=keep)
                 tl.store(v_ptr + w * stride_vr + kh * stride_vh + d, vn, mask=keep)
             if sp == n_splits - 1:
-                s1 = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
-                if HAS_SOFTCAP:
-                    s1 = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s1 / softcap) + 1.0))
-                s1 = tl.where(hmask, s1, float("-inf"))
-                m_new = tl.maximum(m, s1)
-                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - ref)
-                p1 = tl.exp(s1 - ref)
-                den = den * alpha + p1
-                acc = acc * alpha[:, None] + p1[:, None] * vn.to(tl.float32)[None, :]
+                if DOT_TAIL:  # one more key tile in the loop's MMA layouts, only row 0 visible
+                    first = tl.arange(0, BLOCK_N) == 0
+                    same = (tl.arange(0, BLOCK_N) * 0)[:, None] + d[None, :]  # row 0, N times
+                    kt = tl.load(kn_ptr + nrow + same).to(CDT)
+                    s1 = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale
+                    if HAS_SOFTCAP:
+                        s1 = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s1 / softcap) + 1.0))
+                    s1 = tl.where(first[None, :] & hmask[:, None], s1, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(s1, axis=1))
+                    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m - ref)
+                    p1 = tl.exp(s1 - ref[:, None])
+                    vt = tl.load(vn_ptr + nrow + same).to(CDT)
+                    den = den * alpha + tl.sum(p1, axis=1)
+                    acc = acc * alpha[:, None] + tl.dot(p1.to(CDT), vt,
+                                                        input_precision=PRECISION)
+                else:  # q·kn as a broadcast sum
+                    kn = tl.load(kn_ptr + nrow + d)
+                    vn = tl.load(vn_ptr + nrow + d)
+                    s1 = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
+                    if HAS_SOFTCAP:
+                        s1 = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s1 / softcap) + 1.0))
+                    s1 = tl.where(hmask, s1, float("-inf"))
+                    m_new = tl.maximum(m, s1)
+                    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m - ref)
+                    p1 = tl.exp(s1 - ref)
+                    den = den * alpha + p1
+                    acc = acc * alpha[:, None] + p1[:, None] * vn.to(tl.float32)[None, :]
                 m = m_new
         if not SPLIT:
             if HAS_SINKS:
@@ -262,8 +299,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         # skip invisible tiles only where the list is longer than the window (not trimmed)
         SKIP_EMPTY=window is not None and kv_indices.numel() > nb * (window + block_n),
-        CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, num_warps=warps,
-        num_stages=stages)
+        CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, DOT_TAIL=d >= 512,
+        num_warps=warps, num_stages=stages, **fused_registers(new_kv is not None, warps))
     if splits > 1:
         combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
     if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it
