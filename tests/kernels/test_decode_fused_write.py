@@ -60,9 +60,11 @@ def test_fused_decode_at_gemma_head_dims(d, hq, hkv, splits):
     slots = batch.kv_indices[last].long()
     new = (batch.k_buf[slots].clone(), batch.v_buf[slots].clone(), slots)
     want = oracle_outputs(batch, window=None, scale=0.05, softcap=3.0)
-    batch.k_buf[slots] = math.nan
+    batch.k_buf[slots] = math.nan  # the new rows can only come from new_kv
+    batch.v_buf[slots] = math.nan
     o, _ = _run(batch, scale=0.05, softcap=3.0, num_splits=splits, new_kv=new)
     torch.testing.assert_close(o, want, **tol(torch.float32))
+    assert torch.equal(batch.k_buf[slots], new[0]) and torch.equal(batch.v_buf[slots], new[1])
 
 
 def test_fused_registers_cap_only_fused_eight_warp_launches(monkeypatch):

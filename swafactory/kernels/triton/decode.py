@@ -7,8 +7,9 @@ once per KV head, not once per query head. It walks its share of the request's k
 in the future, or past the list) are loaded under a mask. So they cost no bytes, and a NaN
 in the dummy slot or in an evicted row never enters the sum. A tile with no visible key is
 skipped (only with a window: the branch costs load pipelining where every tile is visible).
-Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one split, stage 1 writes the final output itself. The split count is a runtime argument (only
-"split or not" is compiled in): it follows the batch (`merge.plan_splits`), and a compiled
+Stage 2 (``merge.combine_splits``) reduces the splits and adds the sink. With one split, stage 1
+writes the final output itself. The split count is a runtime argument (only "split or not" is
+compiled in): it follows the batch (`merge.plan_splits`), and a compiled
 count would JIT a new kernel, about a second, whenever a serving step met a new count.
 
 With ``new_kv`` the kernel writes the step's K/V and attends to its key from registers; at
