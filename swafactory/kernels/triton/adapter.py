@@ -131,14 +131,16 @@ class Adapter:
         from swafactory.kernels.triton.ops import paged_attention
 
         t = self._passes.get(id(tables), tables)  # a graph bucket's static tables, or these
-        splits = None
+        splits = skip = None
         if t is not tables and window is not None:  # a static list is sized for the full pool:
             splits = window_splits(q, k_buf, window)  # split by the window's keys instead
+            skip = False  # and holds the planner's trimmed lists: no tile test, loads pipelined
         return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                window=window, scale=scale, softcap=softcap, sinks=sinks,
                                max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
-                               new_kv=new_kv, dummy_rows=self._page, num_splits=splits)
+                               new_kv=new_kv, dummy_rows=self._page, num_splits=splits,
+                               skip_empty=skip)
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""

@@ -214,7 +214,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                      num_splits: int | None = None, k_scale: float = 1.0,
                      v_scale: float = 1.0, new_kv: tuple | None = None,
-                     dummy_rows: int = 1,
+                     dummy_rows: int = 1, skip_empty: bool | None = None,
                      cuda: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged decode under the kernel contract (``kernels/torch_ref.py``); returns (o, lse).
 
@@ -229,6 +229,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     registers, so the pool reads stop before q's position (decode lists hold the new key once,
     at it). Writes to the dummy page (rows below ``dummy_rows``: padding requests) are dropped,
     which keeps a check-mode pool's poison.
+    ``skip_empty``: test each key tile for a visible key (windowed passes only; the branch stops
+    Triton pipelining the loads). None: where the lists hold more than the window, judged from
+    ``kv_indices``' size; a graph bucket's static lists are sized for the pool, so its caller
+    passes False (the planner trims windowed lists).
     ``cuda``: head_dim-64 bf16 passes in our CUDA kernel (``kernels/cuda/decode_d64.cu``: the
     splits merged in a thread-block cluster, one launch), and fp8_e4m3 pools at head_dim 256/512
     (with the step's K/V stored first) in ``kernels/cuda/decode_fp8.cu``, where they serve
@@ -299,7 +303,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         HAS_SINKS=sinks is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         # skip invisible tiles only where the list is longer than the window (not trimmed)
-        SKIP_EMPTY=window is not None and kv_indices.numel() > nb * (window + block_n),
+        SKIP_EMPTY=window is not None and (kv_indices.numel() > nb * (window + block_n)
+                                           if skip_empty is None else skip_empty),
         CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, DOT_TAIL=d >= 512,
         num_warps=warps, num_stages=stages, **fused_registers(new_kv is not None, warps))
     if splits > 1:
