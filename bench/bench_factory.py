@@ -8,7 +8,10 @@ SWA slots, and fills the pools with random K/V. Then one step, three ways:
   for every layer (the public API an engine calls; it writes each layer's new K/V);
 * **raw cycle**: FlashInfer wrappers an engine would hold, planned once per layer group from the
   factory's own tables (the same indices; the same custom mask for verify), then per layer the
-  K/V write (``index_put``) and ``wrapper.run``; sinks by the same exact LSE epilogue;
+  K/V write (``index_put``) and ``wrapper.run``; sinks by the same exact LSE epilogue
+  (`sink_epilogue`, launched as an engine calling a Triton kernel would: ``kernel[grid](…)``;
+  the factory's adapters launch the same kernel through its compiled handle,
+  `swafactory.triton_launch`);
 * **floor**: the K/V bytes the step must read (every group's index list, so an SWA layer counts
   only its window, × its layers) over a device copy measured in the same run.
 
@@ -457,7 +460,9 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
               "are the rounds' medians. "
               "factory cycle: `init_forward_metadata` + `forward` over every layer (K/V write "
               "included); raw cycle: the FlashInfer wrappers' `plan` per layer group + per layer "
-              "the K/V write and `run`, on the same pools and indices; planning: host wall time "
+              "the K/V write and `run`, on the same pools and indices (sinks: the same "
+              "epilogue kernel, through Triton's `kernel[grid]` dispatch where the factory "
+              "launches it through its compiled handle); planning: host wall time "
               "of `init_forward_metadata` alone (median of 30, synchronized); every time but the "
               "last column is taken after `gc.freeze()`, as engines freeze their startup heap "
               "after warm-up (planning with the GC not frozen: its own column); floor: the K/V "

@@ -11,7 +11,10 @@
 #     bench/gpu_item5.sh OUT fa4    within 30 s of the first, carry .fa4y and build/w7 (not
 #                                   the cubins: the carry limit; the first call's stay in
 #                                   build/): flash_attn's smoke beside fp8 KV serve on triton ×
-#                                   gemma4 (about 300 s; 4 × 24 GiB)
+#                                   gemma4 (about 300 s; 4 × 24 GiB). With ISSUE17=1 also issue
+#                                   17's serve rows: flash_attn + flashinfer per group, fp8 on
+#                                   flashinfer + triton (gemma4); flash_attn page 128,
+#                                   flashinfer page 16, flex (gpt_oss_20b, mistral_7b)
 # Environment: DEADLINE (seconds the sweeps may run, default 420 for whl, 300 for fa4).
 # Nothing else runs beside the sweeps: at ad31922 GPU tests beside them left three serve runs
 # unfinished at their deadline (bench/results/session-2026-12-04b-h200.md).
@@ -25,11 +28,19 @@ R=$OUT/item5
 mkdir -p "$R" /tmp/site
 elapsed() { echo $(( $(date +%s) - T0 )); }
 SPECS4=none,eagle3,frozen_kv_mtp,dflash
-sweep() {  # NAME DEADLINE KNOB=VALUE...: one packed sweep in the background, its log in R
+run_sweep() {  # NAME DEADLINE KNOB=VALUE...: one packed sweep, its log in R
     local name=$1 limit=$2
     shift 2
-    ( env "$@" NAME="$name" PACK=1 DEADLINE="$limit" bench/gpu_conformance.sh "$R" matrix \
-        > "$R/$name.txt" 2>&1 ) &
+    env "$@" NAME="$name" PACK=1 DEADLINE="$limit" bench/gpu_conformance.sh "$R" matrix \
+        > "$R/$name.txt" 2>&1
+}
+sweep() { run_sweep "$@" & }  # the same in the background
+# after(NAME KNOB=VALUE...): a sweep for a chain, given what is left of the call's deadline D
+after() {
+    local name=$1 left=$((D - $(elapsed)))
+    shift
+    if [ "$left" -lt 40 ]; then echo "$name: not started, ${left} s left" > "$R/$name.txt"; return; fi
+    run_sweep "$name" "$left" "$@"
 }
 case $PART in
 whl)
@@ -51,9 +62,27 @@ fa4)
     # shellcheck source=bench/gpu_env.sh
     . "$(dirname "$0")/gpu_env.sh" || exit 2
     D=${DEADLINE:-300}
-    sweep smoke_fa "$D" BACKENDS=flash_attn WORKLOAD=smoke JOBS=3
-    sweep fp8_serve "$D" BACKENDS=triton MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=serve JOBS=4 \
-        EXTRA=backend.kv_dtype=fp8_e4m3 ;;
+    if [ -z "${ISSUE17:-}" ]; then
+        sweep smoke_fa "$D" BACKENDS=flash_attn WORKLOAD=smoke JOBS=3
+        sweep fp8_serve "$D" BACKENDS=triton MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=serve JOBS=4 \
+            EXTRA=backend.kv_dtype=fp8_e4m3
+    else  # ISSUE17=1 (DEADLINE about 520): issue 17's serve rows too, in three chains that keep
+        # at most four Gemma 4 jobs (about 24 GiB each) on the GPU; FlashInfer is the one the
+        # whl part installed into /tmp/site on this machine
+        P2=gpt_oss_20b,mistral_7b
+        ( after smoke_fa BACKENDS=flash_attn WORKLOAD=smoke JOBS=3
+          after fa_fi_gemma4 BACKENDS=flash_attn MODELS=gemma4 SPECS=none,eagle3 WORKLOAD=serve \
+              JOBS=1 EXTRA=backend.groups.full=flashinfer ) &
+        ( after fp8_serve BACKENDS=triton MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=serve JOBS=3 \
+              EXTRA=backend.kv_dtype=fp8_e4m3
+          after fp8_fi_gemma4 BACKENDS=flashinfer MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=serve \
+              JOBS=3 EXTRA="backend.groups.full=triton backend.kv_dtype=fp8_e4m3" ) &
+        ( after fa_p128 BACKENDS=flash_attn MODELS=$P2 SPECS=none,eagle3 WORKLOAD=serve JOBS=2 \
+              EXTRA=backend.page_size=128
+          after fi_p16 BACKENDS=flashinfer MODELS=$P2 SPECS=none,eagle3 WORKLOAD=serve JOBS=2 \
+              EXTRA=backend.page_size=16
+          after flex_serve BACKENDS=flex MODELS=$P2 SPECS=none,eagle3 WORKLOAD=serve JOBS=2 ) &
+    fi ;;
 *)
     echo "usage: bench/gpu_item5.sh OUT whl|fa4" >&2
     exit 2 ;;

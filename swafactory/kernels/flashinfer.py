@@ -21,9 +21,11 @@ Planning. `plan(forward_plan, pool, sigs=…)` (once per forward, from
 ``wrapper.plan`` with each group's signature (query heads, dtypes, scale, soft-cap: the backend
 knows them from the config and the pool). A layer whose `run` brings another signature re-plans
 its pass there (eagerly; inside a CUDA-graph capture that is an error). An eager decode pass at
-page size 1 whose wrapper was planned before with the same signature is re-planned through
-FlashInfer's ``fast_decode_plan`` (what sglang's decode steps use): the same scheduler without
-``plan``'s Python ``max()`` over the host lengths, one ``item()`` per request.
+page size 1 whose wrapper was planned before with the same signature is re-planned without
+``plan`` (its Python ``max()`` over the host lengths is one ``item()`` per request): by the
+wrapper's scheduler call alone where it has FlashInfer 0.6's internals
+(`flashinfer_replan`), else through FlashInfer's ``fast_decode_plan`` (what sglang's decode
+steps use).
 
 CUDA graphs (`plan(…, graph=(bucket, tokens))`): passes are padded to ``bucket`` requests
 (padding requests have ``tokens`` query rows and read one key, the pool's dummy row 0) and run
@@ -60,6 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swafactory.kernels import flashinfer_replan as replan
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.kernels.triton.ops import paged_attention
@@ -176,7 +179,11 @@ class Adapter:
         self._ones_dev: torch.Tensor | None = None
         """Device last-page lengths (all ones) for ``fast_decode_plan`` at page size 1."""
         self.fast_plans = 0
-        """Decode passes planned through FlashInfer's ``fast_decode_plan``."""
+        """Decode passes re-planned without ``plan`` (FlashInfer's ``fast_decode_plan``, or its
+        scheduler call alone: ``direct_plans`` of them)."""
+        self.direct_plans = 0
+        """Decode passes re-planned by `flashinfer_replan.replan_decode`."""
+        self._qo = replan.QueryIndptr()
 
     def plan(self, forward_plan, pool, *, sigs: dict[str, Signature] | None = None,
              graph: tuple[int, int] | None = None) -> None:
@@ -307,9 +314,16 @@ class Adapter:
             # request), its dtype resolution and its host-to-device copies; the kernel reads the
             # planner's device indptr and indices. It keeps the module and dtypes of the
             # wrapper's last full plan, whose signature this one equals.
-            fast(w, p.kv_dev, p.indices, self._last_dev(p.kv_dev.numel() - 1, p.kv_dev.device),
-                 hq, hkv, d, 1, window_left=flashinfer_window_left(p.window),
-                 global_override_indptr_cpu=p.kv_host, **common)
+            last = self._last_dev(p.kv_dev.numel() - 1, p.kv_dev.device)
+            wl = flashinfer_window_left(p.window)
+            if replan.supported(w):  # its scheduler call alone (`flashinfer_replan`)
+                replan.replan_decode(w, p.kv_dev, p.indices, last, p.kv_host,
+                                     self._qo.get(p.kv_host.numel() - 1, p.kv_dev.device),
+                                     hq, hkv, d, wl, scale, softcap)
+                self.direct_plans += 1
+            else:
+                fast(w, p.kv_dev, p.indices, last, hq, hkv, d, 1, window_left=wl,
+                     global_override_indptr_cpu=p.kv_host, **common)
             self.fast_plans += 1
         elif p.decode:
             w.plan(p.kv_host, p.indices, p.last, hq, hkv, d, p.page,

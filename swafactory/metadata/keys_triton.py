@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from swafactory.triton_launch import launch
+
 __all__ = ["BLOCK", "FusedJob", "FusedKeys", "KeyList", "available", "fused_key_job",
            "run_fused"]
 
@@ -217,10 +219,10 @@ def run_fused(job: FusedJob, pack, flat_table: torch.Tensor,
     out32 = torch.empty(max(n32, 1), dtype=_I32, device=device)
     p64, p32, k = pack.words()
     mp = mapping if mapping is not None else flat_table
-    if job.grid[0] and job.grid[1]:
-        _kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")[job.grid](
-            p64, p32, flat_table, mp, mp.numel() if mapping is not None else 0, out64, out32,
-            k, *job.scalars, BLOCK=BLOCK)
+    if job.grid[0] and job.grid[1]:  # the compiled handle after the first launch (`launch`)
+        launch(_kernel(os.environ.get("TRITON_INTERPRET", "0") == "1"), job.grid,
+               (p64, p32, flat_table, mp, mp.numel() if mapping is not None else 0, out64, out32,
+                k, *job.scalars), (BLOCK,), device.index or 0)
     # one op for every view (split_with_sizes: Tensor.split's Python wrapper costs twice as much);
     # the buffers are sliced only when empty (one element, never a null pointer)
     v64 = iter((out64 if n64 else out64[:0]).split_with_sizes(job.sizes64))

@@ -58,20 +58,24 @@ class Pack:
         """One host buffer, one copy; int32 pieces are cast while they are joined."""
         n32, n64 = self._n[_I32], self._n[_I64]
         k = (n32 + 1) // 2  # int32 pieces travel as int64 pairs
-        buf = np.empty(k + n64, dtype=np.int64)
+        cuda = device.type == "cuda"
+        # on CUDA the pieces are joined straight into pinned memory: the host views stay pinned
+        # (a kernel library copying them to the device, FlashInfer's plan, copies async) and
+        # the copy to the device needs no staging copy first
+        host = torch.empty(k + n64, dtype=_I64, pin_memory=True) if cuda else None
+        buf = host.numpy() if cuda else np.empty(k + n64, dtype=np.int64)
         if n32:  # joined straight into the buffer's int32 words (cast on the way)
             np.concatenate(self._parts[_I32], out=buf.view(np.int32)[:n32], casting="unsafe")
             if n32 % 2:
                 buf.view(np.int32)[n32] = 0
         if n64:
             np.concatenate(self._parts[_I64], out=buf[k:])
-        host = torch.from_numpy(buf)
-        if device.type == "cuda":  # the host views stay pinned: a kernel library copying
-            host = host.pin_memory()  # them to the device (FlashInfer's plan) copies async
+        if cuda:
             dev = host.to(device, non_blocking=True)
         elif device.type == "cpu":
-            dev = host  # what host.to(device) returns, without parsing its arguments
+            dev = host = torch.from_numpy(buf)  # what host.to(device) returns, unparsed
         else:
+            host = torch.from_numpy(buf)
             dev = host.to(device)
         # pieces are sliced from these four on demand: int32 ones from word 0, int64 from k
         self._k = k

@@ -15,6 +15,10 @@ windows, index lists, the base-2 LSE, sinks, cascade) is tested on machines with
   and a CUDA-graph wrapper reads the ``mask_indptr_buf`` / ``custom_mask_buf`` it was given at
   run time (so whatever the caller writes there after plan counts);
 * the LSE in base 2 (``m·log2e + log2 d``, as FlashInfer's kernels write it);
+* a decode wrapper's internals as FlashInfer 0.6 has them (``_cached_module.plan``, the
+  workspaces, ``_backend`` resolved by ``plan``): after a re-plan by the scheduler call alone
+  (`swafactory.kernels.flashinfer_replan`), ``run`` reads the tables and window from the
+  buffers the caller pointed it at (``_Decode.internals = False`` removes them);
 * ``decode.fast_decode_plan(wrapper, ...)``: re-plans a decode wrapper's tables, window, scale
   and soft-cap but keeps the dtypes (the kernel module) of its last ``plan``, which must have
   run; the host indptr comes from ``global_override_indptr_cpu`` (without it the real one reads
@@ -111,16 +115,67 @@ def _key_rows(indptr, indices, last, P: int) -> tuple[torch.Tensor, torch.Tensor
     return off, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
 
 
+class _Module:
+    """The compiled module's scheduler (``_cached_module.plan``) of a tensor-core decode
+    wrapper: checks the arguments FlashInfer 0.6's fast_decode_plan gives it and returns a
+    fresh plan-info marker."""
+
+    def __init__(self, wrapper: "_Decode") -> None:
+        self.w = wrapper
+        self.calls = 0
+
+    def plan(self, fws, iws, pinned, qo_host, kv_host, kv_lens, rows, b, hq, hkv, page, graph,
+             dqk, dvo, causal, window_left, *fa2):
+        w = self.w
+        assert fws is w._float_workspace_buffer and iws is w._int_workspace_buffer
+        assert pinned is w._pin_memory_int_workspace_buffer and not graph and not causal
+        assert qo_host.device.type == kv_host.device.type == kv_lens.device.type == "cpu"
+        assert torch.equal(qo_host, torch.arange(b + 1, dtype=torch.int32)) and rows == b
+        lens = torch.clamp(kv_host[1:] - kv_host[:-1] - 1, min=0) + 1  # its get_seq_lens, page 1
+        assert kv_lens.dtype == torch.int32 and torch.equal(kv_lens, lens), (kv_lens, lens)
+        assert page == 1 and dqk == dvo == w.d and (hq, hkv) == (w.hq, w.hkv)
+        assert fa2 == ((-1, False, 0, 0) if w._backend == "fa2" else ()), fa2
+        self.calls += 1
+        return ("plan", self.calls, kv_host.clone(), window_left)
+
+
 class _Decode(_Wrapper):
+    internals = True
+    """Whether wrappers carry FlashInfer 0.6's internals (the adapter's `replan_decode`)."""
+
     def __init__(self, workspace, layout="NHD", use_tensor_cores=False, **kw) -> None:
         super().__init__(workspace, layout)
         self.decode = True
         self.fast = 0
+        if self.internals:
+            self.use_tensor_cores, self.is_cuda_graph_enabled = use_tensor_cores, self.graph
+            self._float_workspace_buffer, self._int_workspace_buffer = workspace, object()
+            self._pin_memory_int_workspace_buffer, self._backend = object(), "auto"
+            self._cached_module, self._plan_info = _Module(self), None
+        self._seen_info = None
 
     def plan(self, indptr, indices, last_page_len, hq, hkv, d, page_size, **kw) -> None:
         assert "custom_mask" not in kw
         self.kv, self.rows = _key_rows(indptr, indices, last_page_len, page_size)
         self._common(hq, hkv, d, page_size, **kw)
+        if self.internals:
+            self._backend = "fa2"  # resolved by plan, as FlashInfer's
+            self._plan_info = self._seen_info = ("full", self.plans)
+
+    def run(self, q, paged_kv_cache, return_lse=False, **kw):
+        info = getattr(self, "_plan_info", None)
+        if info is not self._seen_info:  # re-planned by its scheduler alone: read the buffers
+            _, _, kv_host, window_left = info
+            assert torch.equal(self._paged_kv_indptr_buf.cpu(), kv_host)
+            assert torch.equal(self._qo_indptr_buf.cpu(), torch.arange(kv_host.numel(),
+                                                                       dtype=torch.int32))
+            assert self._window_left == window_left and self._q_len_per_req == 1
+            self.kv, self.rows = _key_rows(kv_host, self._paged_kv_indices_buf,
+                                           self._paged_kv_last_page_len_buf, 1)
+            self.page, self.window_left = 1, window_left
+            self.scale, self.softcap = self._sm_scale, self._logits_soft_cap
+            self._seen_info = info
+        return super().run(q, paged_kv_cache, return_lse=return_lse, **kw)
 
 
 class _Prefill(_Wrapper):
@@ -156,6 +211,7 @@ def _fast_decode_plan(self, indptr, indices, last_page_len, hq, hkv, d, page_siz
     self.page, self.window_left = page_size, window_left
     self.scale, self.softcap = sm_scale or d ** -0.5, logits_soft_cap or 0.0
     self.fast += 1  # dtypes: the last plan's
+    self._seen_info = getattr(self, "_plan_info", None)
 
 
 def module() -> types.ModuleType:

@@ -177,20 +177,29 @@ def test_wrappers_are_planned_in_init_forward_metadata_and_no_lse_is_asked(fake)
     assert ad.replans == 1
 
 
+@pytest.mark.parametrize("internals", [True, False], ids=["scheduler_alone", "fast_decode_plan"])
 @pytest.mark.parametrize("page", [1, 16])
-def test_repeat_decode_plans_take_flashinfers_fast_path(fake, page: int) -> None:
-    """A decode wrapper planned before with the same signature is re-planned through
-    ``fast_decode_plan`` (eager, page size 1): the planner's device indptr, its host twin as
-    the override (nothing read back), the last full plan's dtypes. Outputs equal the oracle; a
-    paged pool, or a new signature, gets a full ``plan``."""
+def test_repeat_decode_plans_take_flashinfers_fast_path(fake, monkeypatch, page: int,
+                                                        internals: bool) -> None:
+    """A decode wrapper planned before with the same signature is re-planned without ``plan``
+    (eager, page size 1): by its scheduler call alone where the wrapper has FlashInfer 0.6's
+    internals (`flashinfer_replan`), else through ``fast_decode_plan``; either way from the
+    planner's device indptr and its host twin (nothing read back), with the last full plan's
+    dtypes. Outputs equal the oracle; a paged pool, or a new signature, gets a full ``plan``."""
     from test_backends_vs_oracle import assert_close, run_mode
 
+    monkeypatch.setattr(sys.modules["flashinfer"].BatchDecodeWithPagedKVCacheWrapper,
+                        "internals", internals)
     world, cfg = adapter_world("tiny", page, ["model.sliding_window=20"])
     assert_close(run_mode(world, "decode", [0, 2], 20))  # two decode steps
     ad = world.backend.adapter
     dec = [w for k, w in ad._wrappers.items() if k[2]]
     assert dec and ad.fast_plans == (len(dec) if page == 1 else 0)
-    assert all((w.plans, w.fast) == ((1, 1) if page == 1 else (2, 0)) for w in dec)
+    assert ad.direct_plans == (ad.fast_plans if internals else 0)
+    fast = 1 if page == 1 and not internals else 0
+    assert all((w.plans, w.fast) == ((1, fast) if page == 1 else (2, 0)) for w in dec)
+    if internals and page == 1:  # the scheduler ran once per re-plan
+        assert all(w._cached_module.calls == 1 for w in dec)
     if page == 1:  # an engine whose heads differ from the config's: a full plan, then fast again
         backend = world.backend
         world.slots.extend(0, 1)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from swafactory.triton_launch import launch
+
 __all__ = ["sink_epilogue", "sink_output"]
 
 _ROWS = 16  # (row, head) pairs per program
@@ -31,7 +33,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # integers unspecialized: `triton_launch.launch` keys compiled handles on types, not values
+    @triton.jit(do_not_specialize=["n_rows", "H"])
     def sink_scale(o_ptr, lse_ptr, sink_ptr, n_rows, H, lse_scale,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -49,11 +52,13 @@ def _kernel() -> Any:
 
 
 def sink_epilogue(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
-                  lse_scale: float = 1.0) -> torch.Tensor:
+                  lse_scale: float = 1.0, compiled: bool = False) -> torch.Tensor:
     """Scale ``o`` in place by ``σ(lse · lse_scale − sink)`` and return it.
 
     o: [n, H, D] contiguous, bf16/fp16/fp32 on CUDA; lse: [n, H] fp32 contiguous (its log base is
     undone by ``lse_scale``: ln 2 for FlashInfer's base-2 LSE); sinks: [H] fp32.
+    compiled: launch through the compiled handle after the first launch (`triton_launch`), as
+    the adapters' per-layer path does; by default Triton's ordinary ``kernel[grid](…)``.
     """
     n, h, d = o.shape
     if not o.is_contiguous() or not lse.is_contiguous() or lse.shape != (n, h):
@@ -62,21 +67,25 @@ def sink_epilogue(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
     rows = n * h
     if rows:
         grid = (-(-rows // _ROWS),)
-        _kernel()[grid](o, lse, sinks.float().contiguous(), rows, h, lse_scale, D=d,
-                        BLOCK_D=1 << (d - 1).bit_length(), ROWS=_ROWS)
+        args = (o, lse, sinks.float().contiguous(), rows, h, lse_scale)
+        cx = (d, 1 << (d - 1).bit_length(), _ROWS)  # D, BLOCK_D, ROWS
+        if compiled:
+            launch(_kernel(), grid, args, cx, o.device.index or 0)
+        else:
+            _kernel()[grid](*args, *cx)
     return o
 
 
 def sink_output(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
                 lse_scale: float = 1.0) -> torch.Tensor:
-    """The sink-exact output alone (no LSE wanted): ``sink_epilogue`` (one launch, in place) on
-    CUDA where Triton imports, else `torch_ref.apply_sinks` (seven small ops).
+    """The sink-exact output alone (no LSE wanted): ``sink_epilogue`` (one launch, in place,
+    through its compiled handle) on CUDA where Triton imports, else `torch_ref.apply_sinks` (seven small ops).
 
     o: [n, H, D]; lse: [n, H] fp32, any strides (made contiguous for the kernel), its log base
     undone by ``lse_scale``; sinks: [H].
     """
     if o.is_cuda and o.is_contiguous() and _has_triton():
-        return sink_epilogue(o, lse.contiguous(), sinks, lse_scale=lse_scale)
+        return sink_epilogue(o, lse.contiguous(), sinks, lse_scale=lse_scale, compiled=True)
     from swafactory.kernels.torch_ref import apply_sinks
 
     return apply_sinks(o, lse * lse_scale if lse_scale != 1.0 else lse, sinks)[0]
