@@ -63,8 +63,8 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple, constexprs: tuple = 
         if compiled is not None and hasattr(compiled, "__getitem__"):
             cache[key] = compiled
         return
-    try:
-        compiled[grid](*args, *constexprs)
+    try:  # the compiled runner reads grid[0..2]: a 1-D or 2-D grid is padded with ones
+        compiled[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *constexprs)
     except TypeError:  # a Triton whose launcher takes other arguments (it parses them before
         kernel._swafactory_compiled = False  # launching): the ordinary dispatch from now on
         kernel[grid](*args, *constexprs)

@@ -27,8 +27,9 @@ def _kernel_and_log(monkeypatch):
         def __init__(self, i: int) -> None:
             self.i = i
 
-        def __getitem__(self, grid):
-            return lambda *args: log.append(("compiled", self.i, grid, args))
+        def __getitem__(self, grid):  # Triton's compiled runner reads grid[0], [1] and [2]
+            return lambda *args: log.append(("compiled", self.i, (grid[0], grid[1], grid[2]),
+                                             args))
 
     def run(*args, grid, warmup, **kw):
         log.append(("jit", grid, args))
@@ -45,6 +46,8 @@ def test_second_launch_of_a_specialization_skips_the_jit(monkeypatch) -> None:
     launch(k, (3, 1, 1), (x, y, 7), (128,))  # other values, same specialization
     assert [e[0] for e in log] == ["jit", "compiled"]
     assert log[1] == ("compiled", 1, (3, 1, 1), (x, y, 7, 128))  # constexprs follow, in order
+    launch(k, (4,), (x, y, 7), (128,))  # a 1-D grid (the sink epilogue's) is padded
+    assert log[2] == ("compiled", 1, (4, 1, 1), (x, y, 7, 128))
 
 
 @pytest.mark.parametrize("change", ["dtype", "alignment", "int64", "constexpr", "device"])
