@@ -15,7 +15,8 @@
 #                                   17's serve rows: flash_attn + flashinfer per group, fp8 on
 #                                   flashinfer + triton (gemma4); flash_attn page 128,
 #                                   flashinfer page 16, flex (gpt_oss_20b, mistral_7b)
-# Environment: DEADLINE (seconds the sweeps may run, default 420 for whl, 300 for fa4).
+# Environment: DEADLINE (seconds the sweeps may run, default 420 for whl, 300 for fa4); TESTS=1
+# (whl): the warm-up, then the hot path's GPU tests alone (TESTS_S seconds), then the sweeps.
 # Nothing else runs beside the sweeps: at ad31922 GPU tests beside them left three serve runs
 # unfinished at their deadline (bench/results/session-2026-12-04b-h200.md).
 # Back here: tar xzf item5.tgz; python bench/gpu_rows.py add --commit C --call N item5/*/;
@@ -48,11 +49,24 @@ whl)
     # shellcheck source=bench/gpu_env.sh
     . "$(dirname "$0")/gpu_env.sh" || exit 2
     D=${DEADLINE:-420}
-    sweep smoke_ttf "$D" BACKENDS=triton,torch,flex WORKLOAD=smoke JOBS=5
-    sweep fp8_smoke "$D" BACKENDS=triton MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=smoke JOBS=2 \
-        EXTRA=backend.kv_dtype=fp8_e4m3
-    python3 tests/backends/flashinfer_warm.py 64 > "$R/warm.log" 2>&1
-    echo "warm: $(elapsed) s"
+    if [ -n "${TESTS:-}" ]; then  # TESTS=1: warm-up, then the hot path's GPU tests, alone
+        python3 tests/backends/flashinfer_warm.py 64 > "$R/warm.log" 2>&1
+        echo "warm: $(elapsed) s"
+        timeout "${TESTS_S:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+            tests/backends/test_planning_no_sync.py tests/backends/test_engine_graphs.py \
+            tests/backends/test_graphs.py tests/backends/test_gpu_vs_oracle.py -k \
+            "not test_gpu_vs_oracle or (flashinfer and decode and not pages)" \
+            > "$R/gpu_tests.log" 2>&1
+        tail -3 "$R/gpu_tests.log"
+        echo "tests: $(elapsed) s"
+    fi
+    sweep smoke_ttf $((D - $(elapsed))) BACKENDS=triton,torch,flex WORKLOAD=smoke JOBS=5
+    sweep fp8_smoke $((D - $(elapsed))) BACKENDS=triton MODELS=gemma4 SPECS=$SPECS4 \
+        WORKLOAD=smoke JOBS=2 EXTRA=backend.kv_dtype=fp8_e4m3
+    if [ -z "${TESTS:-}" ]; then
+        python3 tests/backends/flashinfer_warm.py 64 > "$R/warm.log" 2>&1
+        echo "warm: $(elapsed) s"
+    fi
     sweep serve_item5 $((D - $(elapsed))) BACKENDS=flashinfer,triton MODELS=gemma4,gpt_oss_20b \
         SPECS=$SPECS4 WORKLOAD=serve JOBS=5
     sweep smoke_fi $((D - $(elapsed))) BACKENDS=flashinfer WORKLOAD=smoke JOBS=3 ;;

@@ -42,9 +42,11 @@ class QueryIndptr:
 
     def get(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         pair = self._by_b.get((b, device))
-        if pair is None:
+        if pair is None:  # pinned: the copy to the device is asynchronous, no host sync
             host = torch.arange(b + 1, dtype=torch.int32)
-            pair = self._by_b[(b, device)] = (host, host.to(device))
+            if device.type == "cuda":
+                host = host.pin_memory()
+            pair = self._by_b[(b, device)] = (host, host.to(device, non_blocking=True))
         return pair
 
 
