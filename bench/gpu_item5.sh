@@ -87,7 +87,7 @@ fa4)
         ( after smoke_fa BACKENDS=flash_attn WORKLOAD=smoke JOBS=3
           after fa_fi_gemma4 BACKENDS=flash_attn MODELS=gemma4 SPECS=none,eagle3 WORKLOAD=serve \
               JOBS=1 EXTRA=backend.groups.full=flashinfer ) &
-        ( after fp8_serve BACKENDS=triton MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=serve JOBS=3 \
+        ( after fp8_serve BACKENDS=triton MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=serve JOBS=4 \
               EXTRA=backend.kv_dtype=fp8_e4m3
           after fp8_fi_gemma4 BACKENDS=flashinfer MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=serve \
               JOBS=3 EXTRA="backend.groups.full=triton backend.kv_dtype=fp8_e4m3" ) &
