@@ -79,7 +79,8 @@ def sink_epilogue(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
 def sink_output(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
                 lse_scale: float = 1.0) -> torch.Tensor:
     """The sink-exact output alone (no LSE wanted): ``sink_epilogue`` (one launch, in place,
-    through its compiled handle) on CUDA where Triton imports, else `torch_ref.apply_sinks` (seven small ops).
+    through its compiled handle) on CUDA where Triton imports, else `torch_ref.apply_sinks`
+    (seven small ops).
 
     o: [n, H, D]; lse: [n, H] fp32, any strides (made contiguous for the kernel), its log base
     undone by ``lse_scale``; sinks: [H].
