@@ -154,6 +154,11 @@ class Adapter:
 
     capabilities = CAPABILITIES
 
+    @property
+    def direct_plans(self) -> int:
+        """Decode passes re-planned by `flashinfer_replan.replan_decode`."""
+        return self._replan.direct
+
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple, object] = {}
@@ -176,14 +181,10 @@ class Adapter:
         self._full_plan: dict[tuple, tuple] = {}
         """Wrapper key → (the wrapper, the signature of its last ``plan``): what
         ``fast_decode_plan`` keeps (the kernel module, dtypes) is that plan's."""
-        self._ones_dev: torch.Tensor | None = None
-        """Device last-page lengths (all ones) for ``fast_decode_plan`` at page size 1."""
         self.fast_plans = 0
         """Decode passes re-planned without ``plan`` (FlashInfer's ``fast_decode_plan``, or its
         scheduler call alone: ``direct_plans`` of them)."""
-        self.direct_plans = 0
-        """Decode passes re-planned by `flashinfer_replan.replan_decode`."""
-        self._qo = replan.QueryIndptr()
+        self._replan = replan.DecodeReplanner()
 
     def plan(self, forward_plan, pool, *, sigs: dict[str, Signature] | None = None,
              graph: tuple[int, int] | None = None) -> None:
@@ -307,23 +308,15 @@ class Adapter:
         common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale,
                       logits_soft_cap=softcap)
         wkey = (p.group, p.role, p.decode, p.graph)
-        fast = _fast_decode_plan() if p.kv_dev is not None else None
-        if fast is not None and self._full_plan.get(wkey) == (w, sig):
+        fast = p.kv_dev is not None and replan.fast_decode_plan() is not None
+        if fast and self._full_plan.get(wkey) == (w, sig):
             # FlashInfer's own fast path (sglang plans its decode steps with it): the same
             # scheduler, without plan()'s Python max() over the host lengths (one item() per
             # request), its dtype resolution and its host-to-device copies; the kernel reads the
             # planner's device indptr and indices. It keeps the module and dtypes of the
             # wrapper's last full plan, whose signature this one equals.
-            last = self._last_dev(p.kv_dev.numel() - 1, p.kv_dev.device)
-            wl = flashinfer_window_left(p.window)
-            if replan.supported(w):  # its scheduler call alone (`flashinfer_replan`)
-                replan.replan_decode(w, p.kv_dev, p.indices, last, p.kv_host,
-                                     self._qo.get(p.kv_host.numel() - 1, p.kv_dev.device),
-                                     hq, hkv, d, wl, scale, softcap)
-                self.direct_plans += 1
-            else:
-                fast(w, p.kv_dev, p.indices, last, hq, hkv, d, 1, window_left=wl,
-                     global_override_indptr_cpu=p.kv_host, **common)
+            # Where the wrapper has FlashInfer 0.6's internals, its scheduler call alone.
+            self._replan(w, p.kv_dev, p.indices, p.kv_host, sig, flashinfer_window_left(p.window))
             self.fast_plans += 1
         elif p.decode:
             w.plan(p.kv_host, p.indices, p.last, hq, hkv, d, p.page,
@@ -338,15 +331,6 @@ class Adapter:
         if p.decode:
             self._full_plan[wkey] = (w, sig)
         p.wrapper, p.planned_for = w, sig
-
-    def _last_dev(self, n: int, device: torch.device) -> torch.Tensor:
-        """[n] int32 ones on ``device`` (never written: sliced by every fast-planned pass)."""
-        ones = self._ones_dev
-        if ones is None or ones.numel() < n or ones.device != device:
-            ones = self._ones_dev = torch.ones(max(n, 64, 2 * (0 if ones is None else
-                                                               ones.numel())),
-                                               dtype=torch.int32, device=device)
-        return ones[:n]
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
@@ -395,13 +379,6 @@ class Adapter:
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""
         return merge_state(o1, lse1, o2, lse2, sinks)[0]
-
-
-def _fast_decode_plan():
-    """FlashInfer's ``decode.fast_decode_plan`` (0.6.x, 0.7.x), or None where it has none."""
-    import flashinfer
-
-    return getattr(getattr(flashinfer, "decode", None), "fast_decode_plan", None)
 
 
 def uses_triton_verify(sig: Signature, t) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["supported", "replan_decode", "QueryIndptr"]
+__all__ = ["supported", "replan_decode", "fast_decode_plan", "DecodeReplanner"]
 
 _NEEDS = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
           "_pin_memory_int_workspace_buffer", "_backend", "use_tensor_cores",
@@ -33,21 +33,53 @@ def supported(wrapper) -> bool:
             and not wrapper.is_cuda_graph_enabled and wrapper._backend in ("fa2", "fa3"))
 
 
-class QueryIndptr:
-    """``[0, 1, …, B]`` int32 on the host and on one device, one pair per batch size (a decode
-    pass has one query per request; never written, so shared by every pass and forward)."""
+def fast_decode_plan():
+    """FlashInfer's ``decode.fast_decode_plan`` (0.6.x, 0.7.x), or None where it has none."""
+    import flashinfer
+
+    return getattr(getattr(flashinfer, "decode", None), "fast_decode_plan", None)
+
+
+class DecodeReplanner:
+    """Re-plans eager decode passes at page size 1 (`replan_decode`, else FlashInfer's
+    ``fast_decode_plan``) and holds what they share across passes and forwards, never written:
+    ``[0, 1, …]`` int32 on the host and the device (a decode pass's query indptr) and int32
+    ones on the device (its last-page lengths), each grown on demand and sliced per pass."""
 
     def __init__(self) -> None:
-        self._by_b: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ones: torch.Tensor | None = None
+        self._range: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.direct = 0
+        """Passes re-planned by `replan_decode` (the rest by ``fast_decode_plan``)."""
 
-    def get(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = self._by_b.get((b, device))
-        if pair is None:  # pinned: the copy to the device is asynchronous, no host sync
-            host = torch.arange(b + 1, dtype=torch.int32)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            pair = self._by_b[(b, device)] = (host, host.to(device, non_blocking=True))
-        return pair
+    def _grown(self, n: int, device: torch.device) -> None:
+        if self._ones is None or self._ones.numel() < n or self._ones.device != device:
+            size = max(n, 64, 2 * (0 if self._ones is None else self._ones.numel()))
+            self._ones = torch.ones(size, dtype=torch.int32, device=device)
+            host = torch.arange(size, dtype=torch.int32)  # pinned: copied without a host sync
+            host = host.pin_memory() if device.type == "cuda" else host
+            self._range = (host, host.to(device, non_blocking=True))
+
+    def __call__(self, wrapper, kv_dev: torch.Tensor, indices: torch.Tensor,
+                 kv_host: torch.Tensor, sig: tuple, window_left: int) -> None:
+        """Re-plan ``wrapper`` for one pass: kv_dev / kv_host the [B+1] int32 key indptr on
+        the device / host, indices the [total_kv] int32 rows on the device; sig the group's
+        (q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap), the one of the
+        wrapper's last full plan."""
+        b = kv_host.numel() - 1
+        self._grown(b + 1, kv_dev.device)
+        last = self._ones[:b]
+        hq, hkv, d, q_dtype, kv_dtype, scale, softcap = sig
+        if supported(wrapper):
+            qo = (self._range[0][:b + 1], self._range[1][:b + 1])
+            replan_decode(wrapper, kv_dev, indices, last, kv_host, qo, hq, hkv, d, window_left,
+                          scale, softcap)
+            self.direct += 1
+        else:
+            fast_decode_plan()(wrapper, kv_dev, indices, last, hq, hkv, d, 1,
+                               window_left=window_left, global_override_indptr_cpu=kv_host,
+                               q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale,
+                               logits_soft_cap=softcap)
 
 
 def replan_decode(wrapper, kv_dev: torch.Tensor, indices: torch.Tensor, last_dev: torch.Tensor,
@@ -58,7 +90,7 @@ def replan_decode(wrapper, kv_dev: torch.Tensor, indices: torch.Tensor, last_dev
 
     kv_dev: [B+1] int32 key indptr on the device; indices: [total_kv] int32 rows on the device;
     last_dev: [B] int32 ones on the device; kv_host: [B+1] int32, the same indptr on the host;
-    qo: `QueryIndptr.get(B, device)`.
+    qo: ``[0, 1, …, B]`` int32 on the host and on the device.
     """
     b = kv_host.numel() - 1
     # key lengths from the host indptr as FlashInfer's get_seq_lens makes them at page size 1
