@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from swafactory.engine.build import Parts, model_dtype
-from swafactory.engine.report_model import GenStep
+from swafactory.engine.report_model import GenStep, Rejection
 from swafactory.kvcache.allocator import pool_use
 from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, fault_switches,
                                     greedy_path, level_bounds, req_forward)
 
-__all__ = ["GenReq", "Generator", "MASK_TOKEN", "tie_tolerance"]
+__all__ = ["GenReq", "Generator", "MASK_TOKEN", "rejection", "tie_tolerance"]
 
 MASK_TOKEN = 0
 """The token id of a DFlash block's not-yet-drafted positions."""
@@ -59,6 +59,8 @@ class GenReq:
     """The committed length L at each spec step (its verified positions start there)."""
     draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     """The draft's logits of its ``draft_extend`` rows (committed tokens), per position."""
+    rejections: list[Rejection] = field(default_factory=list)
+    """Each chain step's first rejected draft (`Rejection`)."""
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -70,6 +72,19 @@ class GenReq:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
+
+
+def rejection(step: int, pos: int, target: torch.Tensor, draft: torch.Tensor | None,
+              draft_token: int) -> Rejection:
+    """The `Rejection` at logits position ``pos``: target, draft: [vocab] logits rows there (the
+    draft's None where it was not kept)."""
+    def gap(row: torch.Tensor, a: int, b: int) -> float:
+        row = row.float()
+        return float(row[a] - row[b]) / max(1.0, float(row.abs().max()))
+    t = int(target.argmax())
+    return Rejection(step=step, position=pos, target_token=t, draft_token=draft_token,
+                     target_gap=gap(target, t, draft_token),
+                     draft_gap=None if draft is None else gap(draft, draft_token, t))
 
 
 def _argmax(row: torch.Tensor, tie: float) -> tuple[int, bool]:
@@ -103,6 +118,7 @@ class Generator:
         self.nodes: dict[Hashable, list[int]] = {}     # this step's node tokens
         self.scores: dict[Hashable, list[float]] = {}  # a tree's cumulative log-probs
         self.rows: dict[Hashable, torch.Tensor] = {}   # the last forward's logits per request
+        self.proposals: dict[Hashable, dict[int, torch.Tensor]] = {}  # node → the draft's row
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -227,6 +243,7 @@ class Generator:
         elif f.parents is None:  # a chain (own pool or FROZEN_KV): query node s drafts s + 1
             del nodes[f.query_from + 1:]
             nodes.append(int(rows[-1].argmax()))
+            self.proposals.setdefault(f.rid, {})[f.query_from + 1] = rows[-1]  # for `Rejection`
 
     def start_tree(self, reqs) -> dict[Hashable, list[int]]:
         for r in reqs:
@@ -266,6 +283,10 @@ class Generator:
             self._record(r, rows[parent], verify.prefix_len + int(depth[parent]))
             r.tokens.append(nodes[i])
         self._take(r, rows[path[-1]], verify.prefix_len + int(depth[path[-1]]))  # the bonus
+        j = len(path)  # a chain's first rejected node: the draft's row that proposed it, kept
+        if verify.parents is None and j < verify.nodes and not verify.block:
+            r.rejections.append(rejection(len(r.accepts), verify.prefix_len + j - 1, rows[j - 1],
+                                          self.proposals.get(r.rid, {}).get(j), nodes[j]))
         return path
 
     def _record(self, r: GenReq, row: torch.Tensor, pos: int) -> None:
@@ -280,5 +301,6 @@ class Generator:
         """Each step's nodes start at the root (a DFlash block: the root, then mask tokens)."""
         for r in self.running:
             self.nodes[r.rid] = [r.tokens[r.committed]]
+            self.proposals.pop(r.rid, None)
             if self.cfg.spec.algorithm == "dflash":
                 self.nodes[r.rid] += [MASK_TOKEN] * (self.cfg.spec.block_size - 1)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["RequestRecord", "GenStep", "CheckResult", "GenerateReport", "CHECK_ORDER"]
+__all__ = ["Rejection", "RequestRecord", "GenStep", "CheckResult", "GenerateReport", "CHECK_ORDER"]
 
 CHECK_ORDER = ("space", "nan", "kernel", "capacity", "leak", "logits", "draft_logits",
                "lossless", "acceptance")
@@ -22,6 +22,26 @@ read most precisely; then what a user sees: tokens that differ from spec=none, a
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Rejection(_Model):
+    """A chain step's first rejected draft: where the target's argmax and the draft's proposal
+    parted, and by how much each preferred its own token. Gaps are logit differences over the
+    row's largest |logit| (at least 1), the scale of the tie tolerance: both gaps small is
+    rounding (two forwards of another shape); a draft sure of a token the target rejects
+    by a wide gap read something else (a stale or wrong key)."""
+
+    step: int
+    """The request's spec step (index into ``accept_lengths``)."""
+    position: int
+    """The logits position of the rejection (the accepted path's last node)."""
+    target_token: int
+    draft_token: int
+    target_gap: float
+    """(target[target_token] - target[draft_token]) / max(1, max |target|)."""
+    draft_gap: float | None
+    """(draft[draft_token] - draft[target_token]) / max(1, max |draft|); None where the draft's
+    row was not kept (a tree, a DFlash block)."""
 
 
 class RequestRecord(_Model):
@@ -36,6 +56,8 @@ class RequestRecord(_Model):
     """Tokens committed per spec step (the root plus the accepted drafts)."""
     tie_positions: list[int] = []
     """Positions where the target's top two logits were within the tie tolerance."""
+    rejections: list[Rejection] = []
+    """Each chain step's first rejected draft (none where every draft was accepted)."""
 
 
 class GenStep(_Model):

@@ -31,7 +31,7 @@ import torch
 
 from swafactory.config.schema import FaultsSpec, NoSpec, SwaFactoryConfig
 from swafactory.engine.build import OWN_COPY, build, model_dtype
-from swafactory.engine.generator import Generator
+from swafactory.engine.generator import Generator, tie_tolerance
 from swafactory.engine.models import load_target, require_transformers
 from swafactory.engine.report import GenProgress
 from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateReport, GenStep,
@@ -262,6 +262,18 @@ def _lossless(reqs, none_run: _Outcome) -> CheckResult:
     return CheckResult(name="lossless", status="failed" if bad else "ok", detail=detail)
 
 
+def _parted(reqs, rid, step: int, tie: float) -> str:
+    """Where that step's draft and target parted (`Rejection`), for the acceptance detail."""
+    r = next(q for q in reqs if q.rid == rid)
+    j = next((x for x in r.rejections if x.step == step), None)
+    if j is None:
+        return ""
+    draft = "" if j.draft_gap is None else f", the draft preferred {j.draft_token} by {j.draft_gap:.1e}"
+    return (f"; at position {j.position} the target preferred {j.target_token} over the draft's "
+            f"{j.draft_token} by {j.target_gap:.1e} of its largest |logit|{draft}; a tie is "
+            f"<= {tie:.0e}")
+
+
 def _acceptance(cfg, reqs, ref: _Outcome | None) -> CheckResult:
     s = cfg.spec
     if s.algorithm == "none":
@@ -273,7 +285,8 @@ def _acceptance(cfg, reqs, ref: _Outcome | None) -> CheckResult:
                  and not any(L <= t < L + ideal for t in r.ties for L in r.spec_at[i:i + 1])]
         detail = (f"every step committed the ideal {ideal}" if not short else
                   f"{len(short)} steps below the ideal {ideal} (first: request {short[0][0]} "
-                  f"spec step {short[0][1]} committed {short[0][2]})")
+                  f"spec step {short[0][1]} committed {short[0][2]}"
+                  f"{_parted(reqs, *short[0][:2], tie_tolerance(model_dtype(cfg)))})")
         return CheckResult(name="acceptance", status="failed" if short else "ok", detail=detail)
     if ref is None:
         return CheckResult(name="acceptance", status="ok", detail="no ideal for a "
@@ -300,7 +313,8 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
     reqs = sorted([*(gen.done if gen else []), *(gen.running if gen else [])], key=lambda r: r.rid)
     records = [RequestRecord(rid=r.rid, prompt_ids=r.prompt, generated_ids=r.generated[:r.out],
                              max_new_tokens=r.out, accept_lengths=r.accepts,
-                             tie_positions=sorted(set(r.ties))) for r in reqs]
+                             tie_positions=sorted(set(r.ties)), rejections=r.rejections)
+               for r in reqs]
     accepts = [a for r in reqs for a in r.accepts]
     steps = gen.history if gen else []
     scfg = main.parts.cfg if main.parts else cfg

@@ -141,3 +141,29 @@ def test_cli_generate_exits_by_its_checks(cli) -> None:
               "run.guards=false")
     assert bad.returncode == 1 and "caught by the kernel check" in bad.stderr, bad.stderr[-2000:]
     assert "generating: step" in bad.stdout and "lossless" in bad.stdout
+
+
+def test_a_draft_that_proposes_the_wrong_token_is_named_with_both_gaps(monkeypatch) -> None:
+    """A standalone draft whose second draft_decode of each step is pushed onto token 0 (a
+    stale key would do the same, less loudly): the acceptance check fails and says where the
+    draft and the target parted, the target's margin and the draft's, and every rejection is
+    in the report."""
+    from swafactory.engine.runner import Runner
+    forward = Runner.forward
+
+    def pushed(self, mode, reqs, tokens, positions, *rest):
+        logits = forward(self, mode, reqs, tokens, positions, *rest)
+        if self.name == "draft" and mode == "draft_decode" and reqs[0].query_from == 1:
+            logits[:, 0] += 1e3
+        return logits
+
+    monkeypatch.setattr(Runner, "forward", pushed)
+    r = _gen("model=tiny", "spec=standalone")
+    acc = {c.name: c for c in r.checks}["acceptance"]
+    assert r.status == "failed" and acc.status == "failed", acc
+    assert "at position" in acc.detail and "the draft preferred 0 by" in acc.detail, acc.detail
+    rej = [j for q in r.requests for j in q.rejections]
+    assert rej and all(j.draft_token == 0 and j.target_token != 0 for j in rej)
+    assert all(j.target_gap > 0 and j.draft_gap is not None and j.draft_gap > 0.5 for j in rej)
+    assert all(len(q.rejections) <= len(q.accept_lengths) for q in r.requests)
+    assert r.lossless is True  # a wrong draft costs steps, never tokens
