@@ -31,10 +31,10 @@ sweep() {  # NAME KNOB=VALUE...: one packed serve/smoke sweep, its log in R
     env "$@" NAME="$name" PACK=1 DEADLINE=300 bench/gpu_conformance.sh "$R" matrix \
         > "$R/$name.txt" 2>&1
 }
-bench() {  # NAME ARGS...: one bench_factory.py run, nothing else on the GPU
+bench() {  # NAME ARGS...: one bench_factory.py run at bs 64, nothing else on the GPU
     local name=$1
     shift
-    python3 bench/bench_factory.py --out "$R/$name" --models gpt_oss_20b --bs 64 --ctx 8192 \
+    python3 bench/bench_factory.py --out "$R/$name" --bs 64 --ctx 8192 \
         --commit "$COMMIT" "$@" > "$R/$name.txt" 2>&1
     tail -8 "$R/$name.txt"
     echo "$name: $(elapsed) s"
@@ -60,12 +60,12 @@ whl)
     grep -h " ok, " "$R"/fp8_gptoss_*.txt
     echo "sweeps: $(elapsed) s"
     bench fp8 --models gemma4 --fp8 flashinfer,triton
-    bench pages_fi --pages flashinfer --page-sizes 1,16,128 ;;
+    bench pages_fi --models gpt_oss_20b --pages flashinfer --page-sizes 1,16,128 ;;
 fa4)
     export WHEELS=${WHEELS-build/w7} FA4=${FA4:-.fa4y}
     # shellcheck source=bench/gpu_env.sh
     . "$(dirname "$0")/gpu_env.sh" || exit 2
-    bench pages_fa --pages flash_attn --page-sizes 1,128 ;;
+    bench pages_fa --models gpt_oss_20b --pages flash_attn --page-sizes 1,128 ;;
 *)
     echo "usage: bench/gpu_open_rows.sh OUT whl|fa4" >&2
     exit 2 ;;
