@@ -27,7 +27,7 @@ from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, fault_switches,
                                     greedy_path, level_bounds, req_forward)
 
-__all__ = ["GenReq", "Generator", "MASK_TOKEN", "rejection", "tie_tolerance"]
+__all__ = ["GenReq", "Generator", "MASK_TOKEN", "logit_gap", "rejection", "tie_tolerance"]
 
 MASK_TOKEN = 0
 """The token id of a DFlash block's not-yet-drafted positions."""
@@ -74,17 +74,21 @@ class GenReq:
         return self.tokens[len(self.prompt):]
 
 
+def logit_gap(row: torch.Tensor, a: int, b: int) -> float:
+    """How far token ``a`` leads token ``b`` in one [vocab] logits row (any float dtype),
+    relative to its largest |logit| (at least 1): the scale of `tie_tolerance`."""
+    row = row.double()
+    return float(row[a] - row[b]) / max(1.0, float(row.abs().max()))
+
+
 def rejection(step: int, pos: int, target: torch.Tensor, draft: torch.Tensor | None,
               draft_token: int) -> Rejection:
     """The `Rejection` at logits position ``pos``: target, draft: [vocab] logits rows there (the
     draft's None where it was not kept)."""
-    def gap(row: torch.Tensor, a: int, b: int) -> float:
-        row = row.float()
-        return float(row[a] - row[b]) / max(1.0, float(row.abs().max()))
     t = int(target.argmax())
     return Rejection(step=step, position=pos, target_token=t, draft_token=draft_token,
-                     target_gap=gap(target, t, draft_token),
-                     draft_gap=None if draft is None else gap(draft, draft_token, t))
+                     target_gap=logit_gap(target, t, draft_token),
+                     draft_gap=None if draft is None else logit_gap(draft, draft_token, t))
 
 
 def _argmax(row: torch.Tensor, tie: float) -> tuple[int, bool]:

@@ -42,6 +42,10 @@ class Rejection(_Model):
     draft_gap: float | None
     """(draft[draft_token] - draft[target_token]) / max(1, max |draft|); None where the draft's
     row was not kept (a tree, a DFlash block)."""
+    exact_gap: float | None = None
+    """The same for the target's weights in fp64 on the same tokens (the ``logits`` check's
+    forward, no swafactory in the loop): (fp64[target_token] - fp64[draft_token]) /
+    max(1, max |fp64|). Near 0: a true near tie, which rounding may break either way."""
 
 
 class RequestRecord(_Model):

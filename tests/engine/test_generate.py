@@ -165,5 +165,8 @@ def test_a_draft_that_proposes_the_wrong_token_is_named_with_both_gaps(monkeypat
     rej = [j for q in r.requests for j in q.rejections]
     assert rej and all(j.draft_token == 0 and j.target_token != 0 for j in rej)
     assert all(j.target_gap > 0 and j.draft_gap is not None and j.draft_gap > 0.5 for j in rej)
+    # fp32: the fp64 forward at the same position agrees with the target's margin
+    assert all(j.exact_gap == pytest.approx(j.target_gap, abs=1e-4) for j in rej), rej
+    assert "fp64 prefers" in acc.detail and "excused" not in acc.detail, acc.detail
     assert all(len(q.rejections) <= len(q.accept_lengths) for q in r.requests)
     assert r.lossless is True  # a wrong draft costs steps, never tokens
