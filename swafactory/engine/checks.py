@@ -167,10 +167,10 @@ def acceptance_check(cfg: SwaFactoryConfig, reqs, ref, rounding: float) -> Check
                 if a < ideal:
                     why = _excuse(r, i, ideal, tie, rounding)
                     (excused if why else short).append((r, i, a, why))
-        said = "" if not excused else (
-            f"{len(excused)} excused as rounding (request {excused[0][0].rid} spec step "
-            f"{excused[0][1]} committed {excused[0][2]}: {excused[0][3]}"
-            f"{_parted(_rejection(excused[0][0], excused[0][1]))})")
+        said = "" if not excused else f"{len(excused)} excused as rounding (" + "; ".join(
+            f"request {r.rid} spec step {i} committed {a}: {why}{_parted(_rejection(r, i))}"
+            for r, i, a, why in excused[:4]) + ("" if len(excused) <= 4 else
+                                                f"; {len(excused) - 4} more") + ")"
         if not short:
             detail = f"every step committed the ideal {ideal}" + (f" or was {said}" if said else "")
         else:

@@ -74,3 +74,14 @@ def test_the_gap_is_relative_to_the_largest_logit_at_least_one() -> None:
     assert logit_gap(row, 0, 1) == pytest.approx(0.25 / 20.125)  # 2 bf16 steps at 16-32
     assert logit_gap(torch.tensor([0.5, 0.25]), 1, 0) == pytest.approx(-0.25)
     assert tie_tolerance(torch.bfloat16) < logit_gap(row, 0, 1) < 2 * tie_tolerance(torch.bfloat16)
+
+
+def test_every_excuse_is_named() -> None:
+    cfg = _cfg("bfloat16")
+    ideal = ideal_accept(cfg.spec)
+    r = _req([ideal, 2, 1], 0.004, ties=[13])  # in step 2's range [10, 15) only
+    c = acceptance_check(cfg, [r], None, 0.05)
+    assert c.status == "ok", c.detail
+    assert c.detail.startswith(f"every step committed the ideal {ideal} or was 2 excused as "
+                               "rounding (request 0 spec step 1 committed 2: fp64 puts 7"), c.detail
+    assert "; request 0 spec step 2 committed 1: the target's argmax was a near tie" in c.detail
