@@ -17,6 +17,7 @@
 #              a limited number of files (here: tar xzf NAME.tgz; gpu_rows.py add ... NAME/)
 # Writes OUT/tests.txt, OUT/NAME/matrix.md (+ one folder per job), OUT/faults.txt (+ reports).
 set -uo pipefail
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=${1:?usage: bench/gpu_conformance.sh OUT [tests|matrix|faults]...}
 shift
 STAGES=${*:-tests matrix faults}

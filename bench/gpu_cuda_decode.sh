@@ -5,6 +5,7 @@
 # no-sync planning test, then the factory's GPT-OSS decode step with --triton.
 #     bench/gpu_cuda_decode.sh OUT COMMIT     (env: TILES, SPLITS for the probe, PROBE=0, FACTORY=0)
 set -u
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=$1; COMMIT=${2:-unknown}
 python3 tests/backends/flashinfer_warm.py 64 > "$OUT/flashinfer-warm.log" 2>&1 &
 WARM=$!

@@ -16,6 +16,7 @@
 # OUT/reports_TAG.tgz (every job's report.json and report.png). Back here:
 #     python bench/gpu_generate.py render rows_*.jsonl --commit C --command "…"
 set -uo pipefail
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=${1:?usage: bench/gpu_generate.sh OUT [OVERRIDE ...]}
 shift
 T0=$(date +%s)

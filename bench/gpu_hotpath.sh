@@ -13,6 +13,7 @@
 # Back here: tar xzf hotpath.tgz (hotpath/tests.txt, hotpath/bench/factory-h200.{md,json,png},
 # with GENERATE=1 hotpath/generate/rows_flashinfer.jsonl: bench/gpu_generate.py render)
 set -uo pipefail
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=${1:?usage: bench/gpu_hotpath.sh OUT [ROUNDS]}
 ROUNDS=${2:-5}
 T0=$(date +%s)

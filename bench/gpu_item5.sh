@@ -22,6 +22,7 @@
 # Back here: tar xzf item5.tgz; python bench/gpu_rows.py add --commit C --call N item5/*/;
 # python bench/gpu_rows.py render
 set -uo pipefail
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=${1:?usage: bench/gpu_item5.sh OUT whl|fa4}
 PART=${2:?usage: bench/gpu_item5.sh OUT whl|fa4}
 T0=$(date +%s)

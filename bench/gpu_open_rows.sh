@@ -18,6 +18,7 @@
 # Back here: tar xzf open_rows.tgz; python bench/gpu_rows.py add --commit C --call N
 # open_rows/fp8_gptoss_*/; open_rows/gen_{false,true}/rows_flashinfer.jsonl are generate rows.
 set -uo pipefail
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=${1:?usage: bench/gpu_open_rows.sh OUT whl|fa4}
 PART=${2:?usage: bench/gpu_open_rows.sh OUT whl|fa4}
 T0=$(date +%s)

@@ -19,6 +19,7 @@
 # trimmed .whl for fa4 on a fresh machine), COMMIT (recorded in the tables), DEADLINE (seconds
 # per stage, default 420).
 set -uo pipefail
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=${1:?usage: bench/gpu_probes.sh OUT STAGE...}
 shift
 [ $# -ge 1 ] || { echo "usage: bench/gpu_probes.sh OUT verify|factory|fa4|graphs ..." >&2; exit 2; }

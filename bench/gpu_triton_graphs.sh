@@ -6,6 +6,7 @@
 # kernel and stored apart).
 #     bench/gpu_triton_graphs.sh OUT COMMIT        (env: TILES, SPLITS for the sweep; PROBE=0)
 set -u
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=$1; COMMIT=${2:-unknown}
 python3 tests/backends/flashinfer_warm.py 64 > "$OUT/flashinfer-warm.log" 2>&1 &
 WARM=$!

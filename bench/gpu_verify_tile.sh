@@ -5,6 +5,7 @@
 #     bench/gpu_verify_tile.sh OUT COMMIT        (env: CONFIGS, the variants to sweep)
 # Cubins built ahead (SWAFACTORY_CACHE=build/cubins, carried) skip nvcc on the host.
 set -u
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 OUT=$1; COMMIT=${2:-unknown}
 export SWAFACTORY_CACHE=${SWAFACTORY_CACHE:-$PWD/build/cubins}
 python3 tests/backends/flashinfer_warm.py 256 512 > "$OUT/flashinfer-warm.log" 2>&1 &

@@ -27,6 +27,7 @@
 # logs; no png), this call's plan, commands, timeline, nvidia-smi output, host.txt and commit.
 # Back here: tar xzf tp_scaling.tgz -C /tmp/tp && python bench/tp_scaling.py /tmp/tp/*
 set -uo pipefail
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 # NVLink multicast off in every process started from here (NCCL, symmetric memory, NVSHMEM)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
