@@ -72,11 +72,18 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
              "| model | backend | bs | bf16 cycle ms | fp8 cycle ms | bf16 / fp8 | bf16 floor ms "
              "| fp8 floor ms | fp8 / its floor | fp8 K/V GB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []  # a refusal's whole reason, below the table (a cell would cut it)
     for r in rows:
         b, f = r.get("bfloat16", {}), r.get("fp8_e4m3", {})
         cells = []
-        for x in (b, f):
-            cells.append(f"{x['ms']:.2f}" if "ms" in x else x.get("error", "-")[:160])
+        for dtype, x in (("bf16", b), ("fp8", f)):
+            if "ms" in x:
+                cells.append(f"{x['ms']:.2f}")
+            elif "error" in x:
+                notes.append(f"- {r['model']} × {r['backend']}, {dtype}: {x['error']}")
+                cells.append(f"not run ({len(notes)}, below)")
+            else:
+                cells.append("-")
         speed = f"{b['ms'] / f['ms']:.2f}×" if "ms" in b and "ms" in f else "-"
         fl = [f"{x['floor_ms']:.2f}" if "ms" in x else "-" for x in (b, f)]
         eff = f"{f['ms'] / f['floor_ms']:.2f}×" if "ms" in f else "-"
@@ -86,6 +93,8 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
     lines += ["", "cycle: `init_forward_metadata` + `forward` over every layer (the K/V write, "
               "quantizing for fp8, included), `do_bench` median after `gc.freeze()`; floor: the "
               "K/V bytes the step reads over the copy bandwidth."]
+    if notes:
+        lines += ["", "Not run:", "", *notes]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "fp8-h200.md").write_text(text)

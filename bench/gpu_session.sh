@@ -22,6 +22,7 @@
 #     DRY=1      print the sweeps and exit
 # Back here: tar xzf session.tgz; python bench/gpu_rows.py add --commit C --call N session/*/
 set -uo pipefail
+. "$(dirname "$0")/gpu_usage.sh" "$@"  # --help: the header above, nothing made
 [ $# -ge 1 ] || { echo "usage: bench/gpu_session.sh BACKEND..." >&2; exit 2; }
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}

@@ -1,5 +1,6 @@
 # Sourced by the bench/gpu_*.sh scripts before anything else they do, with their arguments:
-# a first argument that starts with "-" (--help, -h, a mistyped knob) is not an OUT folder.
+# a first argument that starts with "-" (--help, -h, a mistyped knob) is not an OUT folder
+# (nor gpu_session.sh's backend).
 # Print the script's header comment and stop, so no folder named "--help" is ever made.
 case ${1:-} in
 -*)
