@@ -140,11 +140,10 @@ def _excuse(r, step: int, ideal: int, tie: float, rounding: float) -> str | None
     the draft's pick is a correct rounding of a near tie."""
     if any(L <= t < L + ideal for t in r.ties for L in r.spec_at[step:step + 1]):
         return f"the target's argmax was a near tie (<= {tie:.0e})"
-    j = _rejection(r, step)
-    if j is not None and j.exact_gap is not None and abs(j.exact_gap) <= max(tie, rounding):
+    j, bound = _rejection(r, step), max(tie, rounding)
+    if j is not None and j.exact_gap is not None and abs(j.exact_gap) <= bound:
         return (f"fp64 puts {j.target_token} and the draft's {j.draft_token} "
-                f"{abs(j.exact_gap):.1e} apart, within the run's rounding "
-                f"{max(tie, rounding):.1e}")
+                f"{abs(j.exact_gap):.1e} apart, within the run's rounding {bound:.1e}")
     return None
 
 
