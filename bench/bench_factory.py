@@ -399,7 +399,8 @@ def graph_case(backend, batch, qs, ks, vs, sinks, factory, do_bench) -> dict:
         return out
 
     try:
-        backend.init_cuda_graph_state(bs, tokens)
+        # buffers sized by what the batch reads (its longest request), not by the pool
+        backend.init_cuda_graph_state(bs, tokens, max(r.prefix_len + r.nodes for r in batch.reqs))
         backend.init_forward_metadata_capture(bs, tokens, batch.mode)
         g, out = capture(step)
         backend.init_forward_metadata_replay(batch, bs, tokens)

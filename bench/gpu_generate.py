@@ -79,6 +79,8 @@ def run_lane(args: argparse.Namespace) -> int:
                     accept_steps=[a for q in report.requests for a in q.accept_lengths],
                     tokens=sum(len(q.generated_ids) for q in report.requests),
                     tokens_per_s=report.tokens_per_s, wall_s=report.wall_s,
+                    overlap=report.overlap,
+                    tokens_per_s_no_overlap=report.tokens_per_s_no_overlap,
                     reference_s=report.reference_s, checks=checks,
                     details={c.name: c.detail for c in report.checks if c.status != "skipped"},
                     serving=report.serving_model, draft=report.draft)
@@ -86,9 +88,12 @@ def run_lane(args: argparse.Namespace) -> int:
             if torch.cuda.is_available():
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             _append(rows, row)
+            rate = "" if not row.get("tokens_per_s_no_overlap") else (
+                f" tok/s {row['tokens_per_s']:.1f} overlap, "
+                f"{row['tokens_per_s_no_overlap']:.1f} without")
             print(f"{args.backend} {model} {spec}: {row['status']} "
-                  f"({row['job_s']:.1f} s) {row.get('caught_by') or ''} {row.get('detail', '')}",
-                  flush=True)
+                  f"({row['job_s']:.1f} s){rate} {row.get('caught_by') or ''} "
+                  f"{row.get('detail', '')}", flush=True)
     return 0
 
 

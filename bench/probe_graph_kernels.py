@@ -44,7 +44,7 @@ def one(spec: str, do_bench, bw: float, eager: bool) -> dict:
     if eager:  # the kernels of an eager forward (no capture), after the plan
         run = step
     else:
-        backend.init_cuda_graph_state(bs, nodes)
+        backend.init_cuda_graph_state(bs, nodes, ctx + nodes)
         backend.init_forward_metadata_capture(bs, nodes, batch.mode)
         g, _ = bf.capture(step)
         backend.init_forward_metadata_replay(batch, bs, nodes)

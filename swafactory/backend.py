@@ -23,9 +23,11 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
-from swafactory.graph_state import (GraphState, bucket_writes, capture_plan, check_graphable,
-                                   check_padding)
+from swafactory.graph_state import (GraphState, StaleGraphError, bucket_writes, capture_plan,
+                                   check_graphable, check_padding)
+from swafactory.kernels.cuda.prepare import start_adapters
 from swafactory.kvcache.quant import is_fp8, query_dtype, store_rows
+from swafactory.kvcache.sizing import step_nodes
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata.plan import ForwardPlan, plan
 from swafactory.registry.capabilities import Capabilities
@@ -128,6 +130,8 @@ class AttentionBackend:
                      skip_spec_translation=f.skip_spec_translation,
                      plan_without_window=f.plan_without_window,
                      tree_mask_not_rebased=f.tree_mask_not_rebased)
+        if graph is not None:  # before the adapters refill buffers the batch would overflow
+            self._graph.check_keys(fplan, *graph)
         self._pool = pool
         self._plan_kernels(fplan, pool, graph)  # kernels with host-side planning: here, once
         return fplan
@@ -156,16 +160,54 @@ class AttentionBackend:
         """The graphs' static state (None before `init_cuda_graph_state`)."""
         return self._graph
 
-    def init_cuda_graph_state(self, max_bs: int, max_tokens: int) -> None:
-        """Ready graphs of up to ``max_bs`` requests × ``max_tokens`` query rows each. Calling
-        it again with other limits keeps the buckets already captured."""
-        dev = self.view.active_pool.sub_pools[0].device
+    def init_cuda_graph_state(self, max_bs: int, max_tokens: int,
+                              max_context: int | None = None) -> None:
+        """Ready graphs of up to ``max_bs`` requests × ``max_tokens`` query rows each, each
+        request reading at most ``max_context`` keys (its context, this forward's tokens
+        included; sglang's argument). A bucket's buffers hold ``bs · max_context`` keys per full
+        group and ``bs · (W + tokens + page)`` per SWA group (tokens: at least the spec's step
+        nodes, `graph_sizing.bucket_keys`), never the pool's rows. Default:
+        ``workload.context_len``, capped by the largest sub-pool's rows. Calling it again with
+        other limits keeps the buckets already captured (max_context is fixed once one is)."""
+        pool = self.view.active_pool
+        dev = pool.sub_pools[0].device
         check_graphable([ad.capabilities for ad in self.adapters.values()], dev.type,
                         self.cascade, max_bs, max_tokens)
-        if self._graph is not None:
-            self._graph.max_bs, self._graph.max_tokens = max_bs, max_tokens
-            return
-        self._graph = GraphState(max_bs, max_tokens, torch.device(dev))
+        rows = max(sp.rows - sp.page_size for sp in pool.sub_pools)  # past the dummy page
+        ctx = min(self.cfg.workload.context_len, rows) if max_context is None else max_context
+        if ctx < 1:
+            raise ValueError(f"init_cuda_graph_state needs max_context >= 1, got {max_context}")
+        st = self._graph
+        if st is not None:
+            if max_context is not None and ctx != st.max_context and st.captured:
+                raise ValueError(f"init_cuda_graph_state(max_context={ctx}): buckets "
+                                 f"{sorted(st.captured)} were captured with max_context="
+                                 f"{st.max_context}, their buffers sized by it; build a new "
+                                 "backend for another max_context")
+            st.max_bs, st.max_tokens = max_bs, max_tokens
+            st.max_context = ctx if max_context is not None else st.max_context
+        else:
+            st = self._graph = GraphState(max_bs, max_tokens, torch.device(dev), ctx,
+                                          pool.sub_pools[0].page_size, step_nodes(self.cfg.spec))
+        for ad in self.adapters.values():  # the adapters size their graph buffers by it
+            if hasattr(ad, "graph_keys"):
+                ad.graph_keys = st.keys
+
+    def graph_state_bytes(self) -> int:
+        """Bytes of every static buffer held for graphs: the write slots here and each
+        adapter's (FlashInfer's graph wrappers and their int workspaces, Triton's static
+        tables); 0 before `init_cuda_graph_state`. Shared eager workspaces are not counted."""
+        if self._graph is None:
+            return 0
+        return self._graph.bytes + sum(ad.graph_bytes() for ad in self.adapters.values()
+                                       if hasattr(ad, "graph_bytes"))
+
+    def graph_stale(self, bs: int, tokens: int) -> str | None:
+        """Why captured bucket (bs, tokens) may not replay now (a layer's fp8 scales changed
+        since its capture: `set_kv_scales`), or None. An engine re-captures it on a reason."""
+        st = self._graph
+        pool = st.captured.get((bs, tokens)) if st is not None else None
+        return None if pool is None else st.stale(bs, tokens, pool)
 
     def _graph_state(self) -> GraphState:
         if self._graph is None:
@@ -186,6 +228,8 @@ class AttentionBackend:
                              mode=mode, writes=not pool.read_only)
         self._plan_kernels(fplan, pool, (bs, tokens))
         st.captured[(bs, tokens)] = pool
+        st.record_scales(bs, tokens, pool, [l for l in pool.layers_mapping
+                                            if is_fp8(pool.sub_pool(l).dtype)])
         self._pool = pool
         self._set_plan(fplan, graphed=True)
         return fplan
@@ -202,6 +246,9 @@ class AttentionBackend:
                              f"captured: {sorted(st.captured)}")
         if batch.batch_size > bs:
             raise ValueError(f"{batch.batch_size} requests do not fit the graph bucket of {bs}")
+        stale = st.stale(bs, tokens, captured)
+        if stale is not None:  # the graph's kernels hold the captured scales as constants
+            raise StaleGraphError(stale)
         fplan = self._plan_forward(batch, (bs, tokens))
         if self._pool is not captured:  # the graph holds the captured pool's buffer addresses
             raise ValueError("the runner's active pool is not the one this graph was captured "
@@ -386,7 +433,11 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
         if view.role != "draft_reads_target":  # a FROZEN_KV view's pool is a dummy until swapped
             check_own_pool(view, windows)
     adapters = {n: m.Adapter() for n, m in modules.items()}
-    return AttentionBackend(cfg, adapters[b.name], view, windows, guards, adapters=adapters)
+    # our CUDA kernels are built here (or fall back, warned), never in a forward
+    kernels = start_adapters(cfg, adapters, pool.sub_pools[0].device, device)
+    backend = AttentionBackend(cfg, adapters[b.name], view, windows, guards, adapters=adapters)
+    backend.kernels = kernels  # what serves each pass × group (KernelPolicy; .lines())
+    return backend
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

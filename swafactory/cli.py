@@ -48,7 +48,7 @@ def render_plan(plan: PlanSummary, console: Console) -> None:
                   r.resolver, _mib(r.bytes_per_request) if r.bytes_per_request else "-")
     console.print(t)
     console.print(
-        f"kernel: {', '.join(kernels) or '-'}; page_size {plan.page_size}; kv_dtype "
+        f"kernel family: {', '.join(kernels) or '-'}; page_size {plan.page_size}; kv_dtype "
         f"{plan.kv_dtype}; spec {plan.spec} (draft KV: {plan.draft_kv}); "
         f"{plan.max_running_requests} requests × {plan.context_len} tokens\n"
         f"bytes per context token past the window: hybrid {plan.hybrid_bytes_per_token:,} B vs "
@@ -56,7 +56,11 @@ def render_plan(plan: PlanSummary, console: Console) -> None:
         f"bytes per request: hybrid {_mib(plan.hybrid_bytes_per_request)} vs full-only "
         f"{_mib(plan.full_only_bytes_per_request)} ({plan.saving:.2f}× smaller)"
         + (f"; draft pool {_mib(plan.draft_bytes_per_request)}" if plan.draft_bytes_per_request else "")
-        + f"\npool tokens: full {plan.full_pool_tokens:,}, swa {plan.swa_pool_tokens:,}")
+        + f"\npool tokens: full {plan.full_pool_tokens:,}, swa {plan.swa_pool_tokens:,}"
+        + f"\ngraph state (every bucket 1-64 captured, {plan.graph_tokens} queries per request, "
+        f"at {plan.context_len} tokens): {_mib(plan.graph_state_bytes)}")
+    if plan.passes:  # which kernel serves each pass (backend.kernels), not the family's name
+        console.print("passes:\n" + "\n".join(f"  {p}" for p in plan.passes))
 
 
 def _names(cfg: DictConfig) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 sglang's shape (`AttentionBackend` exposes it):
 
-    backend.init_cuda_graph_state(max_bs, max_tokens)
+    backend.init_cuda_graph_state(max_bs, max_tokens, max_context)
     for bs in buckets:                                   # once per bucket, at start-up
         backend.init_forward_metadata_capture(bs, tokens, mode)
         step(static_inputs)                              # eager warm-up (JIT, wrapper set-up)
@@ -18,6 +18,14 @@ batch's rows come first, padding rows after them. Padding rows write their K/V t
 requests read, the pool's dummy row 0, which no request owns. Captured kernels read buffers that
 replay planning refills in place: the write locations here (one static tensor per layer group)
 and the kernel adapter's own (FlashInfer's ``use_cuda_graph`` wrappers).
+
+Every buffer is sized by what a bucket can read, never by the pool: ``bs · max_context`` keys
+in a full group, ``bs · (W + tokens + page)`` in a window group (`graph_sizing.bucket_keys`), so
+capturing every bucket at start-up costs the same over a 1M-row pool as over a small one; a
+replay whose requests read more raises (`GraphState.check_keys`). What the kernels take as host
+constants is recorded at capture: fp8 K/V scales (`GraphState.record_scales`); a replay after
+`set_kv_scales` changed one raises `StaleGraphError` naming the layer, and an engine re-captures
+(`AttentionBackend.graph_stale`).
 """
 from __future__ import annotations
 
@@ -26,11 +34,18 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from swafactory.errors import ConfigError, Reason, SpaceError
+from swafactory.graph_sizing import bucket_keys
 from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardMode
 from swafactory.metadata.plan import AttnTables, ForwardPlan, GroupPlan, group_key
 
-__all__ = ["GraphState", "capture_plan", "bucket_writes", "check_graphable", "check_padding"]
+__all__ = ["GraphState", "StaleGraphError", "capture_plan", "bucket_writes", "check_graphable",
+           "check_padding", "bucket_keys"]
+
+
+class StaleGraphError(ValueError):
+    """A captured bucket baked in what has changed since (a layer's fp8 K/V scales)."""
+
 
 
 def check_graphable(caps: list, device_type: str, cascade: bool, max_bs: int,
@@ -61,11 +76,71 @@ class GraphState:
     max_bs: int
     max_tokens: int
     device: torch.device
+    max_context: int = 1
+    """Most keys (context tokens, this forward's included) one request of a bucket reads: full
+    groups' buffers hold ``bs · max_context`` keys, SWA groups' ``bs · (W + tokens + page)``."""
+    page: int = 1
+    """The pool's page size (page-aligned SWA lists start up to a page before the window)."""
+    nodes: int = 1
+    """The most nodes one request adds in a step (`kvcache.sizing.step_nodes` of the spec)."""
     writes: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     """(group key, bs, tokens) → ``[bs · tokens]`` int64 write slots of that bucket's graph;
     rows past a batch's hold 0, the dummy row."""
     captured: dict[tuple[int, int], object] = field(default_factory=dict)
     """(bs, tokens) → the pool the bucket was captured against (its buffers are in the graph)."""
+    scales: dict[tuple[int, int], tuple[int, dict[int, tuple[float, float]]]] = \
+        field(default_factory=dict)
+    """(bs, tokens) → (the pool's ``scales_version``, fp8 layer → (k_scale, v_scale)) at its
+    capture: the kernels take the scales as host floats, so a graph holds the ones it had."""
+
+    def keys(self, window: int | None, tokens: int) -> int:
+        """Most keys per request of a group with ``window`` in a bucket of ``tokens`` queries."""
+        return bucket_keys(window, tokens, self.max_context, self.page, self.nodes)
+
+    def check_keys(self, plan: ForwardPlan, bs: int, tokens: int) -> None:
+        """ValueError when a request of ``plan`` lists more keys than bucket (bs, tokens)'s
+        buffers hold per request: from the planner's host indptrs, nothing read back."""
+        for key, g in plan.groups.items():
+            kv = g.tables.kv_host
+            if kv is None or kv.numel() < 2:
+                continue
+            need = int((kv[1:] - kv[:-1]).max())
+            cap = self.keys(g.window, tokens)
+            if need > cap:
+                bound = (f"max_context={self.max_context}" if g.window is None else
+                         f"min(max_context={self.max_context}, W {g.window} + max(tokens "
+                         f"{tokens}, step nodes {self.nodes}) + page {self.page})")
+                raise ValueError(
+                    f"graph bucket of {bs} requests × {tokens} tokens: a request of group {key} "
+                    f"reads {need} keys, past the {cap} per request its buffers hold ({bound}); "
+                    "pass a larger max_context to init_cuda_graph_state before capturing, or run "
+                    "this forward eagerly")
+
+    def stale(self, bs: int, tokens: int, pool) -> str | None:
+        """Why bucket (bs, tokens) cannot replay over ``pool``'s current fp8 scales (the layer,
+        the captured and current scales and versions), or None when it can."""
+        version, scales = self.scales.get((bs, tokens), (None, {}))
+        now = pool.scales_version
+        if version is None or version == now:
+            return None
+        for layer, old in sorted(scales.items()):
+            cur = tuple(pool.kv_scales(layer))
+            if cur != old:
+                return (f"graph bucket of {bs} requests × {tokens} tokens was captured with layer "
+                        f"{layer}'s fp8 scales (k, v) = {old} (scales version {version}); the pool "
+                        f"now has {cur} (version {now}): re-capture the bucket "
+                        "(init_forward_metadata_capture + your capture) after set_kv_scales")
+        return None
+
+    def record_scales(self, bs: int, tokens: int, pool, fp8_layers) -> None:
+        """Note ``pool``'s scales of ``fp8_layers`` as bucket (bs, tokens)'s, at its capture."""
+        self.scales[(bs, tokens)] = (pool.scales_version,
+                                     {l: tuple(pool.kv_scales(l)) for l in fp8_layers})
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the write buffers held here (the adapters' own are theirs to count)."""
+        return sum(t.numel() * t.element_size() for t in self.writes.values())
 
     def check(self, bs: int, tokens: int) -> None:
         """ValueError naming the limit when a bucket exceeds `init_cuda_graph_state`'s."""

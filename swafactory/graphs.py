@@ -11,6 +11,9 @@ dummy row and come back as garbage, cut off. On CPU (a backend with ``graph_emul
 bucket's step is recorded instead of captured and each replay re-runs it over the same buffers.
 Batches may shrink or grow between replays; each request may have up to ``tokens`` queries. An
 engine whose layer l's q comes from layer l − 1 captures its own step with the same three calls.
+`GraphedAttention.capture_all` captures every bucket at start-up (an engine's way: graph state
+is then allocated once, before the pool fills). A bucket captured before `set_kv_scales` changed
+an fp8 layer's scales is re-captured at its next forward (`AttentionBackend.graph_stale`).
 """
 from __future__ import annotations
 
@@ -114,8 +117,8 @@ class GraphedAttention:
         """
         n = self.bucket(batch.batch_size)
         st = self._graphs.get(n)
-        if st is None:
-            st = self._graphs[n] = self._capture(n, q, kv)
+        if st is None or self.backend.graph_stale(n, self.tokens) is not None:
+            st = self._graphs[n] = self._capture(n, q, kv)  # stale: the scales it baked in
         self.backend.init_forward_metadata_replay(batch, n, self.tokens)
         rows = batch.total_q
         # padding rows carry no request's data (an engine's padded tokens are not any request's
@@ -130,6 +133,15 @@ class GraphedAttention:
         st.graph.replay()
         self.replays += 1
         return {layer: o[:rows] for layer, o in st.out.items()}
+
+    def capture_all(self, q: Mapping[int, torch.Tensor],
+                    kv: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+        """Capture every bucket not captured yet (start-up); returns how many were. q, kv: one
+        example input per layer as in `forward` (only their device and trailing shapes count)."""
+        todo = [n for n in self.buckets if n not in self._graphs]
+        for n in todo:
+            self._graphs[n] = self._capture(n, q, kv)
+        return len(todo)
 
     def _attend(self, qs, kvs) -> dict[int, torch.Tensor]:
         return {layer: self.backend.forward(x, *kvs.get(layer, (None, None)), layer,

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from swafactory.config.schema import KV_DTYPE_BYTES, SwaFactoryConfig
-from swafactory.kvcache.sizing import effective_ratio, pool_sizing
+from swafactory.graph_sizing import graph_state_estimate
+from swafactory.kvcache.sizing import effective_ratio, pool_sizing, step_nodes
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.table import get_capabilities
 
@@ -65,6 +66,16 @@ class PlanSummary(BaseModel):
     draft_bytes_per_request: int
     full_pool_tokens: int
     swa_pool_tokens: int
+    graph_state_bytes: int = 0
+    """Estimated bytes of the target's CUDA-graph state with every bucket captured at start-up
+    (`graph_sizing.graph_state_estimate`: buckets 1-64, decode plus the spec step, at
+    context_len); it does not grow with the pool."""
+    graph_tokens: tuple[int, ...] = (1,)
+    """Queries per request of the buckets that estimate counts."""
+    passes: list[str] = []
+    """What serves each pass × group and why (`backend.kernels` resolved on this host: nvcc,
+    benchmark overrides), e.g. ``verify/full: cuda verify_d512 + triton extend tile (auto: nvcc
+    present)``. A built backend may still fall back where a kernel does not build (warned)."""
 
 
 def compress_ids(ids: tuple[int, ...] | list[int]) -> str:
@@ -113,6 +124,7 @@ def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
                           if g.tokens_per_request == sizing.context_len)
     full_tokens = cfg.workload.max_running_requests * cfg.workload.context_len
     split = bool(m.swa_layers) and m.hybrid_pool
+    g_tokens = (1,) if s.algorithm == "none" else (1, 1 << (max(step_nodes(s), 2) - 1).bit_length())
     return PlanSummary(
         combination=cfg.combination, device=device.describe(), backend=b.name, page_size=b.page_size,
         kv_dtype=b.kv_dtype, spec=s.name, draft_kv=s.draft_kv, context_len=sizing.context_len,
@@ -123,7 +135,20 @@ def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
         full_only_bytes_per_request=sizing.full_only_bytes_per_request, saving=sizing.saving,
         draft_bytes_per_request=sizing.draft_bytes_per_request,
         full_pool_tokens=full_tokens if m.full_layers else 0,
-        swa_pool_tokens=int(full_tokens * effective_ratio(cfg)) if split else 0)
+        swa_pool_tokens=int(full_tokens * effective_ratio(cfg)) if split else 0,
+        graph_state_bytes=graph_state_estimate(cfg, tokens=g_tokens), graph_tokens=g_tokens,
+        passes=_passes(cfg, device))
+
+
+def _passes(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[str]:
+    """`backend.kernels` resolved for this host (nothing is built)."""
+    from swafactory.kernels.cuda.launch import env_override, nvcc_path
+    from swafactory.registry.kernel_choice import resolve_passes
+
+    override = {"decode": env_override(decode=True), "verify": env_override(),
+                "extend": env_override()}
+    return [str(r) for r in resolve_passes(cfg, device, nvcc=nvcc_path() is not None,
+                                           override=override)]
 
 
 def _draft_rows(cfg: SwaFactoryConfig, kernel, tree: str, draft_bytes: int) -> list[GroupRow]:

@@ -17,7 +17,7 @@ from swafactory.errors import FieldError
 
 __all__ = ["Geometry", "ModelSpec", "SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec",
            "FrozenKVMTPSpec", "DFlashSpec", "StandaloneSpec", "BackendSpec", "WorkloadSpec",
-           "GroupKernels", "RunSpec", "FaultsSpec", "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
+           "GroupKernels", "PassKernels", "KernelChoice", "PassKernel", "RunSpec", "FaultsSpec", "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
 
 LayerType = Literal["sliding_attention", "full_attention"]
 _PATTERN_CODES = {"S": "sliding_attention", "F": "full_attention"}
@@ -154,6 +154,36 @@ class GroupKernels(_Frozen):
         return None if name is None else _known_backend(name, auto=False)
 
 
+PassKernel = Literal["auto", "cuda", "triton", "library"]
+"""Which kernel serves a pass: `auto` (ours where one fits and builds, else the family's
+default), `cuda` (our CUDA kernel, required), `triton` (our Triton kernel), `library` (the
+backend's own: FlashInfer, flash-attn, …)."""
+
+
+class PassKernels(_Frozen):
+    """The kernel of each pass of one layer group, within the family `backend.groups` picks."""
+
+    decode: PassKernel = "auto"
+    """One query per request (decode, draft decode)."""
+    verify: PassKernel = "auto"
+    """Several queries per request under a chain, tree or block mask (target verify, draft
+    extend)."""
+    extend: PassKernel = "auto"
+    """Prefill chunks."""
+
+
+class KernelChoice(_Frozen):
+    """Which of our kernels serve each pass × layer group (`backend.kernels.full.verify=cuda`),
+    checked by the registry and built when the backend is built, never in a forward."""
+
+    swa: PassKernels = PassKernels()
+    """The layers with a window."""
+    full: PassKernels = PassKernels()
+    """The layers without a window."""
+    build_timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds nvcc may take on one kernel; past it the Triton kernel serves (one warning)."""
+
+
 class BackendSpec(_Frozen):
     """Which kernel family serves attention, and how it is wired."""
 
@@ -172,6 +202,9 @@ class BackendSpec(_Frozen):
     groups: GroupKernels = GroupKernels()
     """A kernel per layer group (`backend.groups.full=triton`): each group is validated against
     its own kernel's capabilities."""
+    kernels: KernelChoice = KernelChoice()
+    """Which kernel serves each pass of each group, within its family (`run=plan` shows what
+    each resolved to)."""
 
     @field_validator("name")
     @classmethod
@@ -261,6 +294,11 @@ class RunSpec(_Frozen):
     guards: bool = True
     """`generate`: false turns off the typed-space checks and the NaN poisoning of freed slots, as
     an engine that embedded only the kernels would run; faults must then show end to end."""
+    overlap: bool = False
+    """`generate`: run as sglang's overlap scheduler does: forward N+1 is planned and launched
+    before forward N's tokens come back (a non-blocking copy into pinned memory and an event,
+    one step late), so host-runs-ahead races show. A twin run without overlap gives the
+    tokens/s to compare and must generate the same tokens."""
 
     @model_validator(mode="after")
     def _experts(self) -> RunSpec:

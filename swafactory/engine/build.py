@@ -92,7 +92,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     alloc.shuffle(torch.Generator().manual_seed(scfg.workload.seed))  # pages in random order
     slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, dev))
     target = Runner("target", model, build_backend(scfg, pools=pool, guards=guards),
-                    guards=guards, graphs=graphs)
+                    guards=guards, graphs=graphs, max_context=longest)
     parts = Parts(scfg, target, None, pool, alloc, None, slots, model.config.to_dict(), "-")
     if s.algorithm == "none":
         return parts
@@ -112,7 +112,8 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         # the copy has the target's layers: their windows, stated (an own pool is full
         # attention by default, which a copy of a sliding model is not)
         backend = build_backend(scfg, view=view, windows=model_windows(scfg), guards=guards)
-        parts.draft = Runner("draft", draft_copy(model), backend, guards=guards, graphs=graphs)
+        parts.draft = Runner("draft", draft_copy(model), backend, guards=guards, graphs=graphs,
+                             max_context=longest)
         parts.draft_pool = dpool
         parts.draft_desc = (f"a copy of the target's {n} layers, own "
                             f"{'split ' if dpool.is_split else ''}pool")
@@ -125,7 +126,8 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         view = DraftView(dummy, pool, "draft_reads_target", s.algorithm)
         backend = build_backend(scfg, view=view, guards=guards)
         parts.draft = Runner("draft", draft_copy(model), backend, writes=False,
-                             swap=(view, frozen, dummy), guards=guards, graphs=graphs)
+                             swap=(view, frozen, dummy), guards=guards, graphs=graphs,
+                             max_context=longest)
         parts.draft_desc = (f"the target's {len(binding)} layers reading its frozen K/V (writes "
                             "none); step k queries position L+k over keys < L")
     else:  # dflash
@@ -137,7 +139,8 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         backend = build_backend(scfg, view=view, guards=guards)
         model_d = draft_from_layers(model, sources, dtypes,
                                     m.sliding_window if dpool.is_split else None)
-        parts.draft = Runner("draft", model_d, backend, guards=guards, graphs=graphs)
+        parts.draft = Runner("draft", model_d, backend, guards=guards, graphs=graphs,
+                             max_context=longest)
         parts.draft_pool = dpool
         parts.draft_desc = (f"{k} {'target-typed' if dpool.is_split else 'full-attention'} "
                             f"layers (weights of target layers {sources}), own "

@@ -95,12 +95,14 @@ def logits_check(cfg: SwaFactoryConfig, model, reqs, name: str
                                + ("" if ok else f", worst at {where}")), worst, n, tol)
 
 
-def lossless_check(reqs, none_run) -> CheckResult:
+def lossless_check(reqs, none_run, name: str = "lossless", what: str = "spec=none"
+                   ) -> CheckResult:
     """Every request's greedy tokens against spec=none's (``none_run``: its `_Outcome`); a
-    divergence after a near tie of either run is reported, not failed."""
+    divergence after a near tie of either run is reported, not failed. ``name``, ``what``:
+    the check and the reference run (``overlap`` compares with run.overlap=false)."""
     if none_run.error is not None:
-        return CheckResult(name="lossless", status="skipped",
-                           detail=f"the spec=none run stopped: {none_run.error}")
+        return CheckResult(name=name, status="skipped",
+                           detail=f"the {what} run stopped: {none_run.error}")
     ref = {r.rid: r for r in none_run.gen.done}
     bad, ties = [], []
     for r in reqs:
@@ -112,11 +114,11 @@ def lossless_check(reqs, none_run) -> CheckResult:
         if any(t <= pos for t in (*r.ties, *ref[r.rid].ties)):
             ties.append(f"request {r.rid} from token {i} (after an argmax tie)")
         else:
-            bad.append(f"request {r.rid}: token {i} is {a[i]}, spec=none has {b[i]}")
-    detail = "; ".join(bad) if bad else f"{len(reqs)} requests equal spec=none's tokens"
+            bad.append(f"request {r.rid}: token {i} is {a[i]}, {what} has {b[i]}")
+    detail = "; ".join(bad) if bad else f"{len(reqs)} requests equal {what}'s tokens"
     if ties:
         detail += "; diverged after a tie: " + ", ".join(ties)
-    return CheckResult(name="lossless", status="failed" if bad else "ok", detail=detail)
+    return CheckResult(name=name, status="failed" if bad else "ok", detail=detail)
 
 
 def _rejection(r, step: int):

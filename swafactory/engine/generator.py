@@ -11,6 +11,15 @@ their slots and every running request evicts its out-of-window SWA slots.
 A request's ``tokens`` are its prompt and generated tokens; positions ``[0, committed)`` have K/V
 in the pools, and ``tokens[committed]`` (the root of the next step) is generated but not yet
 attended over.
+
+Device and host: a forward's input ids that an earlier forward made (a decode's last token, a
+draft chain's nodes, the verify's nodes) are read from that forward's argmax on the device;
+the host gets its values only through `readback.Readback`. Without ``run.overlap`` each
+readback is waited for right after its forward; with it, one forward late (after the next
+forward was planned and launched), or earlier where a host decision needs it: a tree's next
+level, and a step's accept lengths, which a chain that writes its own draft pool hides behind
+a draft_extend over every verified node (sglang spec v2's fixed shape). Output lengths are
+counted on the host (``GenReq.pending``), so stopping needs no token value.
 """
 from __future__ import annotations
 
@@ -21,7 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from swafactory.engine.build import Parts, model_dtype
+from swafactory.engine.readback import Readback, pinned_ids
 from swafactory.engine.report_model import GenStep, Rejection
+from swafactory.engine.runner import NonFinite
 from swafactory.kvcache.allocator import pool_use
 from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, fault_switches,
@@ -61,6 +72,8 @@ class GenReq:
     """The draft's logits of its ``draft_extend`` rows (committed tokens), per position."""
     rejections: list[Rejection] = field(default_factory=list)
     """Each chain step's first rejected draft (`Rejection`)."""
+    pending: int = 0
+    """Generated tokens launched whose values are not back on the host yet (`run.overlap`)."""
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -97,6 +110,14 @@ def _argmax(row: torch.Tensor, tie: float) -> tuple[int, bool]:
     return int(row.argmax()), bool(top[0] - top[1] <= tie * max(1.0, float(row.abs().max())))
 
 
+def _pack(pieces: list, device: torch.device) -> torch.Tensor:
+    """[T] int64 input ids on ``device`` from host lists and device tensors, in order."""
+    if all(isinstance(p, list) for p in pieces):
+        return pinned_ids([t for p in pieces for t in p], device)
+    return torch.cat([p if isinstance(p, torch.Tensor) else pinned_ids(p, device)
+                      for p in pieces])
+
+
 class Generator:
     """Drives `Parts` until every request has generated its tokens."""
 
@@ -119,15 +140,32 @@ class Generator:
             s, parts.slots, (parts.pool, parts.draft_pool),
             draft_writes=parts.draft is not None and parts.draft.writes, frozen_query="mtp",
             **fault_switches(self.cfg))
-        self.nodes: dict[Hashable, list[int]] = {}     # this step's node tokens
+        self.nodes: dict[Hashable, list[int]] = {}     # this step's node tokens, host (as known)
         self.scores: dict[Hashable, list[float]] = {}  # a tree's cumulative log-probs
-        self.rows: dict[Hashable, torch.Tensor] = {}   # the last forward's logits per request
+        # on the device, what later forwards read: each request's last token ([1] int64), this
+        # step's node tokens ([nodes] int64), the verify's argmax ([verify nodes] int64)
+        self.roots: dict[Hashable, torch.Tensor] = {}
+        self.dnodes: dict[Hashable, torch.Tensor] = {}
+        self.vids: dict[Hashable, torch.Tensor] = {}
+        # host copies that came back: a tree level's or a verify's logits rows, verify's argmax
+        self.hrows: dict[Hashable, torch.Tensor] = {}
+        self.hbest: dict[Hashable, list[int]] = {}
+        self.overlap = self.cfg.run.overlap
+        self.inflight: deque[Readback] = deque()
+        self.launched = 0  # forwards launched
+        self.resolved_at: list[tuple[int, int, str]] = []  # (forward waited for, launched, why)
+        self.verified = 0  # the last target_verify's forward number
+        self.extending = self.extended = False  # the early draft_extend (overlap, chains)
+        dev = parts.target.device
+        self.masks = torch.full((max(0, s.block_size - 1) if s.algorithm == "dflash" else 0,),
+                                MASK_TOKEN, dtype=torch.long, device=dev)
         self.proposals: dict[Hashable, dict[int, torch.Tensor]] = {}  # node → the draft's row
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         while self.waiting or self.running:
             self.step_once()
+        self._drain(why="end")
 
     def step_once(self) -> None:
         R = self.cfg.workload.max_running_requests
@@ -154,7 +192,7 @@ class Generator:
                 r.accepts.append(a)
         use = {sp: pool_use(self.p.alloc, sp) for sp in ("swa", "full")}  # after the forwards
         for r in list(self.running):
-            if len(r.generated) >= r.out:
+            if len(r.generated) + r.pending >= r.out:  # host counts, no token values
                 self.p.slots.finish(r.rid)
                 self.running.remove(r)
                 self.done.append(r)
@@ -201,57 +239,149 @@ class Generator:
     def _rf(self, r: GenReq, prefix: int, nodes: int, **kw) -> ReqForward:
         return req_forward(self.p.slots, r.rid, prefix, nodes, **kw)
 
-    def _take(self, r: GenReq, row: torch.Tensor, pos: int) -> None:
-        """The target's logits at ``pos`` give the next token."""
-        tok, tie = _argmax(row, self.tie)
-        r.logits[pos] = row.detach().cpu()
+    def _take(self, r: GenReq, row: torch.Tensor, pos: int, tok: int) -> None:
+        """The target's logits at ``pos`` (row: [vocab] fp32, host) gave the next token ``tok``
+        (the device's argmax, which later forwards read)."""
+        tie = _argmax(row, self.tie)[1]
+        r.logits[pos] = row
         if tie:
             r.ties.append(pos)
         r.tokens.append(tok)
 
     # ------------------------------------------------------------------ SpecHooks
     def forward(self, worker: str, mode: ForwardMode, reqs: list[ReqForward]) -> None:
-        """Pack the query rows' tokens and positions, run the worker, act on its logits."""
+        """Pack the query rows' tokens (device tensors where an earlier forward made them) and
+        positions (host), launch the worker, start its readback; then, one forward late under
+        ``run.overlap``, act on the earlier forwards' results."""
+        if mode == "draft_extend" and self.extended:  # ran right after the verify
+            self.extended = False
+            return
         runner = self.p.target if worker == "target" else self.p.draft
         self.current = (worker, mode)
-        tokens, positions = [], []
-        for f in reqs:
-            pos = f.node_positions()[f.query_from:].tolist()
-            if mode in ("draft_decode", "target_verify"):  # this step's drafted nodes
-                toks = self.nodes[f.rid][f.query_from:f.nodes]
-            else:  # committed or prompt tokens: position = index
-                toks = self.by_id[f.rid].tokens[pos[0]:pos[-1] + 1]
-            tokens += toks
-            positions += pos
-        logits = runner.forward(mode, reqs, tokens, positions, self.p.slots.req_to_token.table,
-                                self.p.alloc.full_id)
+        early = mode == "draft_extend" and self.extending
+        pieces: list[torch.Tensor | list[int]] = []
+        positions: list[int] = []
+        keep: list[int] = []  # the rows whose argmax (and logits) come back
         row = 0
         for f in reqs:
-            rows, row = logits[row:row + f.q_len], row + f.q_len
+            pos = f.node_positions()[f.query_from:].tolist()  # host facts, no device read
+            if mode in ("draft_decode", "target_verify") or early:  # this step's nodes
+                pieces.append(self.dnodes[f.rid][f.query_from:f.nodes])
+            elif mode == "decode":  # the last token, as the device holds it
+                pieces.append(self.roots[f.rid])
+            else:  # committed or prompt tokens, known on the host: position = index
+                pieces.append(self.by_id[f.rid].tokens[pos[0]:pos[-1] + 1])
+            positions += pos
+            if mode == "extend":
+                keep += [row + f.q_len - 1] if self._completes(f) else []
+            elif f.block:  # DFlash: row i drafts node i + 1
+                keep += range(row, row + f.q_len - 1)
+            else:
+                keep += range(row, row + f.q_len)
+            row += f.q_len
+        ids = _pack(pieces, runner.device)
+        logits = runner.forward(mode, reqs, ids, positions, self.p.slots.req_to_token.table,
+                                self.p.alloc.full_id, check=False)
+        every = keep == list(range(row))
+        rb = Readback(f"{runner.name} {mode}", logits,
+                      None if every else pinned_ids(keep, runner.device),
+                      rows=not (mode == "draft_decode" and reqs and reqs[0].block),
+                      then=lambda host: self._resolved(runner, mode, reqs, host, early))
+        self.launched += 1
+        rb.index = self.launched
+        self._on_device(mode, reqs, rb.ids_dev)
+        self.inflight.append(rb)
+        self._drain(keep=1 if self.overlap else 0)
+        if mode == "target_verify":
+            self.verified = rb.index
+            if self.overlap and self.p.draft is not None and self.p.draft.writes and \
+                    all(f.parents is None for f in reqs):
+                # sglang's spec v2 shape: the draft extends over every verified chain node
+                # before the accept lengths are back; its rows past the accepted ones are
+                # dropped and its K/V there freed with the rejected slots
+                self.extending = True
+                self.forward("draft", "draft_extend", reqs)
+                self.extending, self.extended = False, True
+
+    def _completes(self, f: ReqForward) -> bool:
+        return f.prefix_len + f.nodes == len(self.by_id[f.rid].prompt)
+
+    def _drain(self, keep: int = 0, upto: int | None = None, why: str = "late") -> None:
+        """Wait for (in launch order) every in-flight readback but the newest ``keep``, or
+        those launched up to forward ``upto``; ``why`` is kept with each wait for the tests."""
+        while len(self.inflight) > keep and (upto is None or self.inflight[0].index <= upto):
+            rb = self.inflight.popleft()
+            self.resolved_at.append((rb.index, self.launched, why))
+            rb.then(rb.wait())
+
+    def _on_device(self, mode: ForwardMode, reqs: list[ReqForward], ids: torch.Tensor) -> None:
+        """What later forwards read from this one stays on the device. ids: [K] int64, the
+        argmax of the kept rows in `forward`'s order."""
+        k = 0
+        for f in reqs:
             r = self.by_id[f.rid]
-            self.rows[f.rid] = rows
-            if mode == "extend" and f.prefix_len + f.nodes == len(r.prompt):
-                self._take(r, rows[-1], len(r.prompt) - 1)  # the prompt's last logits
+            if mode == "extend":
+                if self._completes(f):
+                    self.roots[f.rid], k = ids[k:k + 1], k + 1
+                    r.pending += 1
             elif mode == "decode":
-                self._take(r, rows[0], f.prefix_len)
+                self.roots[f.rid], k = ids[k:k + 1], k + 1
+                r.pending += 1
+            elif mode == "draft_decode" and f.block:
+                self.dnodes[f.rid] = torch.cat([self.dnodes[f.rid][:1], ids[k:k + f.q_len - 1]])
+                k += f.q_len - 1
+            elif mode == "draft_decode" and f.parents is None:  # query node s drafts s + 1
+                self.dnodes[f.rid] = torch.cat([self.dnodes[f.rid][:f.query_from + 1],
+                                                ids[k + f.q_len - 1:k + f.q_len]])
+                k += f.q_len
+            else:
+                if mode == "target_verify":
+                    self.vids[f.rid] = ids[k:k + f.q_len]
+                k += f.q_len
+
+    def _resolved(self, runner, mode: ForwardMode, reqs: list[ReqForward], host,
+                  early: bool) -> None:
+        """Act on one forward's host values (`readback.HostResult`), in launch order. early: a
+        draft_extend over a whole verified chain (only its committed rows are kept)."""
+        if runner.guards and not host.finite:
+            raise NonFinite(f"{runner.name} {mode}: non-finite logits (a poisoned, freed or "
+                            "dummy slot was read)")
+        k = 0
+        for f in reqs:
+            r = self.by_id[f.rid]
+            n = (1 if self._completes(f) else 0) if mode == "extend" else \
+                f.q_len - 1 if f.block else f.q_len
+            ids, rows = host.ids[k:k + n], None if host.rows is None else host.rows[k:k + n]
+            k += n
+            if mode == "extend" and n:
+                self._take(r, rows[0], len(r.prompt) - 1, ids[0])  # the prompt's last logits
+                r.pending -= 1
+            elif mode == "decode":
+                self._take(r, rows[0], f.prefix_len, ids[0])
+                r.pending -= 1
             elif mode == "draft_decode":
-                self._drafted(f, rows)
+                self._drafted(f, rows, ids)
+            elif mode == "target_verify":
+                self.hrows[f.rid], self.hbest[f.rid] = rows, ids
             elif mode == "draft_extend":  # kept for the draft's own check against its model
                 for i, p in enumerate(range(f.prefix_len, f.prefix_len + f.nodes)):
-                    r.draft_logits[p] = rows[i].detach().cpu()
+                    if not early or p < r.committed:  # accepted by now (one step late)
+                        r.draft_logits[p] = rows[i]
 
-    def _drafted(self, f: ReqForward, rows: torch.Tensor) -> None:
+    def _drafted(self, f: ReqForward, rows: torch.Tensor | None, ids: list[int]) -> None:
         nodes = self.nodes.setdefault(f.rid, [])
         if f.block:  # DFlash: row i drafts node i + 1
-            nodes[1:] = rows[:-1].argmax(-1).tolist()
+            nodes[1:] = ids
         elif f.parents is None:  # a chain (own pool or FROZEN_KV): query node s drafts s + 1
             del nodes[f.query_from + 1:]
-            nodes.append(int(rows[-1].argmax()))
+            nodes.append(ids[-1])
             self.proposals.setdefault(f.rid, {})[f.query_from + 1] = rows[-1]  # for `Rejection`
+        else:  # a tree level: `grow_tree` picks the next level from these rows
+            self.hrows[f.rid] = rows
 
     def start_tree(self, reqs) -> dict[Hashable, list[int]]:
         for r in reqs:
-            self.nodes[r.rid], self.scores[r.rid] = [r.tokens[r.committed]], [0.0]
+            self.scores[r.rid] = [0.0]
         return {r.rid: [-1] for r in reqs}
 
     def grow_tree(self, reqs: list[ReqForward], level: int, tree) -> None:
@@ -261,8 +391,9 @@ class Generator:
         if level + 1 >= s.num_steps + 1:
             return
         lo, hi = level_bounds(s.topk, level)
+        self._drain(why="tree")  # the tree's shape is a host decision: its rows must be back
         for f in reqs:
-            logp = self.rows[f.rid].float().log_softmax(-1)  # [hi - lo, V]
+            logp = self.hrows[f.rid].log_softmax(-1)  # [hi - lo, V]
             scores = self.scores[f.rid]
             cand = []
             for i in range(lo, hi):
@@ -270,23 +401,28 @@ class Generator:
                 cand += [(scores[i] + float(v), i, int(t)) for v, t in zip(top.values, top.indices)]
             greedy = max((c for c in cand if c[1] == lo), key=lambda c: c[0])
             rest = sorted((c for c in cand if c is not greedy), key=lambda c: -c[0])
-            for score, parent, tok in [greedy, *rest[:s.topk - 1]]:
+            picked = [greedy, *rest[:s.topk - 1]]
+            for score, parent, tok in picked:
                 tree[f.rid].append(parent)
                 self.nodes[f.rid].append(tok)
                 self.scores[f.rid].append(score)
+            self.dnodes[f.rid] = torch.cat([self.dnodes[f.rid], pinned_ids(
+                [c[2] for c in picked], self.dnodes[f.rid].device)])
 
     def accept(self, verify: ReqForward) -> list[int]:
+        self._drain(upto=self.verified, why="accept")  # a host decision (see module doc)
         r = self.by_id[verify.rid]
-        rows = self.rows[verify.rid]
+        rows, best = self.hrows[verify.rid], self.hbest[verify.rid]
         nodes = self.nodes[verify.rid][:verify.nodes]
-        best = rows.argmax(-1).tolist()
         path = greedy_path(verify.parents, nodes, best)
         depth = verify.node_positions() - verify.prefix_len
         for i in path[1:]:  # the accepted drafts are the target's argmax at their parents
             parent = verify.parents[i] if verify.parents is not None else i - 1
             self._record(r, rows[parent], verify.prefix_len + int(depth[parent]))
             r.tokens.append(nodes[i])
-        self._take(r, rows[path[-1]], verify.prefix_len + int(depth[path[-1]]))  # the bonus
+        self._take(r, rows[path[-1]], verify.prefix_len + int(depth[path[-1]]),
+                   best[path[-1]])  # the bonus
+        self.roots[r.rid] = self.vids[r.rid][path[-1]:path[-1] + 1]
         j = len(path)  # a chain's first rejected node: the draft's row that proposed it, kept
         if verify.parents is None and j < verify.nodes and not verify.block:
             r.rejections.append(rejection(len(r.accepts), verify.prefix_len + j - 1, rows[j - 1],
@@ -303,8 +439,11 @@ class Generator:
 
     def _seed_nodes(self) -> None:
         """Each step's nodes start at the root (a DFlash block: the root, then mask tokens)."""
+        dflash = self.cfg.spec.algorithm == "dflash"
         for r in self.running:
-            self.nodes[r.rid] = [r.tokens[r.committed]]
+            # the root's host value may still be in flight: no host decision compares it
+            self.nodes[r.rid] = [-1] + [MASK_TOKEN] * len(self.masks)
+            self.dnodes[r.rid] = self.roots[r.rid]
             self.proposals.pop(r.rid, None)
-            if self.cfg.spec.algorithm == "dflash":
-                self.nodes[r.rid] += [MASK_TOKEN] * (self.cfg.spec.block_size - 1)
+            if dflash:
+                self.dnodes[r.rid] = torch.cat([self.roots[r.rid], self.masks])

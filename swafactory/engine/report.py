@@ -85,6 +85,11 @@ def render_generate(r: GenerateReport, console: Console) -> None:
     for i in range(0, len(pairs), 2):
         g.add_row(*pairs[i], *pairs[i + 1])
     console.print(g)
+    if r.overlap:  # the lead compares these on the GPU
+        off = r.tokens_per_s_no_overlap
+        console.print(f"[b]tokens/s[/]: {r.tokens_per_s:.1f} with run.overlap=true, " + (
+            "- without (not run)" if not off else
+            f"{off:.1f} without (x{r.tokens_per_s / off:.2f})"))
     if r.error:
         console.print(Panel(r.error, title="stopped", title_align="left", border_style="red",
                             expand=False))

@@ -13,11 +13,12 @@ from pydantic import BaseModel, ConfigDict
 __all__ = ["Rejection", "RequestRecord", "GenStep", "CheckResult", "GenerateReport", "CHECK_ORDER"]
 
 CHECK_ORDER = ("space", "nan", "kernel", "capacity", "leak", "logits", "draft_logits",
-               "lossless", "acceptance")
+               "lossless", "overlap", "acceptance")
 """Every check, in the order that names the one that caught a failure (`GenerateReport.caught_by`;
 `failed_checks` lists all): the guards and a kernel fault stop the run where they happen; then
 the logits against transformers (the target's, then a writing draft's own), which locate a wrong
-read most precisely; then what a user sees: tokens that differ from spec=none, acceptance."""
+read most precisely; then what a user sees: tokens that differ from spec=none (or, with
+``run.overlap=true``, from the same run without overlap), acceptance."""
 
 
 class _Model(BaseModel):
@@ -93,6 +94,9 @@ class GenerateReport(_Model):
     combination: str
     device: str
     backend: str
+    kernels: list[str] = []
+    """What served each pass × layer group and why, per runner, as resolved when its backend
+    was built (`backend.kernels`)."""
     transformers: str
     """transformers version the model was built with."""
     architecture: str
@@ -136,8 +140,16 @@ class GenerateReport(_Model):
     """The exception that stopped the run, if one did."""
     wall_s: float
     tokens_per_s: float
+    overlap: bool = False
+    """``run.overlap``: the run planned each forward before the last one's tokens came back."""
+    tokens_per_s_no_overlap: float | None = None
+    """With ``run.overlap=true``: tokens/s of the same run without overlap (run after it, so
+    any warm-up lands on the overlap run)."""
     reference_s: float
     """Wall time of the reference runs (spec=none, the torch backend) and the eager forwards."""
     cuda_graphs: dict[str, dict[str, int]] | None = None
     """``backend.cuda_graph=true``: per runner, graphs captured, forwards replayed, forwards run
     eagerly (prefills, and batches past the largest bucket)."""
+    graph_state_bytes: int = 0
+    """Bytes of the runners' CUDA-graph static state (`AttentionBackend.graph_state_bytes`):
+    sized by bucket and context, not by the pool. 0 without graphs."""

@@ -14,6 +14,9 @@ Checks (`report_model.CHECK_ORDER`):
   rejected anyway);
 * ``lossless``: every request's greedy tokens equal those of ``spec=none`` on the same backend,
   prompts and weights (a divergence right after an argmax tie is reported, not failed);
+* ``overlap`` (``run.overlap=true``): every request's tokens equal those of the same run without
+  overlap (a divergence right after an argmax tie is reported, not failed); that run's tokens/s
+  is reported beside the overlap run's (``tokens_per_s_no_overlap``);
 * ``acceptance``: a self-speculating copy (eagle, eagle3, nextn, standalone) commits the ideal
   length every step (num_steps + 1 for a chain, the verified greedy depth + 1 for a tree);
   frozen_kv_mtp and dflash commit, step by step, what the torch backend commits with no fault
@@ -44,6 +47,7 @@ from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateRe
 from swafactory.engine.runner import NonFinite
 from swafactory.errors import CapacityError, SpaceError
 from swafactory.registry.device import DeviceInfo, detect_device
+from swafactory.registry.kernel_choice import worker_lines
 from swafactory.registry.select import validate
 
 __all__ = ["run_generate", "draws", "ideal_accept", "logits_tolerance", "estimate_steps"]
@@ -146,7 +150,7 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     main = _generate(cfg, dev, model, prompts, outs, on_step)
     t_ref = time.perf_counter()
     s = cfg.spec
-    none_run = torch_run = None
+    none_run = torch_run = twin = None
     checks: dict[str, CheckResult] = {}
     tol = logits_tolerance(cfg)
     if main.error is not None:
@@ -164,6 +168,10 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
         if main.parts.draft is not None and main.parts.draft.writes:
             checks["draft_logits"], derr, _, _ = logits_check(cfg, main.parts.draft.model, reqs,
                                                               "draft_logits")
+        if cfg.run.overlap:  # the same run without overlap: its tokens, and tokens/s to compare
+            twin = _generate(cfg.model_copy(update={"run": cfg.run.model_copy(
+                update={"overlap": False})}), dev, model, prompts, outs)
+            checks["overlap"] = lossless_check(reqs, twin, "overlap", "run.overlap=false")
         if s.algorithm != "none":
             none_run = _generate(_variant(cfg, dev, spec=NoSpec(name="none", algorithm="none")),
                                  dev, model, prompts, outs)
@@ -179,11 +187,17 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     failed = [c for c in CHECK_ORDER if c in checks and checks[c].status == "failed"]
     return _report(cfg, dev, tf.__version__, model, main, checks, failed,
                    err if main.error is None else None, npos if main.error is None else 0,
-                   none_run, ref_s, tol, recipe)
+                   none_run, ref_s, tol, recipe, twin)
+
+
+def _tokens_per_s(run: _Outcome | None) -> float | None:
+    if run is None or run.gen is None or not run.wall:
+        return None
+    return sum(len(r.tokens) - len(r.prompt) for r in (*run.gen.done, *run.gen.running)) / run.wall
 
 
 def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, npos, none_run,
-            ref_s, tol, recipe) -> GenerateReport:
+            ref_s, tol, recipe, twin: _Outcome | None = None) -> GenerateReport:
     gen = main.gen
     reqs = sorted([*(gen.done if gen else []), *(gen.running if gen else [])], key=lambda r: r.rid)
     records = [RequestRecord(rid=r.rid, prompt_ids=r.prompt, generated_ids=r.generated[:r.out],
@@ -194,7 +208,7 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
     steps = gen.history if gen else []
     scfg = main.parts.cfg if main.parts else cfg
     tokens = sum(len(r.tokens) - len(r.prompt) for r in reqs)
-    names = {"lossless", "acceptance"}
+    names = {"lossless", "overlap", "acceptance"}
     for c in CHECK_ORDER:
         checks.setdefault(c, CheckResult(name=c, status="skipped", detail="not reached" if
                                          c not in names or main.error else "-"))
@@ -203,6 +217,8 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
     return GenerateReport(
         status="failed" if failed else "ok", combination=cfg.combination, device=dev.describe(),
         backend=cfg.backend.name, transformers=tf_version,
+        kernels=worker_lines([r for r in (main.parts.target, main.parts.draft) if r is not None]
+                             if main.parts else []),
         architecture=type(model).__name__, checkpoint=cfg.model.checkpoint, seed=cfg.workload.seed,
         hf_config=model.config.to_dict(), post_init=recipe, serving_model=scfg.model.model_dump(mode="json"),
         spec=cfg.spec.name, draft=main.parts.draft_desc if main.parts else "-",
@@ -217,6 +233,9 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
               f"(at step {gen.step if gen else 0}, {gen.current[0]} {gen.current[1]})"
               if gen else f"{type(main.error).__name__}: {main.error}",
         wall_s=main.wall, tokens_per_s=tokens / main.wall if main.wall else 0.0,
-        reference_s=ref_s,
+        reference_s=ref_s, overlap=cfg.run.overlap, tokens_per_s_no_overlap=_tokens_per_s(twin),
         cuda_graphs={r.name: dict(r.graph_use) for r in (main.parts.target, main.parts.draft)
-                     if r is not None} if cfg.backend.cuda_graph and main.parts else None)
+                     if r is not None} if cfg.backend.cuda_graph and main.parts else None,
+        graph_state_bytes=sum(bk.graph_state_bytes() for bk in {
+            id(r.backend): r.backend for r in (main.parts.target, main.parts.draft)
+            if r is not None}.values()) if main.parts else 0)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
+from swafactory.engine.readback import pinned_ids
 from swafactory.errors import SpaceError
 from swafactory.graphs import RecordedStep
 from swafactory.integrations.transformers import ATTENTION, register, routing
@@ -52,12 +53,15 @@ class Runner:
 
     writes: the runner writes its K/V (False: a FROZEN_KV draft). swap: ``(view, frozen_pool,
     dummy_pool)`` for a FROZEN_KV draft, whose view's active pool the engine swaps to the
-    target's frozen view around each forward (sglang's runner does the same). guards: check
-    every forward's logits for NaN/inf (the NaN guard; the pools are poisoned in check mode).
+    target's frozen view around each forward (sglang's runner does the same). max_context: the
+    most keys a request reads (sizes the graph state; None: `init_cuda_graph_state`'s default).
+    guards: check every forward's logits for NaN/inf (the NaN guard; the pools are poisoned in
+    check mode).
     """
 
     def __init__(self, name: str, model, backend, *, writes: bool = True, swap=None,
-                 guards: bool = True, graphs: bool = False) -> None:
+                 guards: bool = True, graphs: bool = False,
+                 max_context: int | None = None) -> None:
         register()
         self.name, self.model, self.backend = name, model, backend
         self.writes, self.swap, self.guards = writes, swap, guards
@@ -68,14 +72,17 @@ class Runner:
         self._graphs: dict[tuple[int, int], tuple] = {}  # (bs, tokens) → graph, ids, pos, logits
         self.graph_use = {"captures": 0, "replays": 0, "eager": 0}
         if graphs:
-            backend.init_cuda_graph_state(BUCKETS[-1], MAX_GRAPH_TOKENS)
+            # graph buffers sized by what a bucket reads (max_context: the longest request)
+            backend.init_cuda_graph_state(BUCKETS[-1], MAX_GRAPH_TOKENS, max_context)
 
     @torch.no_grad()
-    def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward], tokens: Sequence[int],
-                positions: Sequence[int], req_to_token: torch.Tensor,
-                full_id: str) -> torch.Tensor:
-        """tokens, positions: [T] of the batch's query rows, request by request. Returns the
-        logits [T, vocab] fp32."""
+    def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward],
+                tokens: Sequence[int] | torch.Tensor, positions: Sequence[int],
+                req_to_token: torch.Tensor, full_id: str, *, check: bool = True) -> torch.Tensor:
+        """tokens, positions: [T] of the batch's query rows, request by request (tokens may be
+        a [T] int64 tensor on the device: an overlap driver's inputs never visit the host).
+        Returns the logits [T, vocab] fp32. check=False leaves the NaN guard to the caller,
+        which reads a finite flag back with the tokens instead of syncing here."""
         batch = ForwardBatch.of(mode, reqs, req_to_token, full_id)
         if batch.total_q != len(tokens):
             raise ValueError(f"{self.name} {mode}: {len(tokens)} tokens for {batch.total_q} queries")
@@ -83,8 +90,9 @@ class Runner:
             view, frozen, _ = self.swap
             view.active_pool = frozen  # the engine swaps the target's frozen view in
         try:
-            ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-            pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
+            ids = (tokens.to(self.device).view(1, -1) if isinstance(tokens, torch.Tensor)
+                   else pinned_ids(list(tokens), self.device).view(1, -1))
+            pos = pinned_ids(list(positions), self.device).view(1, -1)
             bucket = self._bucket(batch)
             if bucket is None:
                 self.backend.init_forward_metadata(batch)
@@ -99,7 +107,7 @@ class Runner:
                 view.active_pool = self.swap[2]
         self.forwards += 1
         logits = logits.float()
-        if self.guards and not bool(torch.isfinite(logits).all()):
+        if check and self.guards and not bool(torch.isfinite(logits).all()):
             raise NonFinite(f"{self.name} {mode}: non-finite logits (a poisoned, freed or dummy "
                             "slot was read)")
         return logits
@@ -116,12 +124,29 @@ class Runner:
             return None
         return bs, tokens
 
+    @torch.no_grad()
+    def capture_all(self, modes: Sequence[tuple[ForwardMode, int]] = (("decode", 1),)) -> int:
+        """Capture every bucket of `BUCKETS` for each (mode, queries per request) at start-up,
+        as an engine does (graph state is allocated once, sized by bucket and context); returns
+        how many were captured. Buckets captured already are kept."""
+        todo = [(m, bs, t) for m, t in modes for bs in BUCKETS if (bs, t) not in self._graphs]
+        if self.swap is not None:
+            view, frozen, _ = self.swap
+            view.active_pool = frozen  # captured against the frozen view, as forwards run
+        try:
+            for m, bs, t in todo:
+                self._graphs[(bs, t)] = self._capture(m, bs, t)
+        finally:
+            if self.swap is not None:
+                view.active_pool = self.swap[2]
+        return len(todo)
+
     def _replay(self, batch: ForwardBatch, bucket: tuple[int, int], ids: torch.Tensor,
                 pos: torch.Tensor) -> torch.Tensor:
         """Capture ``bucket``'s graph on first use, then plan, copy the inputs and replay;
         returns the batch's logits rows [T, vocab]."""
         st = self._graphs.get(bucket)
-        if st is None:
+        if st is None or self.backend.graph_stale(*bucket) is not None:  # stale: fp8 scales
             st = self._graphs[bucket] = self._capture(batch.mode, *bucket)
         graph, s_ids, s_pos, s_logits = st
         rows = batch.total_q

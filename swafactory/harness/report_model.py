@@ -88,6 +88,10 @@ class Report(_Model):
     """Resolved backend (after `auto`)."""
     parts: dict[str, str]
     """Which shared parts served the run (resolver policy, planner, kernel, tree strategy, …)."""
+    kernels: list[str] = []
+    """What served each pass × layer group and why, per worker, as resolved when its backend
+    was built (`backend.kernels`; e.g. ``target verify/full: cuda verify_d512 + triton extend
+    tile (auto: nvcc present)``)."""
     fault: str | None = None
     """The fault injected, if any."""
     layers_attended: list[int]
@@ -138,6 +142,10 @@ class Report(_Model):
     peak_device_bytes: int | None = None
     """The run's peak CUDA memory held by torch (allocator peak; None on CPU): pools,
     histories, the oracle's scores and the kernels' workspaces together."""
+    graph_state_bytes: int = 0
+    """Bytes of the CUDA-graph static state the run's backends hold (write slots, the kernels'
+    graph buffers: `AttentionBackend.graph_state_bytes`); sized by bucket and context, not by
+    the pool. 0 without graphs."""
     tp: int = 1
     """Tensor-parallel ranks (heads sharded; outputs all-gathered before the oracle check)."""
     rank_attention_ms: list[float] = Field(default_factory=list)

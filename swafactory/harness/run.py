@@ -20,6 +20,7 @@ from swafactory.harness.workers import Check, Worker
 from swafactory.registry.device import DeviceInfo, detect_device
 from swafactory.registry.select import validate
 from swafactory.registry.check import kernel_groups
+from swafactory.registry.kernel_choice import worker_lines
 from swafactory.registry.table import get_capabilities
 
 __all__ = ["run", "tolerance_for"]
@@ -271,7 +272,7 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, b
     layers = sorted(parts.target.layers) if parts else []
     return Report(
         status="failed" if mismatch else "ok", combination=cfg.combination,
-        device=dev.describe(), backend=b.name, parts=parts_desc,
+        device=dev.describe(), backend=b.name, parts=parts_desc, kernels=worker_lines(workers),
         fault=", ".join(cfg.faults.active) or None, layers_attended=layers,
         draft_layers=len(parts.draft.layers) if parts and parts.draft else 0,
         requests=cfg.workload.num_requests, steps=loop.step if loop else 0,
@@ -289,4 +290,6 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, b
         first_use_s=sum(first_use.values()), first_use=first_use, steady_steps=len(clock.steady),
         tokens_per_s=tokens / wall if wall else 0.0, wall_s=wall,
         peak_device_bytes=torch.cuda.max_memory_allocated() if dev.kind == "cuda" else None,
+        graph_state_bytes=sum(bk.graph_state_bytes() for bk in
+                              {id(x.backend): x.backend for x in workers}.values()),
         leaked=books, history=history, mismatch=mismatch)

@@ -7,13 +7,24 @@ pages in order, so its page ids are every P-th listed row // P, and ``last_page_
 list leaves in the last page (`page_table`). Keys of the first page before the window are still
 allocated (eviction frees whole pages) and masked by position like every other backend's.
 
-Kernels. A forward whose requests all have one query and no structure mask (decode) runs the
-tensor-core decode wrapper with ``window_left = W - 1``: the key list ends at the query's own
-position, which is what FlashInfer's window is relative to, so that is exact. Every other forward
-(extend, chain/tree verify, draft, DFlash block) runs the prefill wrapper with a host-built custom
-mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, because FlashInfer measures
-its window from ``kv_len - q_len + i``, which is wrong for trimmed SWA lists and tree nodes at
-``prefix + depth`` (DESIGN invariant 4).
+Kernels. FlashInfer counts causality and its window from ``kv_len - q_len + i`` (query i's
+place in its request's key list), which is the token position exactly when the keys are
+consecutive positions ending at the request's last query (`AttnTables.natural`: the planner's
+lists of chains, SWA lists trimmed to a page start included, since the trim moves the start, not
+the end). So:
+
+* decode (one query per request, no mask): the tensor-core decode wrapper, ``window_left = W-1``;
+* plain multi-query passes (prefill chunks, extend, chain verify, chain draft, draft extend):
+  the prefill wrapper with ``causal=True, window_left = W-1`` and no mask: nothing per
+  (query, key) is built, whatever the chunk (planning memory is the key lists');
+* trees, DFlash blocks, prefix-only queries and cascade halves: the prefill wrapper with a
+  host-built custom mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, since
+  there the list index is not the position (tree nodes at ``prefix + depth``, DESIGN invariant 4);
+* CUDA-graph buckets of several tokens: the masked prefill (its kernel is fixed at capture, by
+  the bucket alone, and must also serve the trees it replays); graph steps are short.
+
+Causal and masked passes use separate wrappers: FlashInfer picks a wrapper's FA2/FA3 backend at
+its first plan from whether a mask is given.
 
 Planning. `plan(forward_plan, pool, sigs=…)` (once per forward, from
 `AttentionBackend.init_forward_metadata`) does all the host work: the planner's host indptrs
@@ -54,6 +65,9 @@ of FlashInfer's prefill: its dense run through our CUDA kernel where nvcc is pre
 8 tokens: that dense run 1.20 ms, the Triton tile 2.01, FlashInfer's custom mask 2.23, its decode
 of the same K/V 0.99 (bench/results/probe-verify-cuda-d79e545.md). Eager forwards only: a graph
 bucket keeps FlashInfer's ``use_cuda_graph`` prefill, whose buffers it refills in place.
+``backend.kernels.<group>.verify`` chooses (``library``: FlashInfer's prefill; ``triton``: no CUDA
+dense run); `run=plan` shows what serves. The FlashInfer version and its mask layout are checked
+at start (`flashinfer_check`).
 """
 from __future__ import annotations
 
@@ -63,6 +77,8 @@ from dataclasses import dataclass, field
 import torch
 
 from swafactory.kernels import flashinfer_replan as replan
+from swafactory.kernels.flashinfer_check import check_at_start, check_version
+from swafactory.kernels.flashinfer_staging import StagingRing
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.kernels.triton.ops import paged_attention
@@ -137,6 +153,15 @@ class _Pass:
     kv_dev: torch.Tensor | None = None
     """[B+1] int32 on the device: ``kv_host``'s twin (the planner's), which FlashInfer's
     ``fast_decode_plan`` takes as the kernel's indptr (eager decode at page size 1 only)."""
+    causal: bool = False
+    """A plain multi-query pass (`AttnTables.natural`, eager): FlashInfer's prefill with
+    ``causal=True, window_left=W-1`` and no mask."""
+
+    @property
+    def key(self) -> tuple:
+        """Its wrapper's key: FlashInfer resolves a wrapper's backend (FA2/FA3) at its first
+        plan from whether a mask is given, so causal and masked passes keep separate ones."""
+        return (self.group, self.role, self.decode, self.causal, self.graph)
 
 
 Signature = tuple
@@ -185,6 +210,23 @@ class Adapter:
         """Decode passes re-planned without ``plan`` (FlashInfer's ``fast_decode_plan``, or its
         scheduler call alone: ``direct_plans`` of them)."""
         self._replan = replan.DecodeReplanner()
+        self.graph_keys = None
+        """(window, tokens) → most keys one request of a graph bucket lists (set by
+        `AttentionBackend.init_cuda_graph_state`); None: the largest sub-pool's rows."""
+        self._graph_bufs: dict[tuple, list[torch.Tensor]] = {}
+        """Graph wrapper key → the fixed buffers given to it (`graph_bytes`)."""
+        self._staging = StagingRing()
+        """The pinned plan staging, one buffer per in-flight plan (`flashinfer_staging`)."""
+        self.kernels = None
+        """The backend's `registry.kernel_choice.KernelPolicy` (set by `build_backend`): whether
+        our tiles serve wide verify (`uses_triton_verify`) and our CUDA dense run with them."""
+        self._mode = None  # the planned forward's mode: which pass's choice serves it
+        check_version()  # a FlashInfer other than the tested one is refused here (importable only)
+
+    def start(self, device: torch.device) -> None:
+        """Once the backend is built: the version, and on CUDA the packed-mask layout the
+        installed FlashInfer reads (`flashinfer_check`, once per process)."""
+        check_at_start(device)
 
     def plan(self, forward_plan, pool, *, sigs: dict[str, Signature] | None = None,
              graph: tuple[int, int] | None = None) -> None:
@@ -194,6 +236,7 @@ class Adapter:
         graph: (bucket, tokens per request) to pad for and plan a captured bucket's wrappers.
         """
         self._passes.clear()
+        self._mode = getattr(forward_plan, "mode", None)
         if pool is not self._views_pool:  # views of a former pool's buffers are let go
             self._views.clear()
             self._views_pool = pool  # held: its identity is not reused while these stand
@@ -202,7 +245,8 @@ class Adapter:
         for key, g in forward_plan.groups.items():
             sig = (sigs or {}).get(key)
             for role, t in g.passes:
-                if graph is None and sig is not None and uses_triton_verify(sig, t):
+                if graph is None and sig is not None and uses_triton_verify(sig, t) and (
+                        self.kernels is None or self.kernels.ours(self._mode, g.window is not None)):
                     self._passes.put(t, _Pass(key, role, g.window, False, t.qo_host, t.kv_host,
                                               t.kv_indices.tensor, self._ones[:0], None,
                                               planned_for=sig, triton=True))
@@ -222,8 +266,13 @@ class Adapter:
                              "no structure mask: capture tokens >= 2 for masked batches")
         indices = (t.kv_indices_i32 if t.kv_indices_i32 is not None  # the planner's int32 rows
                    else t.kv_indices.tensor.to(torch.int32))
+        # Plain chunks (keys: consecutive positions ending at the last query) run FlashInfer's
+        # own causal rule and window, exact there; only trees and blocks need a mask, whose
+        # bits (q_len · kv_len of them) a long chunk could not afford. A graph bucket keeps the
+        # mask: its kernel is fixed at capture, before it knows what it will replay.
+        causal = not decode and graph is None and t.natural
         mask = mask_off = None
-        if not decode:
+        if not decode and not causal:
             mask, mask_off = packed_custom_mask(t, window, "bit_offsets" if graph is None
                                                 else "dense")
         if graph is not None:
@@ -248,7 +297,7 @@ class Adapter:
         else:  # the pool's own pages (padding requests: the dummy page 0, one key)
             kv_host, indices, last = page_table(kv_host, indices, self._page)
         return _Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
-                     graph=graph, page=self._page, kv_dev=kv_dev)
+                     graph=graph, page=self._page, kv_dev=kv_dev, causal=causal)
 
     def _paged(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
         """(k_buf, v_buf) [rows, Hkv, D] as FlashInfer's NHD caches of the pool's pages
@@ -272,24 +321,29 @@ class Adapter:
             self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._wrappers.clear()
             self._mask_off.clear()
-        k = (p.group, p.role, p.decode, p.graph)
+            self._graph_bufs.clear()
+        k = p.key
         if k in self._wrappers:
             return self._wrappers[k]
         kw = {}
         if p.graph is not None:  # fixed buffers, sized for the bucket's worst case
             n, tokens = p.graph
             i32 = dict(dtype=torch.int32, device=device)
-            max_kv = n * self._max_rows
+            # what a request of the bucket can read (bs × context; SWA: bs × (W + tokens + page)),
+            # never the pool's rows: a 1M-row pool made bucket 64's indices 256 MB each
+            keys = self._max_rows if self.graph_keys is None else self.graph_keys(p.window, tokens)
+            max_kv = n * keys
+            pages = max_kv if self._page == 1 else n * -(-keys // self._page)
             kw = dict(use_cuda_graph=True)
             if p.decode:
                 kw.update(paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
-                          paged_kv_indices_buffer=torch.zeros(max_kv, **i32),
+                          paged_kv_indices_buffer=torch.zeros(pages, **i32),
                           paged_kv_last_page_len_buffer=torch.ones(n, **i32))
             else:
                 self._mask_off[k] = torch.zeros(n + 1, **i32)
                 kw.update(qo_indptr_buf=torch.zeros(n + 1, **i32),
                           paged_kv_indptr_buf=torch.zeros(n + 1, **i32),
-                          paged_kv_indices_buf=torch.zeros(max_kv, **i32),
+                          paged_kv_indices_buf=torch.zeros(pages, **i32),
                           paged_kv_last_page_len_buf=torch.ones(n, **i32),
                           custom_mask_buf=torch.zeros((tokens * max_kv + 7) // 8 + n,
                                                       dtype=torch.uint8, device=device),
@@ -300,15 +354,30 @@ class Adapter:
         else:
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", **kw)
         self._wrappers[k] = w
+        if p.graph is not None:
+            self._graph_bufs[k] = [b for b in kw.values() if isinstance(b, torch.Tensor)]
         return w
+
+    def graph_bytes(self) -> int:
+        """Bytes of the graph wrappers' fixed buffers and their own int workspaces (FlashInfer
+        gives each wrapper one; the float workspace is shared with eager passes, not counted)."""
+        seen, total = set(), 0
+        for k, bufs in self._graph_bufs.items():
+            ws = getattr(self._wrappers.get(k), "_int_workspace_buffer", None)
+            for b in (*bufs, *((ws,) if isinstance(ws, torch.Tensor) else ())):
+                if b.data_ptr() not in seen:
+                    seen.add(b.data_ptr())
+                    total += b.numel() * b.element_size()
+        return total
 
     def _plan_wrapper(self, p: _Pass, sig: Signature, device: torch.device) -> None:
         hq, hkv, d, q_dtype, kv_dtype, scale, softcap = sig
         w = self._wrapper(p, device)
         common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale,
                       logits_soft_cap=softcap)
-        wkey = (p.group, p.role, p.decode, p.graph)
+        wkey = p.key
         fast = p.kv_dev is not None and replan.fast_decode_plan() is not None
+        self._staging.begin(w, device)  # a host that runs ahead never rewrites a queued copy
         if fast and self._full_plan.get(wkey) == (w, sig):
             # FlashInfer's own fast path (sglang plans its decode steps with it): the same
             # scheduler, without plan()'s Python max() over the host lengths (one item() per
@@ -321,13 +390,17 @@ class Adapter:
         elif p.decode:
             w.plan(p.kv_host, p.indices, p.last, hq, hkv, d, p.page,
                    window_left=flashinfer_window_left(p.window), **common)
+        elif p.causal:  # keys end at the last query: FlashInfer's window and causality are exact
+            w.plan(p.qo_host, p.kv_host, p.indices, p.last, hq, hkv, d, p.page, causal=True,
+                   window_left=flashinfer_window_left(p.window), **common)
         else:  # the window is inside the mask: FlashInfer's own would count from kv_len - q_len
             w.plan(p.qo_host, p.kv_host, p.indices, p.last, hq, hkv, d, p.page,
                    packed_custom_mask=p.mask, window_left=-1, **common)
             if p.graph is not None:  # its plan wrote bit offsets: the kernel reads byte offsets
-                off = self._mask_off[(p.group, p.role, p.decode, p.graph)]
+                off = self._mask_off[p.key]
                 off.copy_(p.mask_off.pin_memory() if off.is_cuda else p.mask_off,
                           non_blocking=True)
+        self._staging.end(device)
         if p.decode:
             self._full_plan[wkey] = (w, sig)
         p.wrapper, p.planned_for = w, sig
@@ -351,7 +424,9 @@ class Adapter:
             return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                    t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                    window=window, scale=scale, softcap=softcap, sinks=sinks,
-                                   max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale)
+                                   max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
+                                   cuda=None if self.kernels is None else
+                                   self.kernels.cuda(self._mode, window is not None))
         if p.triton:  # planned for another signature: FlashInfer's tables after all
             p = self._passes.put(tables, self._prepare(p.group, p.role, tables, p.window, None))
         if p.planned_for != sig:

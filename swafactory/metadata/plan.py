@@ -58,6 +58,12 @@ class AttnTables:
     kv_indices_i32: torch.Tensor | None = None
     """[total_kv] int32: ``kv_indices``' rows as int32, when the planner wrote them (its fused
     GPU kernel does): kernels that index with int32 take them instead of casting."""
+    natural: bool = False
+    """Every request's keys are consecutive positions ending at its last query, its queries
+    consecutive positions ending there too, and no mask (a plain chunk, extend, chain verify or
+    chain draft; SWA lists trimmed to a page start included): a kernel's own causal rule with a
+    window counted from ``kv_len - q_len + i`` is then exact. False when not known to hold
+    (trees, blocks, prefix-only queries, cascade halves, graph capture shapes)."""
 
     @property
     def batch_size(self) -> int:
@@ -203,7 +209,8 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
             kl = fk.lists[i]
             i32 = kl.full32 if kv.space == "full" else kl.swa32
         t = AttnTables(qo_dev, pack.dev(p["kv_host"]), kv, q_pos_dev, kv_pos, mask,
-                       mask_indptr, h.max_q, qo_host, pack.host(p["kv_host"]), i32)
+                       mask_indptr, h.max_q, qo_host, pack.host(p["kv_host"]), i32,
+                       natural=not need_mask)  # chains only: keys end at the last query
         out[key] = GroupPlan(key, sub, window, t, None, w)
     return out, h
 

@@ -109,8 +109,19 @@ class _ShapeTables:
     + 1 (tree nodes): positions are a running sum of increments."""
     last_fix: int
     """Sum of ``fixes[:, 1]``: the last key's position minus its slot index."""
-    holes: np.ndarray
-    """[h, 2]: (query row, node) of each node the query does not see (mask batches)."""
+    shape: StepShape
+
+    @cached_property
+    def holes(self) -> np.ndarray:
+        """[h, 2]: (query row, node) of each node the query does not see. Mask batches only:
+        built on first use, since a plain chunk's (its upper triangle, q_len²/2 pairs) would
+        cost gigabytes at 8K tokens and a batch without a mask never reads it."""
+        s = self.shape
+        sm = ReqForward(0, 0, 0, s.nodes, s.query_from, s.parents, s.block,
+                        s.prefix_only).node_structure()
+        if sm is None:  # a chain inside a masked batch: causal by node order
+            sm = torch.ones(s.nodes, s.nodes, dtype=torch.bool).tril()[s.query_from:]
+        return np.argwhere(~sm.numpy()).astype(np.int64).reshape(-1, 2)
 
 
 @lru_cache(maxsize=4096)
@@ -123,12 +134,7 @@ def _shape_tables(s: StepShape, flat: bool = False) -> _ShapeTables:
     inc = [d[0] + 1] + [d[i] - d[i - 1] for i in range(1, s.kv_nodes)] if s.kv_nodes else []
     fixes = np.array([(i, v - 1) for i, v in enumerate(inc) if v != 1],
                      dtype=np.int64).reshape(-1, 2)
-    sm = ReqForward(0, 0, 0, s.nodes, s.query_from, s.parents, s.block,
-                    s.prefix_only).node_structure()
-    if sm is None:  # a chain inside a masked batch: causal by node order
-        sm = torch.ones(s.nodes, s.nodes, dtype=torch.bool).tril()[s.query_from:]
-    holes = np.argwhere(~sm.numpy()).astype(np.int64).reshape(-1, 2)
-    return _ShapeTables(queries, fixes, int(fixes[:, 1].sum()), holes)
+    return _ShapeTables(queries, fixes, int(fixes[:, 1].sum()), s)
 
 
 class _Items:

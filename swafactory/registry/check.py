@@ -15,6 +15,7 @@ from swafactory.kvcache.sizing import swa_tokens_per_request
 from swafactory.registry.capabilities import Capabilities
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.fault_needs import faults_rule
+from swafactory.registry.kernel_choice import kernel_choice
 from swafactory.registry.table import get_capabilities, has_adapter
 
 __all__ = ["check"]
@@ -307,4 +308,4 @@ def _parallel(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
 # rules of one kernel against the groups it serves; rules of the configuration, checked once
 _KERNEL_RULES = (_adapter, _device, _packages, _page_size, _head_dims, _geometry, _window, _tree,
                  _dflash, _sinks, _softcap, _dtype, _cuda_graph)
-_CONFIG_RULES = (_resolver, _sizing, _parallel, faults_rule)
+_CONFIG_RULES = (_resolver, _sizing, _parallel, faults_rule, kernel_choice)

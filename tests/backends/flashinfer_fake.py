@@ -8,7 +8,10 @@ windows, index lists, the base-2 LSE, sinks, cascade) is tested on machines with
   of them); the cache's page size must be the planned one, and every run records it in
   ``runs`` (a test can tell a page-size-1 view of a paged pool);
 * ``window_left`` counted from ``kv_len - q_len + i`` (query i's *list* position, not its token
-  position): the reason the adapter puts windows into the custom mask for multi-query passes;
+  position): the reason the adapter puts windows into the custom mask for tree and block passes;
+* a prefill plan's ``causal=True`` (with no mask): query i sees list keys ``j <= kv_len - q_len +
+  i``, from the same origin as the window (a padding row with fewer keys than queries sees none
+  for its first rows: o = 0, lse = -inf, as FlashInfer's kernels leave an empty row);
 * a custom mask, flattened per request, row-major ``[q_len, kv_len]``; given packed
   (``packed_custom_mask``), 0.6.18's quirk: plan sets ``mask_indptr`` to the *bit* offsets
   ``sum q_len·kv_len`` while the kernel reads request b's bits from *byte* ``mask_indptr[b]``,
@@ -49,8 +52,11 @@ class _Wrapper:
         self.packed = self.mask_indptr = None
 
     def _common(self, hq, hkv, d, page_size, window_left=-1, sm_scale=None,
-                logits_soft_cap=None, q_data_type=None, kv_data_type=None, custom_mask=None):
+                logits_soft_cap=None, q_data_type=None, kv_data_type=None, custom_mask=None,
+                causal=False):
         assert hq % hkv == 0
+        assert not (causal and self.decode), "the decode wrapper's plan takes no causal"
+        self.causal = causal
         self.hq, self.hkv, self.d, self.page = hq, hkv, d, page_size
         self.window_left, self.scale = window_left, sm_scale or d ** -0.5
         self.softcap = logits_soft_cap or 0.0
@@ -91,6 +97,8 @@ class _Wrapper:
                 e = torch.arange(nq * nk)
                 byte = self.packed.cpu()[int(self.mask_indptr.cpu()[b]) + e // 8].long()
                 ok = ((byte >> (e % 8)) & 1).bool().view(nq, nk)
+            elif getattr(self, "causal", False):  # FlashInfer: from the list's end, like the window
+                ok = j <= nk - nq + i
             if self.window_left >= 0:  # FlashInfer: relative to the query's index in the list
                 ok = ok & (j + nq + self.window_left >= nk + i)
             s = s.masked_fill(~ok[None], -math.inf)
@@ -186,6 +194,8 @@ class _Prefill(_Wrapper):
         self._common(hq, hkv, d, page_size, **kw)
         self.packed = None
         if packed_custom_mask is not None:
+            # FlashInfer ignores causal beside a mask: a caller that passes both means neither
+            assert not kw.get("causal"), "causal=True with a custom mask"
             assert "custom_mask" not in kw and packed_custom_mask.dtype == torch.uint8
             q = self.qo[1:] - self.qo[:-1]
             k = self.kv[1:] - self.kv[:-1]
@@ -221,5 +231,5 @@ def module() -> types.ModuleType:
     mod.decode.fast_decode_plan = _fast_decode_plan
     mod.BatchDecodeWithPagedKVCacheWrapper = _Decode
     mod.BatchPrefillWithPagedKVCacheWrapper = _Prefill
-    mod.__version__ = "fake"
+    mod.__version__ = "0.6.18.post1"  # the tested version (`kernels.flashinfer_check`)
     return mod

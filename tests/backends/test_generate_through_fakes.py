@@ -38,14 +38,15 @@ def test_graph_replays_feed_the_draft_as_eager_after_short_accepts(monkeypatch) 
     rows: dict[str, list] = {}
     forward = Runner.forward
 
-    def draft_rows(self, mode, reqs, tokens, positions, *rest):
+    def draft_rows(self, mode, reqs, tokens, positions, *rest, **kw):
         assert isinstance(self.backend.adapter, flashinfer_adapter.Adapter)
-        logits = forward(self, mode, reqs, tokens, positions, *rest)
+        logits = forward(self, mode, reqs, tokens, positions, *rest, **kw)
         if self.name == "draft" and mode == "draft_decode":
             if reqs[0].query_from == 0 and reqs[0].prefix_len % 3 == 0:
                 logits[:, PUSHED] += 1e3  # this step's first draft is rejected: it commits 1
             key = [(r.rid, r.prefix_len, r.query_from) for r in reqs]
-            rows.setdefault(run, []).append((key, list(tokens), logits.clone()))
+            rows.setdefault(run, []).append((key, torch.as_tensor(tokens).tolist(),
+                                             logits.clone()))
         return logits
 
     monkeypatch.setattr(Runner, "forward", draft_rows)

@@ -80,6 +80,7 @@ def test_graph_replays_generate_losslessly_and_stale_padding_shows_in_the_logits
     r = _gen(*load)
     assert r.status == "ok" and r.lossless is True, (r.caught_by, r.checks)
     assert r.cuda_graphs["target"]["replays"] > 0 and r.cuda_graphs["draft"]["replays"] > 0
+    assert r.graph_state_bytes > 0  # the captured buckets' write slots, in report.json
     bad = _gen(*load, "faults=graph_pad_stale_swa_loc", "run.guards=false")
     assert bad.status == "failed" and bad.caught_by == "logits", (bad.caught_by, bad.checks)
 
@@ -151,8 +152,8 @@ def test_a_draft_that_proposes_the_wrong_token_is_named_with_both_gaps(monkeypat
     from swafactory.engine.runner import Runner
     forward = Runner.forward
 
-    def pushed(self, mode, reqs, tokens, positions, *rest):
-        logits = forward(self, mode, reqs, tokens, positions, *rest)
+    def pushed(self, mode, reqs, tokens, positions, *rest, **kw):
+        logits = forward(self, mode, reqs, tokens, positions, *rest, **kw)
         if self.name == "draft" and mode == "draft_decode" and reqs[0].query_from == 1:
             logits[:, 0] += 1e3
         return logits

@@ -97,6 +97,7 @@ def test_graph_replays_pass_as_batches_shrink_inside_a_bucket() -> None:
     assert r.status == "ok", r.mismatch
     use = r.parts["cuda_graphs"]
     assert "recorded (emulated" in use and " 0 replays" not in use, use
+    assert r.graph_state_bytes > 0  # the write slots of every captured bucket, in report.json
 
 
 def test_leaked_names_every_pool_and_a_split_draft_pool_shares_the_target_count() -> None:

@@ -65,6 +65,7 @@ def test_a_tile_that_does_not_build_falls_back_with_one_warning(monkeypatch):
         raise launch.KernelBuildError("nvcc failed on verify_d512.cu: unsupported gpu architecture")
 
     verify._builds.cache_clear()
+    monkeypatch.setattr(launch, "_warned", set())  # one warning per cause and process
     monkeypatch.setattr(launch.CudaKernel, "_function", refuse)
     try:
         with pytest.warns(RuntimeWarning, match="Triton tile serves.*unsupported gpu"):

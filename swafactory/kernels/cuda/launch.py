@@ -21,9 +21,14 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["CudaKernel", "nvcc_path", "cuda_kernels_available", "KernelBuildError",
-           "loads_or_warns", "aligned16", "is_hopper", "sm_count", "tile_knob"]
+           "loads_or_warns", "load_kernels", "warn_once", "kernel_key", "set_build_timeout", "aligned16",
+           "is_hopper", "sm_count", "tile_knob", "env_override", "DEFAULT_BUILD_TIMEOUT_S"]
 
 _DYN_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+DEFAULT_BUILD_TIMEOUT_S = 300.0
+_timeout_s = DEFAULT_BUILD_TIMEOUT_S  # `backend.kernels.build_timeout_s`, set by `prepare`
+_failed: dict[tuple, str] = {}  # (source name, defines) → why it did not build or load
+_warned: set[str] = set()  # causes warned about: one warning each per process
 
 
 class KernelBuildError(RuntimeError):
@@ -40,10 +45,25 @@ def nvcc_path() -> str | None:
     return shutil.which("nvcc")
 
 
+def env_override(decode: bool = False) -> str | None:
+    """The benchmark override that switches our CUDA kernels off (``SWAFACTORY_CUDA_KERNELS=0``,
+    or for decode ``SWAFACTORY_CUDA_DECODE=0``), as ``NAME=0``, or None."""
+    for name in ("SWAFACTORY_CUDA_KERNELS", *(("SWAFACTORY_CUDA_DECODE",) if decode else ())):
+        if os.environ.get(name, "1") == "0":
+            return f"{name}=0"
+    return None
+
+
+def set_build_timeout(seconds: float) -> None:
+    """Seconds nvcc may run on one kernel before the build counts as failed."""
+    global _timeout_s
+    _timeout_s = float(seconds)
+
+
 def cuda_kernels_available(device: torch.device) -> bool:
     """True on a CUDA device of compute capability ≥ 8.0 (cp.async, ldmatrix, bf16 mma) with
     nvcc present and ``SWAFACTORY_CUDA_KERNELS`` not set to 0."""
-    if os.environ.get("SWAFACTORY_CUDA_KERNELS", "1") == "0" or device.type != "cuda":
+    if env_override() or device.type != "cuda":
         return False
     return _capable(device.index)
 
@@ -99,7 +119,13 @@ def _cache_dir() -> Path:
     root = os.environ.get("SWAFACTORY_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swafactory")
     path = Path(root) / "cuda"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"no write permission on {path}")
+    except OSError as exc:
+        raise KernelBuildError(f"the kernel cache {path} is not writable ({exc}); set "
+                               "SWAFACTORY_CACHE to a writable directory") from exc
     return path
 
 
@@ -118,12 +144,22 @@ def build_cubin(source: Path, arch: str, defines: dict[str, int]) -> bytes:
     if nvcc is None:
         raise KernelBuildError("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True,
-                         text=True)
+    try:
+        res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True,
+                             text=True, timeout=_timeout_s)
+    except subprocess.TimeoutExpired as exc:  # run() has killed nvcc already
+        raise KernelBuildError(f"nvcc timed out after {_timeout_s:g} s on {source.name} (raise "
+                               "backend.kernels.build_timeout_s)") from exc
+    except OSError as exc:
+        raise KernelBuildError(f"nvcc could not run ({exc})") from exc
     if res.returncode != 0:
         raise KernelBuildError(f"nvcc failed on {source.name} ({' '.join(flags)}):\n{res.stderr}")
-    tmp.replace(out)  # atomic: a concurrent builder sees a whole file or none
-    return out.read_bytes()
+    try:
+        tmp.replace(out)  # atomic: a concurrent builder sees a whole file or none
+        return out.read_bytes()
+    except OSError as exc:
+        raise KernelBuildError(f"the kernel cache {out.parent} is not writable ({exc}); set "
+                               "SWAFACTORY_CACHE to a writable directory") from exc
 
 
 @functools.cache
@@ -220,15 +256,42 @@ class CudaKernel:
         self.launches += 1
 
 
+def kernel_key(kern: CudaKernel) -> tuple:
+    """What identifies a built kernel: its source, name and defines."""
+    return kern.source.name, kern.name, tuple(sorted(kern.defines.items()))
+
+
+def warn_once(cause: str, message: str) -> None:
+    """``message`` as a RuntimeWarning, unless ``cause`` was warned about in this process."""
+    if cause not in _warned:
+        _warned.add(cause)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def load_kernels(kernels: Sequence[CudaKernel], index: int | None) -> str | None:
+    """Builds and loads ``kernels`` on GPU ``index`` (None: the current one); returns None, or
+    the cause of the first failure: nvcc missing, refusing, timing out or not starting, an
+    unwritable cache, the driver refusing the module. Nothing escapes: a caller falls back."""
+    try:
+        device = torch.device("cuda", index if index is not None
+                              else torch.cuda.current_device())
+        for kern in kernels:
+            try:
+                kern.load(device)
+            except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
+                _failed[kernel_key(kern)] = str(exc).strip() or type(exc).__name__
+                return _failed[kernel_key(kern)]
+    except (RuntimeError, OSError) as exc:  # no CUDA device, or the driver library is missing
+        return f"no CUDA device to load on ({exc})"
+    return None
+
+
 def loads_or_warns(kernels: Sequence[CudaKernel], index: int | None, fallback: str) -> bool:
     """Builds and loads ``kernels`` on GPU ``index`` (None: the current one) before any capture.
-    Where nvcc or the driver refuses one (an nvcc too old for the GPU, say), warns once with
-    their message and ``fallback`` (what serves instead) and returns False. Callers cache it."""
-    device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
-    try:
-        for kern in kernels:
-            kern.load(device)
-    except KernelBuildError as exc:
-        warnings.warn(f"swafactory: {fallback} ({exc})", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+    Where that fails (`load_kernels`), warns once per cause with ``fallback`` (what serves
+    instead) and returns False. Callers cache it."""
+    cause = load_kernels(kernels, index)
+    if cause is None:
+        return True
+    warn_once(cause, f"swafactory: {fallback} ({cause})")
+    return False

@@ -14,7 +14,8 @@ bs 64 3.19 ms). Over fp8 e4m3 pools at head_dim 256/512 (Gemma 4) decode goes to
 `kernels/cuda/decode_fp8.cu`, the step's K/V stored (quantized) first.
 
 CUDA graphs (`plan(…, graph=(bucket, 1))`): decode buckets only. Each (group, pass, bucket) owns
-static tables (indptr, rows, positions) sized for ``bucket`` requests over the largest sub-pool;
+static tables (indptr, rows, positions) sized for what ``bucket`` requests can read (``graph_keys``:
+bs × context, SWA bs × (W + 1 + page); the largest sub-pool's rows when unset);
 `plan` refills them in place from the planner's device tables (device-to-device copies, nothing
 read back), padding requests reading and writing the dummy row 0. The decode kernel sizes its
 grid from static sizes alone, so a replay with fewer or longer requests runs the captured
@@ -45,7 +46,7 @@ class StaticTables:
     """A decode graph bucket's tables at fixed addresses (the kernel contract's names).
 
     qo_indptr: [n+1] int32 = arange; kv_indptr: [n+1] int32; kv_indices: [n·rows] int32;
-    q_pos: [n] int32; kv_pos: [n·rows] int32.
+    q_pos: [n] int32; kv_pos: [n·rows] int32 (rows: most keys per request, `graph_keys`).
     """
 
     qo_indptr: torch.Tensor
@@ -99,12 +100,20 @@ class Adapter:
         self._passes = PassCache("triton")
         self._static: dict[tuple, StaticTables] = {}
         self._page = 1  # the planned pool's page size: its first page is the dummy
+        self.kernels = None
+        """The backend's `registry.kernel_choice.KernelPolicy` (set by `build_backend`): whether
+        our CUDA kernels may serve a pass; None: wherever they fit."""
+        self._mode = None  # the planned forward's mode: which pass's choice serves it
+        self.graph_keys = None
+        """(window, tokens) → most keys one request of a graph bucket lists (set by
+        `AttentionBackend.init_cuda_graph_state`); None: the largest sub-pool's rows."""
 
     def plan(self, forward_plan, pool, *, sigs=None, graph: tuple[int, int] | None = None) -> None:
         """Host work of one forward: none eagerly; for a graph bucket, refill its static tables
         from the planner's (device-to-device copies)."""
         del sigs
         self._passes.clear()
+        self._mode = getattr(forward_plan, "mode", None)
         self._page = pool.sub_pools[0].page_size
         if graph is None or not forward_plan.groups:
             return
@@ -119,9 +128,15 @@ class Adapter:
                 sk = (key, role, bucket, id(pool))
                 st = self._static.get(sk)
                 if st is None:
-                    st = self._static[sk] = StaticTables.empty(bucket, bucket * max_rows, dev)
+                    keys = max_rows if self.graph_keys is None else self.graph_keys(g.window, 1)
+                    st = self._static[sk] = StaticTables.empty(bucket, bucket * keys, dev)
                 st.fill(t)
                 self._passes.put(t, st)
+
+    def graph_bytes(self) -> int:
+        """Bytes of every graph bucket's static tables."""
+        return sum(t.numel() * t.element_size() for st in self._static.values()
+                   for t in (st.qo_indptr, st.kv_indptr, st.kv_indices, st.q_pos, st.kv_pos))
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0, new_kv=None):
@@ -132,7 +147,7 @@ class Adapter:
 
         t = self._passes.get(id(tables), tables)  # a graph bucket's static tables, or these
         splits = skip = None
-        if t is not tables and window is not None:  # a static list is sized for the full pool:
+        if t is not tables and window is not None:  # a static list is sized for the context:
             splits = window_splits(q, k_buf, window)  # split by the window's keys instead
             skip = False  # and holds the planner's trimmed lists: no tile test, loads pipelined
         return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
@@ -140,7 +155,8 @@ class Adapter:
                                window=window, scale=scale, softcap=softcap, sinks=sinks,
                                max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
                                new_kv=new_kv, dummy_rows=self._page, num_splits=splits,
-                               skip_empty=skip)
+                               skip_empty=skip, cuda=None if self.kernels is None else
+                               self.kernels.cuda(self._mode, window is not None))
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""

@@ -37,7 +37,8 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                     max_q_len: int | None = None, k_scale: float = 1.0,
                     v_scale: float = 1.0, new_kv: tuple | None = None,
                     dummy_rows: int = 1, num_splits: int | None = None,
-                    skip_empty: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    skip_empty: bool | None = None,
+                    cuda: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention under the kernel contract; returns (o [total_q, Hq, D] in q's dtype, lse
     [total_q, Hq] fp32). Shapes and dtypes as in ``kernels/torch_ref.py``; ``max_q_len`` is an optional
     host-side hint (the longest request's query count) that keeps the call free of device syncs.
@@ -46,7 +47,9 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     rows: the decode kernel writes them (`decode_attention`), other paths store them first;
     either way rows below ``dummy_rows`` (the dummy page, padding's target) keep their contents.
     ``num_splits``: the decode kernel's split count (default: planned from static sizes);
-    ``skip_empty``: its tile skipping (`decode_attention`).
+    ``skip_empty``: its tile skipping (`decode_attention`). ``cuda``: False keeps our CUDA
+    kernels out (the pass's `backend.kernels` choice resolved to Triton); None lets them serve
+    where a call's shapes fit.
     """
     kw = dict(mask=mask, mask_indptr=mask_indptr, window=window, scale=scale, softcap=softcap,
               sinks=sinks, k_scale=k_scale, v_scale=v_scale)
@@ -54,12 +57,12 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     on_device = q.is_cuda or interpreting()
     if on_device and uses_decode(q, qo_indptr, mask, max_q_len):
         return decode_attention(*args, **kw, new_kv=new_kv, dummy_rows=dummy_rows,
-                                num_splits=num_splits, skip_empty=skip_empty)
+                                num_splits=num_splits, skip_empty=skip_empty, cuda=cuda)
     if new_kv is not None:
         store_keeping_dummy(k_buf, v_buf, new_kv, dummy_rows)
     if not on_device:
         return attention_reference(*args, **kw)
-    return extend_attention(*args, **kw, max_q_len=max_q_len)
+    return extend_attention(*args, **kw, max_q_len=max_q_len, cuda=cuda)
 
 
 def store_keeping_dummy(k_buf: torch.Tensor, v_buf: torch.Tensor, new_kv: tuple,
