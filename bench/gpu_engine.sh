@@ -35,7 +35,7 @@ for suite in "$@"; do
         for args in "--mode decode" "--mode decode" "--mode decode --fresh-staging" \
                     "--mode verify_chain" "--mode verify_chain --fresh-staging" \
                     "--mode decode --backend triton"; do
-            ( cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old "${T[@]}" 240 python3 \
+            ( cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old "${T[@]}" 120 python3 \
                 tests/backends/run_ahead.py --backend flashinfer $args ) > "$log/o.txt" 2>&1
             rc=$?
             echo "old $args: rc=$rc $(grep -o '"mismatches": [0-9]*' "$log/o.txt") \
@@ -43,23 +43,23 @@ $(grep -m1 -o 'an illegal memory access[a-z ]*' "$log/o.txt")" | tee -a "$log/su
             cp "$log/o.txt" "$log/old_$(echo "$args" | tr ' -' '__').txt"
         done ;;
     runahead)
-        "${T[@]}" 420 python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+        "${T[@]}" 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
             tests/backends/test_run_ahead_gpu.py tests/backends/test_planning_no_sync.py \
             > "$log/pytest.txt" 2>&1 ;;
     graphs)
-        "${T[@]}" 400 python3 -m pytest -m gpu -q -p no:cacheprovider -rA -s \
+        "${T[@]}" 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rA -s \
             tests/backends/test_graph_capture_1m_gpu.py tests/backends/test_graph_state_bounds.py \
             tests/backends/test_graphs.py tests/backends/test_engine_graphs.py \
             tests/backends/test_flashinfer_check.py tests/kernels/test_kernel_choice.py \
             > "$log/pytest.txt" 2>&1 ;;
     prefill)
-        "${T[@]}" 400 python3 bench/bench_prefill.py --out "$log" > "$log/bench.txt" 2>&1 ;;
+        "${T[@]}" 240 python3 bench/bench_prefill.py --out "$log" > "$log/bench.txt" 2>&1 ;;
     soak)
-        "${T[@]}" 500 python3 bench/soak.py --out "$log" --steps 2000 > "$log/soak.txt" 2>&1 ;;
+        "${T[@]}" 300 python3 bench/soak.py --out "$log" --steps 2000 > "$log/soak.txt" 2>&1 ;;
     generate)
-        LANES=flashinfer:0 WARM_DIMS="256 512 64" MODELS=gemma4,gpt_oss_20b DEADLINE=230 \
+        LANES=flashinfer:0 WARM_DIMS="256 512 64" MODELS=gemma4,gpt_oss_20b DEADLINE=${GEN_EAGER:-230} \
             bench/gpu_generate.sh "$log/eager" run.overlap=true > "$log/eager.txt" 2>&1
-        LANES=flashinfer:0 WARM=0 MODELS=gemma4,gpt_oss_20b DEADLINE=150 \
+        LANES=flashinfer:0 WARM=0 MODELS=gemma4,gpt_oss_20b DEADLINE=${GEN_GRAPHS:-150} \
             bench/gpu_generate.sh "$log/graphs" run.overlap=true backend.cuda_graph=true \
             > "$log/graphs.txt" 2>&1 ;;
     *) echo "unknown suite $suite" >&2; exit 2 ;;
