@@ -16,6 +16,7 @@ plan's tables to a kernel and hold no pool logic. CUDA graphs: `init_cuda_graph_
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -23,6 +24,7 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
+from swafactory.guards import Q_DTYPES, SlotCheck, forward_error
 from swafactory.graph_state import (GraphState, StaleGraphError, bucket_writes, capture_plan,
                                    check_graphable, check_padding)
 from swafactory.kernels.cuda.prepare import start_adapters
@@ -71,6 +73,8 @@ class AttentionBackend:
         self._decode: set[str] = set()
         self._checked: set[tuple[str, str]] = set()
         self._frozen = None
+        # guards: each forward's deferred slot check (CUDA), raised at the engine's sync point
+        self._pending: deque[SlotCheck] = deque()
         if self.faults.pool_cached_at_init:  # FAULT: what the view says at construction
             self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
 
@@ -132,9 +136,54 @@ class AttentionBackend:
                      tree_mask_not_rebased=f.tree_mask_not_rebased)
         if graph is not None:  # before the adapters refill buffers the batch would overflow
             self._graph.check_keys(fplan, *graph)
+        if self.guards:
+            self._check_slots(batch, fplan)
         self._pool = pool
         self._plan_kernels(fplan, pool, graph)  # kernels with host-side planning: here, once
         return fplan
+
+    # --- guards: positions without a slot, checked on the device (swafactory.guards) ------------
+
+    MAX_PENDING = 64
+    """Deferred checks kept for `raise_pending`; past it the oldest (long done) is read."""
+
+    def _check_slots(self, batch: ForwardBatch, fplan: ForwardPlan) -> None:
+        """Reduce the plan's full-space tables to an error word on the device. On CPU raise
+        now (reading is free); on CUDA keep it for `raise_pending` (no sync here)."""
+        reads = writes = None
+        for g in fplan.groups.values():
+            t = g.tables
+            if t.kv_indices.space == "full" and (reads is None or g.window is None):
+                reads = t  # an unwindowed full list covers every request's whole read range
+            if writes is None and g.write_locs is not None and g.write_locs.space == "full":
+                writes = g.write_locs.tensor
+        check = SlotCheck(batch, None if reads is None else reads.kv_indices.tensor,
+                          None if reads is None else reads.kv_host, writes,
+                          next(iter(fplan.groups.values())).tables.qo_host)
+        if check.event is None:
+            err = check.error()
+            if err is not None:
+                raise err
+            return
+        self._pending.append(check)
+        if len(self._pending) > self.MAX_PENDING:  # an engine that never asks: still raised
+            err = self._pending.popleft().error()
+            if err is not None:
+                self._pending.clear()
+                raise err
+
+    def raise_pending(self) -> None:
+        """Raise the first `guards.MissingSlotError` of the forwards planned since the last
+        call (a position read or written that has no slot). Call it where the engine reads the
+        device back anyway: it waits on the newest forward's planning event (not on its
+        kernels), once. A no-op with guards off and on CPU (raised when planned)."""
+        checks, self._pending = self._pending, deque()
+        if checks:
+            checks[-1].event.synchronize()  # planning events are in stream order: all done
+        for c in checks:
+            err = c.error()
+            if err is not None:
+                raise err
 
     def _sigs(self, pool, fplan: ForwardPlan) -> dict[str, tuple]:
         """Group key → (q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap), what a
@@ -299,7 +348,8 @@ class AttentionBackend:
                 # a decode kernel that writes the step's K/V itself (not fp8: the store quantizes)
                 fuse = getattr(ad, "fuses_writes", False) and not is_fp8(sub.dtype)
                 entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad, scales,
-                                  (key, sub.pool_id, "w"), hkv, d, is_fp8(sub.dtype), fuse)
+                                  (key, sub.pool_id, "w"), hkv, d, is_fp8(sub.dtype), fuse,
+                                  k_buf.device)
             # the pool is held, so its identity cannot be reused by another one
             self._layers = (pool, dict(fplan.layer_groups), entries, version)
 
@@ -328,7 +378,7 @@ class AttentionBackend:
         """The per-layer write (hot: about as much Python as the raw ``index_copy_`` pair).
         e: the layer's `_set_plan` entry. fused: check only, and return the int64 slots for the
         kernel that writes them (`forward`)."""
-        key, k_buf, v_buf, sub, _, _, _, scales, wpair, hkv, d, fp8, _ = e
+        key, k_buf, v_buf, sub, _, _, _, scales, wpair, hkv, d, fp8, _, _ = e
         idx = self._writes[key]
         if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
@@ -376,16 +426,23 @@ class AttentionBackend:
         if self.faults.sink_dropped:
             sinks = None  # FAULT: the kernel takes sinks= and ignores it
         e = self._entry(layer_id)
-        key, k_buf, v_buf, sub, kw, pair, ad, _, _, hkv, d, _, fuse = e
+        key, k_buf, v_buf, sub, kw, pair, ad, _, _, hkv, d, _, fuse, dev = e
         g = self._plan.groups[key]
         if self.guards:
             if pair not in self._checked:
                 self._check_layer(layer_id, g, sub, pair)
-            qs = q.shape
-            if qs[-1] != d or qs[1] % hkv:
-                raise SpaceError(f"layer {layer_id}: q is {qs[1]} heads × {qs[-1]}, but the "
-                                 f"plan reads {sub.pool_id!r} ({sub.num_kv_heads} KV heads × "
-                                 f"{sub.head_dim}): the wrong pool for this layer")
+            # metadata only (ints, dtypes, devices); `guards.forward_error` names what differs
+            qs, rows = q.shape, self._plan.total_q
+            if (len(qs) != 3 or qs[0] != rows or qs[1] != self.q_heads or qs[2] != d
+                    or q.dtype not in Q_DTYPES or q.device != dev
+                    or (save_kv and (k is None or v is None or k.device != dev
+                                     or v.device != dev or k.dtype not in Q_DTYPES
+                                     or v.dtype not in Q_DTYPES))
+                    or (sinks is not None and (sinks.shape != (self.q_heads,)
+                                               or sinks.device != dev))):
+                raise forward_error(layer_id, self._plan.mode, rows, self.q_heads, hkv, d, dev,
+                                    q, k, v, save_kv, sinks) or AssertionError(
+                                        f"layer {layer_id}: a guard disagrees with its message")
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
         if save_kv and fuse and key in self._decode and k.dtype == k_buf.dtype == v.dtype:
             new_kv = (k, v, self._store(layer_id, e, k, v, fused=True))  # the kernel writes

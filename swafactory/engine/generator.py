@@ -343,6 +343,7 @@ class Generator:
                   early: bool) -> None:
         """Act on one forward's host values (`readback.HostResult`), in launch order. early: a
         draft_extend over a whole verified chain (only its committed rows are kept)."""
+        runner.backend.raise_pending()  # guards: a position with no slot, named (read back here)
         if runner.guards and not host.finite:
             raise NonFinite(f"{runner.name} {mode}: non-finite logits (a poisoned, freed or "
                             "dummy slot was read)")

@@ -107,6 +107,8 @@ class Runner:
                 view.active_pool = self.swap[2]
         self.forwards += 1
         logits = logits.float()
+        if check:  # this read back is a sync point: the guards' deferred checks report first
+            self.backend.raise_pending()
         if check and self.guards and not bool(torch.isfinite(logits).all()):
             raise NonFinite(f"{self.name} {mode}: non-finite logits (a poisoned, freed or dummy "
                             "slot was read)")

@@ -91,6 +91,7 @@ class Loop:
         finally:
             if swap:
                 self.p.draft_view.active_pool = self.p.dummy_pool
+        worker.backend.raise_pending()  # the checks read back already: guards report here
         self.on_forward(worker, mode, len(worker.layers), checks)
         for c in checks:
             err = c.error()

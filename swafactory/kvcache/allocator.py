@@ -11,18 +11,31 @@ buffers behind it. sglang's PureSWA allocator instead uses the SWA slots as full
 identity mapping; then an evicted slot, reused by another request, still translates to itself, so
 a stale read aliases live data instead of reading the dummy. The virtual space keeps "absent = 0"
 for every model at one int64 per full slot, and works with any page size.
+
+The books live on the host: free lists, owned flags and a mirror of the mapping are CPU tensors,
+and the device mapping is written from them, never read back. A host that plans forward N+1
+while N runs is then not stalled by its own allocation (each read back would wait for the
+device's queue).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from swafactory.kvcache.locs import SlotMapping
-from swafactory.kvcache.pool import CapacityError, KVPool
+from swafactory.kvcache.pool import CapacityError, KVPool, host_to_device
 
 __all__ = ["TokenAllocator", "SWAAllocator", "page_rows", "pool_use"]
+
+_HOST = torch.device("cpu")
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``[n]`` int64 on the host (a caller's device tensor is read back here, once)."""
+    return t.reshape(-1).to(_HOST, torch.int64)
 
 
 def page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -34,7 +47,8 @@ def page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 class _PagedSlots:
-    """Slot-level operations shared by both allocators, built on ``alloc_pages``/``free_pages``."""
+    """Slot-level operations shared by both allocators, built on ``alloc_pages_host`` and
+    ``free_pages``: slots are planned on the host and copied to the device, never read back."""
 
     page_size: int
     device: torch.device
@@ -42,8 +56,14 @@ class _PagedSlots:
     def available_pages(self) -> int:
         raise NotImplementedError
 
-    def alloc_pages(self, n: int) -> torch.Tensor | None:
+    def alloc_pages_host(self, n: int) -> torch.Tensor | None:
+        """``n`` page ids (``[n]`` int64, on the host) or None when fewer are free."""
         raise NotImplementedError
+
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        """``n`` page ids (``[n]`` int64 on the allocator's device) or None when fewer are free."""
+        pages = self.alloc_pages_host(n)
+        return None if pages is None else host_to_device(pages, self.device)
 
     def free_pages(self, pages: torch.Tensor) -> None:
         raise NotImplementedError
@@ -60,9 +80,8 @@ class _PagedSlots:
 
         With page_size > 1 a whole page is freed even if only one of its slots is given.
         """
-        slots = slots.reshape(-1)
-        pages = torch.unique(slots[slots > 0] // self.page_size)
-        self.free_pages(pages)
+        slots = _host(slots)
+        self.free_pages(torch.unique(slots[slots > 0] // self.page_size))
 
     def _extend_plan(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
                      ) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -89,30 +108,33 @@ class _PagedSlots:
 
         ``last_loc``: ``[bs]`` int64, the full slot of each request's last token (``<= 0``: the
         request has none, start a fresh page). ``extend_lens``: ``[bs]`` new tokens per request.
-        Returns ``[sum(extend_lens)]`` int64 slots, request-major; or None (nothing allocated)
-        when the pool lacks the pages.
+        Returns ``[sum(extend_lens)]`` int64 slots on the allocator's device, request-major; or
+        None (nothing allocated) when the pool lacks the pages. A ``last_loc`` on the device is
+        read back; `alloc_extend_host` with host arguments reads nothing back.
         """
+        slots = self.alloc_extend_host(last_loc, extend_lens)
+        return None if slots is None else host_to_device(slots, self.device)
+
+    def alloc_extend_host(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
+                          ) -> torch.Tensor | None:
+        """`alloc_extend` with the slots on the host: ``[sum(extend_lens)]`` int64, or None."""
         P = self.page_size
         lasts, lens, take, need = self._extend_plan(last_loc, extend_lens)
         total = sum(need)
         if total > self.available_pages():
             return None
-        # no new page (every token fits its request's last page, page_size > 1): the slots
-        # still come back on the allocator's device (on CUDA a host tensor broke the table write)
-        pages = (self.alloc_pages(total) if total else
-                 torch.empty(0, dtype=torch.int64, device=self.device))
+        pages = (self.alloc_pages_host(total) if total else torch.zeros(1, dtype=torch.int64))
         assert pages is not None  # admission checked above
-        device = pages.device
-        host_pages = pages.cpu() if total else pages  # one read for the batch; none if no page
-        out, cursor = [], 0
-        for last, n, t, k in zip(lasts, lens, take, need):
-            if t:
-                out.append(torch.arange(last + 1, last + 1 + t, dtype=torch.int64))
-            if k:
-                out.append(page_rows(host_pages[cursor:cursor + k], P)[:n - t])
-                cursor += k
-        return torch.cat(out).to(device) if out else torch.empty(0, dtype=torch.int64,
-                                                                 device=device)
+        # Token j of request i: slot last+1+j while it fits the last page (j < take), else slot
+        # u % P of the request's new page u // P (u = j - take); one vector op for the batch.
+        n, t, k = (np.asarray(v, dtype=np.int64) for v in (lens, take, need))
+        last = np.asarray(lasts, dtype=np.int64)
+        req = np.repeat(np.arange(n.size), n)
+        j = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        u = j - t[req]
+        cursor = np.cumsum(k) - k
+        page = pages.numpy()[np.where(u < 0, 0, cursor[req] + np.maximum(u, 0) // P)]
+        return torch.from_numpy(np.where(u < 0, last[req] + 1 + j, page * P + u % P))
 
     def alloc_decode(self, last_loc: torch.Tensor) -> torch.Tensor | None:
         """One slot per request after ``last_loc`` (``[bs]`` int64); ``[bs]`` int64 or None."""
@@ -136,9 +158,10 @@ class TokenAllocator(_PagedSlots):
         self.check_mode = check_mode
         self.num_pages = size // page_size
         self.pools: list[KVPool] = []
-        # Owned-flag per page (page 0 is the dummy, never owned) catches double frees.
-        self._owned = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
-        self._free = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        # Host books: owned flag per page (page 0 is the dummy, never owned; catches double
+        # frees) and the free list. Only pages and rows to clear or poison go to the device.
+        self._owned = torch.zeros(self.num_pages + 1, dtype=torch.bool)
+        self._free = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
 
     @property
     def full_id(self) -> str:
@@ -173,7 +196,7 @@ class TokenAllocator(_PagedSlots):
     def shuffle(self, generator: torch.Generator) -> None:
         """Permute the free list, so later pages come in random order (tests, the harness)."""
         perm = torch.randperm(self._free.numel(), generator=generator)
-        self._free = self._free[perm.to(self._free.device)]
+        self._free = self._free[perm]
 
     def available_size(self) -> int:
         """Free slots."""
@@ -184,8 +207,9 @@ class TokenAllocator(_PagedSlots):
         return self.size - self.available_size()
 
     def owned_pages(self) -> torch.Tensor:
-        """Page ids currently handed out, ``[k]`` int64 (for checks and reports)."""
-        return torch.nonzero(self._owned).reshape(-1)
+        """Page ids currently handed out, ``[k]`` int64 on the allocator's device (for checks
+        and reports)."""
+        return host_to_device(torch.nonzero(self._owned).reshape(-1), self.device)
 
     def free_by_space(self) -> dict[str, int]:
         """Free slots per index space (``{space_id: n}``), for error messages."""
@@ -201,7 +225,7 @@ class TokenAllocator(_PagedSlots):
         pages = (held or {}).get(self.space_id)
         kept = 0
         if pages is not None and pages.numel():
-            pages = torch.unique(pages.reshape(-1).to(self.device, torch.int64))
+            pages = torch.unique(_host(pages))
             pages = pages[(pages >= 1) & (pages <= self.num_pages)]
             kept = int(self._owned[pages].sum())
         return {self.space_id: (self.num_pages - self._free.numel() - kept) * self.page_size}
@@ -210,8 +234,8 @@ class TokenAllocator(_PagedSlots):
         """One index space has no full→SWA mapping: nothing can be free yet mapped."""
         return 0
 
-    def alloc_pages(self, n: int) -> torch.Tensor | None:
-        """``n`` page ids (``[n]`` int64) or None when fewer are free."""
+    def alloc_pages_host(self, n: int) -> torch.Tensor | None:
+        """``n`` page ids (``[n]`` int64, on the host) or None when fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if n > self._free.numel():
@@ -219,22 +243,29 @@ class TokenAllocator(_PagedSlots):
         pages, self._free = self._free[:n], self._free[n:]
         self._owned[pages] = True
         if self.check_mode and self.page_size > 1 and n:  # whole-page loads read the tail
-            rows = page_rows(pages, self.page_size)
-            for pool in self.pools:
-                pool.clear(rows)
+            self._each_pool("clear", pages)
         return pages
 
+    def _each_pool(self, what: str, pages: torch.Tensor) -> None:
+        """`KVPool.clear` or `KVPool.poison` the rows of host ``pages`` in every attached pool
+        (the rows copied to each device once)."""
+        rows, on = page_rows(pages, self.page_size), {}
+        for pool in self.pools:
+            if pool.device not in on:
+                on[pool.device] = host_to_device(rows, pool.device)
+            getattr(pool, what)(on[pool.device])
+
     def free_pages(self, pages: torch.Tensor) -> None:
-        """Return ``pages`` (``[n]`` int64 page ids, each owned, no repeats) to the free list."""
-        pages = pages.reshape(-1).to(self.device, torch.int64)
+        """Return ``pages`` (``[n]`` int64 page ids, each owned, no repeats) to the free list.
+
+        Host ``pages`` are checked on the host; pages on the device are read back first."""
+        pages = _host(pages)
         if pages.numel() == 0:
             return
-        # Both checks in one read back (a sync on a GPU), not one per check.
         srt = pages.sort().values
         owned = self._owned[pages.clamp(0, self.num_pages)]
-        twice, stray = torch.stack([
-            (srt[1:] == srt[:-1]).any(),
-            ((pages < 1) | (pages > self.num_pages) | ~owned).any()]).tolist()
+        twice = bool((srt[1:] == srt[:-1]).any())
+        stray = bool(((pages < 1) | (pages > self.num_pages) | ~owned).any())
         if twice:
             raise ValueError(f"{self.space_id!r}: the same page is freed twice in one call")
         if stray:
@@ -243,9 +274,7 @@ class TokenAllocator(_PagedSlots):
         self._owned[pages] = False
         self._free = torch.cat([self._free, pages])
         if self.check_mode:
-            rows = page_rows(pages, self.page_size)
-            for pool in self.pools:
-                pool.poison(rows)
+            self._each_pool("poison", pages)
 
 
 class SWAAllocator(_PagedSlots):
@@ -270,6 +299,9 @@ class SWAAllocator(_PagedSlots):
                                   check_mode=check_mode)
         table = torch.zeros(size_full + page_size + 1, dtype=torch.int64, device=self.device)
         self._mapping = SlotMapping(full_id, swa_id, table, size_swa, page_size)
+        # The books' copy of the mapping: the device table (which the planner reads) is written
+        # from it, never read back. Lazily zeroed pages: untouched entries cost no memory.
+        self._map_host = torch.from_numpy(np.zeros(table.numel(), dtype=np.int64))
 
     @property
     def full_id(self) -> str:
@@ -287,8 +319,13 @@ class SWAAllocator(_PagedSlots):
 
     @property
     def full_to_swa(self) -> torch.Tensor:
-        """``[size_full + page_size + 1]`` int64; 0 = absent."""
+        """``[size_full + page_size + 1]`` int64 on the allocator's device; 0 = absent."""
         return self._mapping.table
+
+    @property
+    def full_to_swa_host(self) -> torch.Tensor:
+        """The host mirror of `full_to_swa` (equal to it entry for entry; the books read this)."""
+        return self._map_host
 
     @property
     def size(self) -> int:
@@ -318,7 +355,7 @@ class SWAAllocator(_PagedSlots):
         plus free SWA slots that some full slot still maps to (a mapping left pointing at freed
         KV, which a later reader would see as live).
         """
-        P, table = self.page_size, self.full_to_swa
+        P, table = self.page_size, self._map_host
         full_owned = self.full._owned.repeat_interleave(P)  # per full slot, the dummy page's too
         n = full_owned.numel()
         stale_full = int(((table[:n] != 0) & ~full_owned).sum()) + int((table[n:] != 0).sum())
@@ -338,15 +375,20 @@ class SWAAllocator(_PagedSlots):
         """Tokens that can still be allocated: the smaller of the two free lists."""
         return self.available_pages() * self.page_size
 
-    def alloc_pages(self, n: int) -> torch.Tensor | None:
-        """``n`` full pages, each with an SWA page mapped slot by slot; None if either is short."""
+    def alloc_pages_host(self, n: int) -> torch.Tensor | None:
+        """``n`` full pages (on the host), each with an SWA page mapped slot by slot; None if
+        either is short."""
         if n > self.available_pages():
             return None
-        full_pages = self.full.alloc_pages(n)
-        swa_pages = self.swa.alloc_pages(n)
+        full_pages = self.full.alloc_pages_host(n)
+        swa_pages = self.swa.alloc_pages_host(n)
         assert full_pages is not None and swa_pages is not None  # admission checked above
-        self.full_to_swa[page_rows(full_pages, self.page_size)] = page_rows(swa_pages,
-                                                                            self.page_size)
+        rows = page_rows(full_pages, self.page_size)
+        vals = page_rows(swa_pages, self.page_size)
+        self._map_host[rows] = vals
+        if rows.numel():  # rows and values travel in one copy
+            both = host_to_device(torch.stack([rows, vals]), self.device)
+            self.full_to_swa[both[0]] = both[1]
         return full_pages
 
     def free_pages(self, pages: torch.Tensor) -> None:
@@ -362,18 +404,21 @@ class SWAAllocator(_PagedSlots):
         stale_rows: the fault switch of sglang #27779: only these full slots' mapping entries
         are zeroed, so the rest of each freed page stays mapped to a free SWA page.
         """
-        pages = pages.reshape(-1).to(self.device, torch.int64)
+        pages = _host(pages)
         if pages.numel() == 0:
             return
-        first = self.full_to_swa[pages * self.page_size]
+        first = self._map_host[pages * self.page_size]
         live = first > 0
         self.swa.free_pages(first[live] // self.page_size)
-        rows = page_rows(pages, self.page_size) if stale_rows is None else stale_rows  # FAULT
-        self.full_to_swa[rows.to(self.device)] = 0
+        rows = (page_rows(pages, self.page_size) if stale_rows is None
+                else _host(stale_rows))  # FAULT
+        self._map_host[rows] = 0
+        if rows.numel():
+            self.full_to_swa.index_fill_(0, host_to_device(rows, self.device), 0)
 
     def free_swa(self, slots: torch.Tensor) -> None:
         """Free the SWA pages behind the full ``slots`` (``[n]`` int64); whole pages when P > 1."""
-        slots = slots.reshape(-1)
+        slots = _host(slots)
         self.free_swa_pages(torch.unique(slots[slots > 0] // self.page_size))
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Literal
 
+import numpy as np
 import torch
 
 from swafactory.errors import SpaceError
@@ -20,9 +21,20 @@ from swafactory.kvcache.locs import Locs, SlotMapping, Space
 from swafactory.kvcache.quant import poison_rows, store_rows
 
 __all__ = ["KVPool", "HybridSWAPool", "ReqToToken", "CapacityError", "SubPool",
-           "layers_mapping_for"]
+           "layers_mapping_for", "host_to_device"]
 
 SubPool = Literal["full", "swa"]
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without waiting for the device's queue: on CUDA pinned and
+    copied asynchronously (the caching host allocator keeps the pinned source until the copy has
+    read it); on the CPU ``t`` itself."""
+    if device.type != "cuda":
+        return t.to(device)
+    if t.numel() == 0:  # nothing to copy (nor to pin)
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class KVPool:
@@ -307,7 +319,9 @@ class ReqToToken:
     """Request row → full slot of each position: ``table`` ``[max_requests, max_context]``.
 
     Entries of unused rows and positions are 0 (the dummy slot). ``dtype`` int64 (default) or
-    int32, as kernels that build page tables from it want.
+    int32, as kernels that build page tables from it want. ``host`` is a CPU mirror, equal entry
+    for entry: the books read it, and write both through `write` and `zero`, so no bookkeeping
+    reads the device table back (a read would wait for the device's queue).
     """
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device | str = "cpu",
@@ -319,7 +333,25 @@ class ReqToToken:
             raise ValueError(f"ReqToToken dtype must be int32 or int64, got {dtype}")
         self.max_requests, self.max_context = max_requests, max_context
         self.table = torch.zeros(max_requests, max_context, dtype=dtype, device=device)
+        # lazily zeroed pages: rows never written cost no host memory
+        self.host = torch.from_numpy(np.zeros((max_requests, max_context),
+                                              dtype=np.int64 if dtype == torch.int64
+                                              else np.int32))
         self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``table[rows[i], cols[i]] = slots[i]`` on both sides; all three ``[n]`` int64 on the
+        host. Returns ``slots`` on the table's device, int64 (they travel with the indices, in
+        one copy)."""
+        self.host[rows, cols] = slots.to(self.host.dtype)
+        both = host_to_device(torch.stack([rows, cols, slots]), self.table.device)
+        self.table[both[0], both[1]] = both[2].to(self.table.dtype)
+        return both[2]
+
+    def zero(self, row: int, start: int, end: int) -> None:
+        """Entries ``[start, end)`` of ``row`` back to 0 on both sides."""
+        self.host[row, start:end] = 0
+        self.table[row, start:end].zero_()
 
     def available_size(self) -> int:
         return len(self._free_rows)
@@ -339,4 +371,5 @@ class ReqToToken:
         if not 0 <= row < self.max_requests or row in self._free_rows:
             raise ValueError(f"row {row} is not an allocated ReqToToken row")
         self.table[row].zero_()
+        self.host[row].zero_()
         self._free_rows.append(row)

@@ -5,11 +5,16 @@ and ``swa_evicted``, the frontier below which its SWA slots were freed (sglang
 ``ReqKvInfo(kv_allocated_len, swa_evicted_seqlen)``). Position p of a request lives in its page
 ``p // page_size`` at offset ``p % page_size``: a request starts on a fresh page and continues its
 last page, so pages and positions line up, and a page is freed only when no kept position is in it.
+
+The books read `ReqToToken.host` and the allocators' host books only: the device table is written
+(host to device copies, which do not wait for queued kernels), never read back, so an engine whose
+host runs a forward ahead is not stalled by its own slot allocation.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Hashable, Union
 
 import torch
@@ -17,7 +22,7 @@ import torch
 from swafactory.errors import CapacityError
 from swafactory.kvcache.allocator import SWAAllocator, TokenAllocator
 from swafactory.kvcache.locs import Locs
-from swafactory.kvcache.pool import ReqToToken
+from swafactory.kvcache.pool import ReqToToken, host_to_device
 
 __all__ = ["RequestSlots", "ReqState"]
 
@@ -86,19 +91,25 @@ class RequestSlots:
         states = [self._get(r) for r in rids]
         if len(set(rids)) != len(rids):
             raise ValueError("a request appears twice in one batch")
+        lens = list(lens)
+        if len(lens) != len(rids):
+            raise ValueError(f"requests {rids!r} need one length each, got {len(lens)}: {lens!r}")
+        for n, r in zip(lens, rids):
+            if isinstance(n, bool) or not isinstance(n, Integral) or n < 0:
+                raise ValueError(f"request {r!r}: cannot extend by {n!r} positions; n must be an "
+                                 "int >= 0")
+        lens = [int(n) for n in lens]
         for s, n, r in zip(states, lens, rids):
             if s.kv_len + n > self.req_to_token.max_context:
                 raise ValueError(f"request {r!r}: {s.kv_len} + {n} tokens exceed max_context "
                                  f"{self.req_to_token.max_context}")
-        table = self.req_to_token.table
-        # Every request's last slot in one gather (a request with none reads its own slot 0,
-        # the dummy, which `alloc_extend` takes as "start a fresh page"), read back once.
+        # Every request's last slot in one gather from the host mirror (a request with none
+        # reads its own slot 0, the dummy, which `alloc_extend` takes as "start a fresh page").
         rows = torch.tensor([s.row for s in states], dtype=torch.int64)
         cols = torch.tensor([max(s.kv_len - 1, 0) for s in states], dtype=torch.int64)
-        has = torch.tensor([s.kv_len > 0 for s in states])
-        last = torch.where(has, table[rows.to(table.device), cols.to(table.device)].cpu().long(),
-                           0)
-        slots = self.allocator.alloc_extend(last, lens)
+        has = torch.tensor([s.kv_len > 0 for s in states], dtype=torch.bool)
+        last = torch.where(has, self.req_to_token.host[rows, cols].long(), 0)
+        slots = self.allocator.alloc_extend_host(last, lens)
         if slots is None:
             raise self._short(rids, lens, self.allocator.pages_needed(last, lens))
         # One scatter for the whole batch: (row, position) of every new slot, request-major.
@@ -107,10 +118,13 @@ class RequestSlots:
         first = torch.cumsum(n_new, 0) - n_new
         kv_len = cols + has.long()
         at_col = torch.arange(int(n_new.sum())) - torch.repeat_interleave(first - kv_len, n_new)
-        table[at_row.to(table.device), at_col.to(table.device)] = slots.to(table.dtype)
+        dev = self.req_to_token.write(at_row, at_col, slots)
+        want = self.allocator.device
+        if dev.device.type != want.type or want.index not in (None, dev.device.index):
+            dev = host_to_device(slots, want)  # a table on another device than the allocator
         for s, n in zip(states, lens):
             s.kv_len += n
-        return Locs("full", self.allocator.full_id, slots)
+        return Locs("full", self.allocator.full_id, dev)
 
     def _short(self, rids: list[Hashable], lens: list[int], pages: int) -> CapacityError:
         P = self.page_size
@@ -147,13 +161,13 @@ class RequestSlots:
                              f"eviction frontier {s.swa_evicted}")
         P = self.page_size
         keep_pages = math.ceil(new_len / P)
-        row = self.req_to_token.table[s.row]
+        row = self.req_to_token.host[s.row]
         drop = row[keep_pages * P:s.kv_len:P].long() // P
         if leak_rejected_draft_slots and isinstance(self.allocator, SWAAllocator):
             self.allocator.full.free_pages(drop)  # FAULT: free_swa skipped
         else:
             self.allocator.free_pages(drop)
-        row[new_len:s.kv_len] = 0
+        self.req_to_token.zero(s.row, new_len, s.kv_len)
         s.kv_len = new_len
         return drop.numel()
 
@@ -184,7 +198,7 @@ class RequestSlots:
             frontier = frontier // P * P
         if frontier - s.swa_evicted < interval:
             return 0
-        row = self.req_to_token.table[s.row]
+        row = self.req_to_token.host[s.row]
         if paged_free_stale_mapping:  # FAULT: the pages of the positions, their entries only
             stale = row[s.swa_evicted:frontier].long()
             pages = torch.unique(stale // P)
@@ -198,38 +212,45 @@ class RequestSlots:
         """Free every page of ``rid`` (full, and SWA pages not yet evicted) and its row."""
         s = self._get(rid)
         P = self.page_size
-        pages = self.req_to_token.table[s.row, 0:s.kv_len:P].long() // P
+        pages = self.req_to_token.host[s.row, 0:s.kv_len:P].long() // P
         self.allocator.free_pages(pages)
         self.req_to_token.free(s.row)
         del self.reqs[rid]
 
     def held_pages(self) -> dict[str, torch.Tensor]:
         """Space id → ``[k]`` int64 page ids the open requests hold: the full pages of positions
-        ``[0, kv_len)`` and, on a split pool, the SWA pages of ``[swa_evicted, kv_len)``."""
-        P, table = self.page_size, self.req_to_token.table
+        ``[0, kv_len)`` and, on a split pool, the SWA pages of ``[swa_evicted, kv_len)``; on
+        the allocator's device (`held_pages_host`: the same on the host)."""
+        return {k: host_to_device(v, self.allocator.device)
+                for k, v in self.held_pages_host().items()}
+
+    def held_pages_host(self) -> dict[str, torch.Tensor]:
+        """`held_pages` computed from the host books, on the host."""
+        P = self.page_size
         states = list(self.reqs.values())
         full = self._page_firsts(states, [0] * len(states))
         out = {self.allocator.full_id: full // P}
         if isinstance(self.allocator, SWAAllocator):
             kept = self._page_firsts(states, [s.swa_evicted for s in states])
-            swa = self.allocator.full_to_swa[kept]
+            swa = self.allocator.full_to_swa_host[kept]
             out[self.allocator.swa.space_id] = swa[swa > 0] // P
         return out
 
     def _page_firsts(self, states: list[ReqState], starts: list[int]) -> torch.Tensor:
         """[k] int64 full slots at positions ``start, start + P, … < kv_len`` of each request
-        (the first slot of each page it holds from ``start`` on): one gather for all of them."""
-        P, table = self.page_size, self.req_to_token.table
+        (the first slot of each page it holds from ``start`` on): one gather for all of them,
+        from the host mirror."""
+        P, table = self.page_size, self.req_to_token.host
         st = torch.tensor(starts, dtype=torch.int64)
         n = (torch.tensor([s.kv_len for s in states], dtype=torch.int64) - st + P - 1) // P
         n = n.clamp_(min=0)  # pages per request
         total = int(n.sum())
         if not total:
-            return torch.empty(0, dtype=torch.int64, device=table.device)
+            return torch.empty(0, dtype=torch.int64)
         rows = torch.repeat_interleave(torch.tensor([s.row for s in states]), n)
         k = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
         cols = k * P + torch.repeat_interleave(st, n)
-        return table[rows.to(table.device), cols.to(table.device)].long()
+        return table[rows, cols].long()
 
     def leaks(self) -> dict[str, int]:
         """What the books hold that no open request accounts for (everything, once every
@@ -240,7 +261,7 @@ class RequestSlots:
         full→SWA mapping, see `SWAAllocator.free_and_mapped`).
         """
         live = [s.row for s in self.reqs.values()]
-        return {**self.allocator.leaked(self.held_pages()),
+        return {**self.allocator.leaked(self.held_pages_host()),
                 "req_to_token": self.req_to_token.leaked_rows(live),
                 "free_and_mapped": self.allocator.free_and_mapped()}
 

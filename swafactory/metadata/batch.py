@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from swafactory.guards import batch_table
+
 __all__ = ["ForwardMode", "MODES", "StepShape", "step_shape", "ReqForward", "ForwardBatch"]
 
 ForwardMode = Literal["extend", "decode", "target_verify", "draft_decode", "draft_extend"]
@@ -157,7 +159,8 @@ class ForwardBatch:
     mode: ForwardMode
     reqs: tuple[ReqForward, ...]
     req_to_token: torch.Tensor = field(repr=False)
-    """[max_requests, max_context] int: each request's full slot per slot index."""
+    """[max_requests, max_context] int: each request's full slot per slot index (a
+    `ReqToToken` given here is replaced by its ``.table``)."""
     full_id: str
     """Id of the full index space the table's slots belong to (the allocator's)."""
 
@@ -166,6 +169,8 @@ class ForwardBatch:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not self.reqs:
             raise ValueError("a forward needs at least one request")
+        if not isinstance(self.req_to_token, torch.Tensor):  # a ReqToToken: its table
+            object.__setattr__(self, "req_to_token", batch_table(self.req_to_token))
 
     @classmethod
     def of(cls, mode: ForwardMode, reqs: Sequence[ReqForward], req_to_token: torch.Tensor,
