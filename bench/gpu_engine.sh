@@ -45,6 +45,7 @@ $(grep -m1 -o 'an illegal memory access[a-z ]*' "$log/o.txt")" | tee -a "$log/su
     runahead)
         "${T[@]}" 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
             tests/backends/test_run_ahead_gpu.py tests/backends/test_planning_no_sync.py \
+            tests/kvcache/test_books_no_sync_gpu.py tests/backends/test_misuse.py \
             > "$log/pytest.txt" 2>&1 ;;
     graphs)
         "${T[@]}" 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rA -s \
