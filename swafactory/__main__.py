@@ -1,9 +1,11 @@
 """`python -m swafactory …` / `swafactory …`: the Hydra app. The only place that maps errors to exit codes.
 
-Exit codes: 0 ok; 1 conformance failure; 2 configuration refused (message on stderr, no traceback).
+Exit codes: 0 ok; 1 conformance failure; 2 configuration refused (message on stderr, no traceback);
+3 inert (no check failed, but the injected fault never acted: the run proves nothing).
 In a multirun sweep each job records its outcome in result.json (a refusal raised before the first
 forward makes the job `refused`) and the sweep goes on; the sweep then exits with its worst job
-(ok < refused < failed): 1 if any failed, else 2 if any was refused, else 0.
+(ok < refused < inert < failed): 1 if any failed, else 3 if any was inert, else 2 if any was
+refused, else 0.
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from swafactory.config.paths import conf_dir
-from swafactory.errors import EXIT_CONFIG, EXIT_CONFORMANCE, EXIT_OK, CapacityError, ConfigError
+from swafactory.errors import (EXIT_CONFIG, EXIT_CONFORMANCE, EXIT_INERT, EXIT_OK, CapacityError,
+                               ConfigError)
 
-EXIT_FOR_STATUS = {"ok": EXIT_OK, "refused": EXIT_CONFIG, "failed": EXIT_CONFORMANCE}
+EXIT_FOR_STATUS = {"ok": EXIT_OK, "refused": EXIT_CONFIG, "inert": EXIT_INERT,
+                   "failed": EXIT_CONFORMANCE}
 
 _ran_task = False
 

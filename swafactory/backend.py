@@ -24,6 +24,7 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
+from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.guards import Q_DTYPES, SlotCheck, forward_error
 from swafactory.graph_state import (GraphState, StaleGraphError, bucket_writes, capture_plan,
                                    check_graphable, check_padding)
@@ -31,7 +32,7 @@ from swafactory.kernels.cuda.prepare import start_adapters
 from swafactory.kvcache.quant import is_fp8, query_dtype, store_rows
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
-from swafactory.metadata.plan import ForwardPlan, plan
+from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
 from swafactory.registry.capabilities import Capabilities
 from swafactory.registry.device import detect_device
 from swafactory.registry.select import validate
@@ -122,6 +123,8 @@ class AttentionBackend:
         f = self.faults
         if self._frozen is not None:
             pool, source = self._frozen  # FAULT pool_cached_at_init (sglang #26957)
+            if pool is not self.view.active_pool:
+                FAULT_COUNTS.acted("pool_cached_at_init")  # the view moved on since then
         else:
             pool = self.view.active_pool
             source = resolve_kv_source(self.view, self.cfg.backend.resolver,
@@ -134,6 +137,8 @@ class AttentionBackend:
                      skip_spec_translation=f.skip_spec_translation,
                      plan_without_window=f.plan_without_window,
                      tree_mask_not_rebased=f.tree_mask_not_rebased)
+        if f.window_off_by_one and lists_past_window(fplan.groups, narrower=1):
+            FAULT_COUNTS.acted("window_off_by_one")  # a list holds the key W positions back
         if graph is not None:  # before the adapters refill buffers the batch would overflow
             self._graph.check_keys(fplan, *graph)
         if self.guards:
@@ -157,10 +162,16 @@ class AttentionBackend:
                 reads = t  # an unwindowed full list covers every request's whole read range
             if writes is None and g.write_locs is not None and g.write_locs.space == "full":
                 writes = g.write_locs.tensor
-        check = SlotCheck(batch, None if reads is None else reads.kv_indices.tensor,
-                          None if reads is None else reads.kv_host, writes,
-                          next(iter(fplan.groups.values())).tables.qo_host)
-        if check.event is None:
+        self._defer(SlotCheck(batch, None if reads is None else reads.kv_indices.tensor,
+                              None if reads is None else reads.kv_host, writes,
+                              next(iter(fplan.groups.values())).tables.qo_host))
+
+    def _defer(self, check) -> None:
+        """A device check (`guards.SlotCheck` or `guards.DeviceCheck`; None: nothing to check):
+        read now where reading is free (CPU), else kept for `raise_pending` (CUDA: no sync)."""
+        if check is None:
+            return
+        if not check.deferred:
             err = check.error()
             if err is not None:
                 raise err
@@ -173,13 +184,15 @@ class AttentionBackend:
                 raise err
 
     def raise_pending(self) -> None:
-        """Raise the first `guards.MissingSlotError` of the forwards planned since the last
-        call (a position read or written that has no slot). Call it where the engine reads the
-        device back anyway: it waits on the newest forward's planning event (not on its
-        kernels), once. A no-op with guards off and on CPU (raised when planned)."""
+        """Raise the first error the guards' device checks found since the last call: a
+        position read or written that has no slot (`guards.MissingSlotError`), a graph bucket's
+        padding row writing a live slot (SpaceError), a write slot out of bounds in check mode
+        (CapacityError). Call it where the engine reads the device back anyway: it waits on the
+        newest check's event (queued before that forward's kernels, not after them), once. A
+        no-op with guards off and on CPU (raised when planned or written)."""
         checks, self._pending = self._pending, deque()
-        if checks:
-            checks[-1].event.synchronize()  # planning events are in stream order: all done
+        if checks and checks[-1].event is not None:
+            checks[-1].event.synchronize()  # events are in stream order: all done
         for c in checks:
             err = c.error()
             if err is not None:
@@ -305,13 +318,15 @@ class AttentionBackend:
         padded = bucket_writes(st, fplan, bs, tokens,
                                stale_swa=self.faults.graph_pad_stale_swa_loc)
         if self.guards:  # the captured writes are unchecked: check what they will write, here
+            # (typed space now; bounds and padding on the device: raised at once on CPU, at
+            # raise_pending on CUDA, so a replay reads nothing back)
             seen: set[str] = set()
             for layer, key in fplan.layer_groups.items():
                 g = fplan.groups[key]
                 if g.write_locs is not None and key not in seen:
                     seen.add(key)
-                    self._pool.check(layer, g.write_locs)
-            check_padding(padded, batch.total_q)
+                    self._defer(self._pool.check(layer, g.write_locs))
+            self._defer(check_padding(padded, batch.total_q))
         self._set_plan(padded, graphed=True)
         return self._plan
 
@@ -343,6 +358,8 @@ class AttentionBackend:
                                               self.windows.get(layer) is None):
                     kw["k_scale"], kw["v_scale"] = scales  # kernels dequantize
                 # else FAULT fp8_descale_dropped: the full layers' reads skip the scales
+                elif is_fp8(sub.dtype) and tuple(scales) != (1.0, 1.0):
+                    FAULT_COUNTS.acted("fp8_descale_dropped")
                 ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
                 hkv, d = k_buf.shape[1], k_buf.shape[2]
                 # a decode kernel that writes the step's K/V itself (not fp8: the store quantizes)
@@ -382,10 +399,10 @@ class AttentionBackend:
         idx = self._writes[key]
         if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
-        # the pool's checks (typed space; bounds in check mode) once per group and sub-pool; a
-        # graph's writes were checked at replay planning (a check inside a capture would sync)
+        # the pool's checks (typed space; bounds in check mode, on the device: `_defer`) once
+        # per group and sub-pool; a graph's writes were checked at replay planning
         if self.guards and not self._graphed and wpair not in self._checked:
-            self._pool.check(layer_id, self._plan.groups[key].write_locs)
+            self._defer(self._pool.check(layer_id, self._plan.groups[key].write_locs))
             self._checked.add(wpair)
         ks = k.shape
         if len(ks) != 3 or ks[0] != idx.shape[0] or ks[1] != hkv or ks[2] != d or v.shape != ks:
@@ -424,6 +441,8 @@ class AttentionBackend:
         """
         del batch
         if self.faults.sink_dropped:
+            if sinks is not None:
+                FAULT_COUNTS.acted("sink_dropped")
             sinks = None  # FAULT: the kernel takes sinks= and ignores it
         e = self._entry(layer_id)
         key, k_buf, v_buf, sub, kw, pair, ad, _, _, hkv, d, _, fuse, dev = e

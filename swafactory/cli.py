@@ -1,6 +1,6 @@
 """What the command line does with a composed config: plan, run the conformance job, or generate.
 
-Every job writes `result.json` in its output directory (ok, refused or failed), which the
+Every job writes `result.json` in its output directory (ok, refused, inert or failed), which the
 multirun callback turns into `matrix.md`. In a single run, a refusal raises (exit 2) and a failure
 returns 1; in a sweep both are recorded, the sweep goes on, and `__main__` exits with the worst.
 """
@@ -17,8 +17,9 @@ from rich.table import Table
 
 from swafactory.config.from_hydra import from_hydra
 from swafactory.config.paths import conf_dir
-from swafactory.errors import EXIT_CONFORMANCE, EXIT_OK, CapacityError, ConfigError
+from swafactory.errors import EXIT_CONFORMANCE, EXIT_INERT, EXIT_OK, CapacityError, ConfigError
 from swafactory.layout import PlanSummary, describe
+from swafactory.registry.auto_note import auto_note
 from swafactory.registry.device import detect_device
 from swafactory.registry.select import validate
 
@@ -93,14 +94,15 @@ def run_cli(cfg: DictConfig, output_dir: Path | None, *, overrides: list[str] = 
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140)
     try:
         try:
-            conf = from_hydra(cfg)
-            device = detect_device(conf.workload.device)
-            conf = validate(conf, device)
+            asked = from_hydra(cfg)
+            device = detect_device(asked.workload.device)
+            conf = validate(asked, device)
             if conf.run.mode == "plan":
                 return _plan(conf, device, cfg, output_dir, list(overrides), console)
             if conf.run.mode == "generate":
                 return _generate(conf, device, cfg, output_dir, list(overrides), console, sweep)
-            return _conformance(conf, device, cfg, output_dir, list(overrides), console, sweep)
+            return _conformance(conf, device, cfg, output_dir, list(overrides), console, sweep,
+                                auto_note(asked, conf, device))
         except (ConfigError, CapacityError) as exc:
             reasons = [str(r) for r in getattr(exc, "reasons", ())] or [str(exc)]
             _write_result(output_dir, cfg, list(overrides), "refused", reasons=reasons)
@@ -128,17 +130,22 @@ def _plan(conf, device, cfg, output_dir, overrides, console) -> int:
     return EXIT_OK
 
 
-def _conformance(conf, device, cfg, output_dir, overrides, console, sweep) -> int:
+def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=None) -> int:
     from swafactory.harness.report import progress, render_summary, write_report
     from swafactory.harness.run import run
 
     with progress(console) as bar:
         report = run(conf, device, on_progress=bar.update)
+    if note:  # `conf` is resolved already: what auto chose, from the config as asked
+        report = report.model_copy(update={"backend_choice": note})
     render_summary(report, console)
     if output_dir is not None:
         for path in write_report(report, output_dir):
             console.print(f"wrote {path}")
         _write_result(output_dir, cfg, overrides, report.status, report=report)
+    if report.status == "inert":
+        print(f"conformance INERT: {report.inert}", file=sys.stderr)
+        return EXIT_OK if sweep else EXIT_INERT
     if report.status != "ok":
         m = report.mismatch
         print(f"conformance FAILED at step {m.step}: {m.worker} {m.mode}, layer {m.layer} "
@@ -196,8 +203,10 @@ eviction, speculative decoding, every checked attention output against an fp32 o
   python -m swafactory -m backend=torch,triton spec=none,eagle3 # a sweep: matrix.md
 
 Exit codes: 0 ok; 1 conformance failure (a mismatch, a caught fault or a leak); 2 configuration
-refused (message on stderr, no traceback). A sweep (-m) runs every job and exits with the worst
-of them: 1 if any failed, else 2 if any was refused, else 0.
+refused (message on stderr, no traceback); 3 inert: no check failed, but the injected fault never
+acted (the workload gave it nothing to change; the message says what it lacked), so the run
+proves nothing. A sweep (-m) runs every job and exits with the worst of them: 1 if any failed,
+else 3 if any was inert, else 2 if any was refused, else 0.
 
 Config groups (group=option), from {conf_dir()}; any field overrides too (spec.topk=2):
 {rows}

@@ -5,11 +5,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Reason", "SwaFactoryError", "ConfigError", "FieldError", "SpaceError", "CapacityError", "EXIT_OK", "EXIT_CONFORMANCE",
-           "EXIT_CONFIG"]
+           "EXIT_CONFIG", "EXIT_INERT"]
 
 EXIT_OK = 0
 EXIT_CONFORMANCE = 1
 EXIT_CONFIG = 2
+EXIT_INERT = 3
+"""A run that passed while its injected fault never acted: it proves nothing (status `inert`)."""
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,14 @@ constants is recorded at capture: fp8 K/V scales (`GraphState.record_scales`); a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import torch
 
 from swafactory.errors import ConfigError, Reason, SpaceError
+from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.graph_sizing import bucket_keys
+from swafactory.guards import DeviceCheck
 from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardMode
 from swafactory.metadata.plan import AttnTables, ForwardPlan, GroupPlan, group_key
@@ -86,6 +89,9 @@ class GraphState:
     writes: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     """(group key, bs, tokens) → ``[bs · tokens]`` int64 write slots of that bucket's graph;
     rows past a batch's hold 0, the dummy row."""
+    filled: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    """Same keys → rows of the buffer that hold slots a replay wrote (fault accounting: the
+    rows past a batch that ``stale_swa`` leaves unpadded)."""
     captured: dict[tuple[int, int], object] = field(default_factory=dict)
     """(bs, tokens) → the pool the bucket was captured against (its buffers are in the graph)."""
     scales: dict[tuple[int, int], tuple[int, dict[int, tuple[float, float]]]] = \
@@ -203,22 +209,61 @@ def bucket_writes(state: GraphState, plan: ForwardPlan, bs: int, tokens: int, *,
         if g.write_locs is None:
             groups[key] = g
             continue
+        stale, n, at = stale_swa and g.window is not None, len(g.write_locs), (key, bs, tokens)
+        if stale and state.filled.get(at, 0) > n:  # acted: padding keeps an earlier replay's slots
+            FAULT_COUNTS.acted("graph_pad_stale_swa_loc")
+        state.filled[at] = max(n, state.filled.get(at, 0)) if stale else n
         groups[key] = replace(g, write_locs=g.write_locs.copy_into(
-            state.write_buffer(key, bs, tokens), pad=not (stale_swa and g.window is not None)))
+            state.write_buffer(key, bs, tokens), pad=not stale))
     return replace(plan, groups=groups, total_q=rows)
 
 
-def check_padding(plan: ForwardPlan, rows: int) -> None:
-    """SpaceError when a group's write slots past the batch's ``rows`` are not the dummy row 0:
-    the captured step writes every row of the bucket, so a padding row holding a real slot
-    overwrites live K/V. A guard (one read back per group): ``plan`` is `bucket_writes`'s."""
+def check_padding(plan: ForwardPlan, rows: int) -> DeviceCheck | None:
+    """The padding guard as a `guards.DeviceCheck` (None: the bucket has no padding writes): a
+    SpaceError when a group's write slots past the batch's ``rows`` are not the dummy row 0. The
+    captured step writes every row of the bucket, so a padding row holding a real slot
+    overwrites live K/V. ``plan`` is `bucket_writes`'s.
+
+    Computed on the device, no read back: every group's padding slots in one list, each live
+    one coded ``position << 32 | slot`` (the dummy 0 coded past every live one), and the 8
+    smallest codes kept: the first live group's first slots, in order. The caller reads the
+    word where reading is free (`AttentionBackend`: at once on CPU, at `raise_pending` on CUDA)."""
+    pads, spans, n = [], [], 0
     for key, g in plan.groups.items():
         if g.write_locs is None:
             continue
         pad = g.write_locs.tensor.reshape(-1)[rows:]
-        live = pad[pad != 0]
-        if live.numel():
-            raise SpaceError(f"graph bucket of {plan.total_q} rows: group {key}'s padding rows "
-                             f"(past the batch's {rows}) write slots {live[:8].tolist()} of "
-                             f"{g.write_locs.pool_id!r}, not the dummy row 0: the captured step "
-                             "would overwrite live K/V (write slots left from an earlier replay)")
+        if pad.numel():
+            pads.append(pad)
+            spans.append((key, n, n + pad.numel(), g.write_locs.pool_id))
+            n += pad.numel()
+    if not pads:
+        return None
+    flat = (pads[0] if len(pads) == 1 else torch.cat(pads)).long()
+    code = (flat + _positions(n, flat.device)).masked_fill_(flat == 0, _NONE)
+    word = code.topk(min(_SHOWN, n), largest=False).values  # sorted: ascending
+    total = plan.total_q  # the closure keeps ints and names, not the plan's tensors
+
+    def explain(codes: list[int]) -> SpaceError | None:
+        live = [c for c in codes if c != _NONE]
+        if not live:
+            return None
+        slot = [((c + 2**31) & 0xFFFFFFFF) - 2**31 for c in live]  # signed low 32 bits
+        pos = [(c - s) >> 32 for c, s in zip(live, slot)]
+        key, lo, hi, pool_id = next(sp for sp in spans if sp[1] <= pos[0] < sp[2])
+        shown = [s for p, s in zip(pos, slot) if lo <= p < hi]
+        return SpaceError(f"graph bucket of {total} rows: group {key}'s padding rows "
+                          f"(past the batch's {rows}) write slots {shown} of {pool_id!r}, not "
+                          "the dummy row 0: the captured step would overwrite live K/V (write "
+                          "slots left from an earlier replay)")
+    return DeviceCheck(word, explain)
+
+
+_SHOWN = 8  # padding slots an error names
+_NONE = 2**62  # the code of a padding slot that is the dummy row 0: past every live one
+
+
+@lru_cache(maxsize=64)
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """[n] int64 ``i << 32``: a padding slot's position, above its slot (one per bucket size)."""
+    return torch.arange(n, dtype=torch.int64, device=device) << 32

@@ -12,20 +12,39 @@ Two kinds of check, so that guards never add a host sync:
   memory behind an event, and `AttentionBackend.raise_pending` (the engine's own sync point)
   raises `MissingSlotError`. On CPU, where reading is free, it raises at once, before anything
   is written.
+* **deferred, any word** (`DeviceCheck`): the same pinned copy behind an event for any check
+  reduced on the device to a small int64 word, with a function that turns the word's values
+  into the error: a graph bucket's padding write slots (`graph_state.check_padding`), the
+  write slots' bounds in check mode (`HybridSWAPool.check`).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from swafactory.errors import SwaFactoryError
 
-__all__ = ["MissingSlotError", "Q_DTYPES", "forward_error", "SlotCheck", "batch_table"]
+__all__ = ["GuardError", "CallError", "CallTypeError", "MissingSlotError", "Q_DTYPES", "forward_error", "SlotCheck", "DeviceCheck",
+           "defers", "batch_table"]
 
 Q_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 """dtypes of q (and of k, v before the store casts or quantizes them)."""
 
 
-class MissingSlotError(SwaFactoryError, ValueError):
+class GuardError(SwaFactoryError):
+    """A mistake the guards caught (a report names the guards as what caught it)."""
+
+
+class CallError(GuardError, ValueError):
+    """A `forward` argument of the wrong shape or device."""
+
+
+class CallTypeError(GuardError, TypeError):
+    """A `forward` argument of the wrong dtype, or not a tensor."""
+
+
+class MissingSlotError(GuardError, ValueError):
     """A forward reads or writes a position of a request that has no slot (entry 0)."""
 
 
@@ -103,9 +122,41 @@ def forward_error(layer_id: int, mode: str, rows: int, q_heads: int, kv_heads: i
                                         f"{device}: move them to {device}"))
     if not reasons:
         return None
-    kind = reasons[0][0]
+    kind = CallTypeError if reasons[0][0] is TypeError else CallError
     text = "; ".join(r for _, r in reasons)
     return kind(f"{mode} layer {layer_id}: {text}")
+
+
+def defers(word: torch.Tensor) -> bool:
+    """Whether a check whose word is ``word`` waits for `AttentionBackend.raise_pending`: on
+    CUDA, where reading it now would sync the host. (Tests patch it to defer on CPU too.)"""
+    return word.is_cuda
+
+
+class DeviceCheck:
+    """A check reduced on the device to ``word`` ([n] int64), read where reading is free.
+
+    explain: the word's values (host ints) → the error, or None when they show none. On CUDA the
+    word is copied non-blocking into pinned memory behind an event (`deferred`: the backend
+    keeps it for `raise_pending`); on CPU it is read when asked (the backend asks at once)."""
+
+    def __init__(self, word: torch.Tensor,
+                 explain: Callable[[list[int]], Exception | None]) -> None:
+        self.explain, self.event = explain, None
+        self.deferred = defers(word)
+        if word.is_cuda:
+            self.word = torch.empty(word.shape, dtype=word.dtype, pin_memory=True)
+            self.word.copy_(word, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.word = word
+
+    def error(self) -> Exception | None:
+        """The error the word shows (waits on its event: work queued before the forward's)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.explain(self.word.tolist())
 
 
 class SlotCheck:
@@ -139,6 +190,7 @@ class SlotCheck:
             self.event.record()
         else:
             self.word = word
+        self.deferred = self.event is not None
 
     def _rows(self, table: torch.Tensor, writes: bool) -> tuple[torch.Tensor, list[int]]:
         """[n] slots of each request's ``[0, end)`` (end: its kv_end, or its last node when it

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from swafactory.errors import SpaceError
+from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.locs import Locs, SlotMapping, translate
 
 __all__ = ["Role", "Policy", "POLICIES", "KVPoolLike", "RunnerView", "TargetView", "DraftView",
@@ -146,6 +147,7 @@ def resolve_kv_source(view: RunnerView, policy: Policy = "auto", *,
         return _source(active, "active pool is split")
     if role == "draft_own_pool":
         if fault_allocator_for_own_draft and _split(alloc):
+            FAULT_COUNTS.acted("allocator_pool_for_own_pool_draft")
             return _source(alloc, "FAULT: own-pool draft resolved to the allocator's pool")
         return None  # its own pool is full-indexed; the target's mapping must not touch it
     if role == "draft_reads_target":

@@ -29,3 +29,20 @@ def test_an_option_is_not_an_out_folder(script: Path, arg: str, rc: int, tmp_pat
     assert r.stdout.startswith(head), r.stdout[:300]
     assert list(tmp_path.iterdir()) == []
     assert (rc == 0) is ("unknown option" not in r.stderr)
+
+
+def test_bench_guards_help_makes_nothing_and_out_is_required(tmp_path: Path) -> None:
+    """bench/bench_guards.py (a GPU bench) answers ``--help`` on any machine and makes nothing;
+    a call without ``--out`` exits 2 naming it."""
+    import sys
+
+    script = ROOT / "bench" / "bench_guards.py"
+    r = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: bench_guards.py") and "--out" in r.stdout
+    assert "--cases" in r.stdout and "--ctx" in r.stdout
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--out" in r.stderr
+    assert list(tmp_path.iterdir()) == []

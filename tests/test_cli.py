@@ -180,8 +180,9 @@ def test_help_opens_with_what_it_does_exit_codes_and_groups(tmp_path) -> None:
     assert hydra_help and "== Configuration groups ==" in hydra_help  # Hydra's own help follows
     assert ours.startswith("swafactory: builds attention backends")
     assert "Exit codes: 0 ok; 1 conformance failure" in ours and "2 configuration" in ours
-    assert "1 if any failed, else 2 if any was refused, else 0" in ours
     listed = " ".join(ours.split())
+    assert "1 if any failed, else 3 if any was inert, else 2 if any was refused, else 0" in listed
+    assert "3 inert" in listed  # a run whose fault never acted has its own code
     for group in GROUPS:
         assert f"{group}= {', '.join(group_options(group))}" in listed, group
     assert f"+experiment= {', '.join(group_options('experiment'))}" in listed

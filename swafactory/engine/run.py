@@ -41,6 +41,7 @@ from swafactory.engine.checks import (acceptance_check, ideal_accept, logits_che
                                       logits_tolerance, lossless_check)
 from swafactory.engine.generator import Generator
 from swafactory.engine.models import load_target, require_transformers
+from swafactory.guards import GuardError
 from swafactory.engine.report import GenProgress
 from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateReport,
                                             RequestRecord)
@@ -116,7 +117,7 @@ def _generate(cfg: SwaFactoryConfig, device: DeviceInfo, model, prompts, outs,
 def _kind(exc: BaseException) -> str:
     if isinstance(exc, NonFinite):
         return "nan"
-    if isinstance(exc, SpaceError):
+    if isinstance(exc, (SpaceError, GuardError)):  # the typed spaces or the call guards
         return "space"
     if isinstance(exc, CapacityError):
         return "capacity"

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from swafactory.errors import CapacityError
+from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.harness.setup import Parts
 from swafactory.harness.workers import Check, History, Worker
 from swafactory.kvcache.allocator import pool_use
@@ -140,10 +141,15 @@ class Loop:
         return not self.waiting and not self.running
 
     def _evict(self) -> None:
-        if not self.p.split or self.cfg.faults.no_swa_eviction:
+        if not self.p.split:
             return
         W, I = self.cfg.model.sliding_window, self.cfg.workload.eviction_interval
         reread = self.cfg.spec.draft_kv == "target_pool"  # FROZEN_KV re-reads position L-1
+        if self.cfg.faults.no_swa_eviction:  # FAULT: acted once a request has dead SWA slots
+            if any(eviction_floor(r.committed, r.prefilling, reread) - W + 1 >= I
+                   for r in self.running):
+                FAULT_COUNTS.acted("no_swa_eviction")
+            return
         for r in self.running:
             low = eviction_floor(r.committed, r.prefilling, reread)
             n = self.p.slots.evict_out_of_window(

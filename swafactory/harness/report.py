@@ -90,10 +90,12 @@ def _facts(report: Report) -> Table:
                             f"({len(report.layers_attended)}; draft {report.draft_layers})"),
         ("accept length", "-" if report.accept_len is None else f"{report.accept_len:.2f} tok/step"),
         ("leaked", _leaks(report.leaked)),
-        ("fault", report.fault or "none"),
+        ("fault", ", ".join(f"{k} (acted {v:,}×)" for k, v in report.fault_acted.items())
+                  or report.fault or "none"),
         *([("fp8 KV vs bf16", f"max relative error {report.kv_quant_error:.2e} (reported, not "
                                "checked)")] if report.kv_quant_error is not None else []),
-        ("status", "[green]ok[/]" if report.status == "ok" else "[red b]failed[/]"),
+        ("status", {"ok": "[green]ok[/]", "inert": "[yellow b]inert[/]"}.get(
+            report.status, "[red b]failed[/]")),
     ]
     if report.peak_device_bytes is not None:  # a GPU run: what planning several on one GPU needs
         pairs.append(("peak GPU memory", _bytes(report.peak_device_bytes)))
@@ -110,9 +112,10 @@ def _facts(report: Report) -> Table:
 
 def render_summary(report: Report, console: Console) -> None:
     """Print the end-of-run summary: header, parts, per-mode checks, run facts, and the mismatch."""
-    colour = "green" if report.status == "ok" else "red"
+    colour = {"ok": "green", "inert": "yellow"}.get(report.status, "red")
     console.print(f"[b]swafactory run[/]: {report.combination} on {report.device} "
-                  f"(backend {report.backend}) → [{colour} b]{report.status.upper()}[/]")
+                  f"(backend {report.backend_choice or report.backend}) → "
+                  f"[{colour} b]{report.status.upper()}[/]")
     if report.parts:
         console.print("[b]parts[/]: " + ", ".join(f"{k}={v}" for k, v in report.parts.items()),
                       overflow="fold")
@@ -124,6 +127,9 @@ def render_summary(report: Report, console: Console) -> None:
                 f"request {m.request}\ncaught by: [b]{m.check}[/]\n{m.error}")
         console.print(Panel(body, title="mismatch", title_align="left", border_style="red",
                             expand=False))
+    if report.inert:
+        console.print(Panel(report.inert, title="inert: the fault never acted", title_align="left",
+                            border_style="yellow", expand=False))
 
 
 def _plot(report: Report, path: Path) -> None:

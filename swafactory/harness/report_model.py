@@ -81,11 +81,16 @@ class Mismatch(_Model):
 class Report(_Model):
     """The whole run."""
 
-    status: Literal["ok", "failed"]
+    status: Literal["ok", "inert", "failed"]
+    """`failed`: a check caught a mismatch, a fault or a leak. `inert`: no check failed, but an
+    injected fault never acted (`fault_acted`), so the run proves nothing; `inert` says what
+    the workload lacked. `ok` otherwise."""
     combination: str
     device: str
     backend: str
     """Resolved backend (after `auto`)."""
+    backend_choice: str | None = None
+    """`backend=auto` only: what it chose and why (``auto → torch, bf16 KV: no CUDA device``)."""
     parts: dict[str, str]
     """Which shared parts served the run (resolver policy, planner, kernel, tree strategy, …)."""
     kernels: list[str] = []
@@ -94,6 +99,12 @@ class Report(_Model):
     tile (auto: nvcc present)``)."""
     fault: str | None = None
     """The fault injected, if any."""
+    fault_acted: dict[str, int] = Field(default_factory=dict)
+    """Each injected fault → the times it changed something (a write, a plan, a mapping, a
+    free: `swafactory.fault_counts`). Empty without a fault."""
+    inert: str | None = None
+    """Why the run is `inert`: each fault that never acted, what the workload lacked, what to
+    try (`swafactory.harness.inert`)."""
     layers_attended: list[int]
     """Target layers that ran attention (a subset in `smoke`)."""
     draft_layers: int

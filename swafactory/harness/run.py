@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,13 +11,16 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import CapacityError, SpaceError
+from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.harness import leaks
 from swafactory.harness.estimate import estimate_steps
+from swafactory.harness.inert import inert_message
 from swafactory.harness.kv_check import StaleKV
 from swafactory.harness.loop import Loop, Mismatched
 from swafactory.harness.report_model import Mismatch, ModeStats, Report, StepRecord, Tick
 from swafactory.harness.setup import Parts, build_parts, pool_sizes
 from swafactory.harness.workers import Check, Worker
+from swafactory.registry.auto_note import auto_note
 from swafactory.registry.device import DeviceInfo, detect_device
 from swafactory.registry.select import validate
 from swafactory.registry.check import kernel_groups
@@ -40,16 +44,20 @@ def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
 
     Raises ConfigError or CapacityError when refused: the config or the pool sizing, or a pool
     that is too small before the first forward ran. A mismatch, a caught fault, a pool that runs
-    out later or a leak at the end returns a Report with ``status="failed"``."""
+    out later or a leak at the end returns a Report with ``status="failed"``; a run whose
+    injected fault never acted (`swafactory.fault_counts`), one with ``status="inert"``."""
     dev = device or detect_device(cfg.workload.device)
-    cfg = validate(cfg, dev)
+    asked, cfg = cfg, validate(cfg, dev)
+    note = auto_note(asked, cfg, dev)
     _, prompts, outs = _draws(cfg)
     pool_sizes(cfg, prompts, outs)  # a sizing refusal raises here, before any rank is spawned
     if cfg.parallel.tp > 1:
         from swafactory.harness.launch import launch
 
-        return launch(cfg, dev.kind)
-    return _run_local(cfg, dev, on_progress, None)
+        report = launch(cfg, dev.kind)
+    else:
+        report = _run_local(cfg, dev, on_progress, None)
+    return report.model_copy(update={"backend_choice": note}) if note else report
 
 
 def run_rank(cfg: SwaFactoryConfig, shard) -> Report:
@@ -97,6 +105,7 @@ class _Clock:
 def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
                on_progress: Callable[[Tick], None] | None, shard) -> Report:
     w = cfg.workload
+    FAULT_COUNTS.clear()  # each fault branch counts the times it acted during this run
     rng, prompts, outs = _draws(cfg)
     gen = torch.Generator().manual_seed(w.seed)
     torch_dev = "cuda" if dev.kind == "cuda" else "cpu"
@@ -179,8 +188,9 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
         worker, mode = loop.current if loop else ("-", "setup")
         check = ("space" if isinstance(exc, SpaceError) else
                  "capacity" if isinstance(exc, CapacityError) else "kernel")
-        mismatch = Mismatch(step=loop.step if loop else 0, worker=worker, mode=mode, layer=-1,
-                            group="-", request="-", error=f"{type(exc).__name__}: {exc}"
+        layer, group, request = _where(exc, parts, worker)
+        mismatch = Mismatch(step=loop.step if loop else 0, worker=worker, mode=mode, layer=layer,
+                            group=group, request=request, error=f"{type(exc).__name__}: {exc}"
                             + _raised_at(exc), check=check)
     books: dict[str, int] = {}
     if mismatch is None:  # every request finished: every slot and row must be back
@@ -222,6 +232,23 @@ def _graph_use(workers) -> str:
     how = "captures" if gs[0].captured_on_device else "recorded (emulated: no CUDA here)"
     return (f"{sum(g.captures for g in gs)} {how}, {sum(g.replays for g in gs)} replays "
             f"({', '.join(f'{m}×{t}' for x in workers for m, t in x.graphs)})")
+
+
+def _where(exc: BaseException, parts, worker: str) -> tuple[int, str, str]:
+    """(layer, group, request) an exception names in its message (``layer 3``, ``request 1``),
+    the group from that worker's current plan; ``(-1, "-", "-")`` where it names none."""
+    text = str(exc)
+    m = re.search(r"\blayer (\d+)", text)
+    r = re.search(r"\brequest '?([^\s',:;)]+)", text)
+    layer = int(m.group(1)) if m else -1
+    group = "-"
+    w = getattr(parts, worker, None) if parts is not None and worker in ("target", "draft") else None
+    plan = getattr(getattr(w, "backend", None), "_plan", None)
+    if layer >= 0 and plan is not None:
+        group = plan.layer_groups.get(layer, "-")
+    elif (g := re.search(r"\bgroup ([\w/]+)", text)) is not None:  # a group-wide error
+        group = g.group(1)
+    return layer, group, r.group(1) if r else "-"
 
 
 def _raised_at(exc: BaseException) -> str:
@@ -270,8 +297,11 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, b
         "cuda_graphs": _graph_use(workers) if b.cuda_graph else "off",
     }
     layers = sorted(parts.target.layers) if parts else []
+    acted = FAULT_COUNTS.of(cfg.faults.active)
+    inert = None if mismatch else inert_message(acted)
     return Report(
-        status="failed" if mismatch else "ok", combination=cfg.combination,
+        status="failed" if mismatch else "inert" if inert else "ok", combination=cfg.combination,
+        fault_acted=acted, inert=inert,
         device=dev.describe(), backend=b.name, parts=parts_desc, kernels=worker_lines(workers),
         fault=", ".join(cfg.faults.active) or None, layers_attended=layers,
         draft_layers=len(parts.draft.layers) if parts and parts.draft else 0,

@@ -8,6 +8,7 @@ import torch
 from swafactory.backend import build_backend, model_windows
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import CapacityError
+from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.harness.kv_quant import set_harness_scales
 from swafactory.harness.workers import LayerSpec, Worker
 from swafactory.harness.world import target_layer_specs
@@ -116,6 +117,8 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
         dpool = build_draft_pool(scfg, pool, alloc, device=device, check_mode=True,
                                  headroom=headroom, unsafe_undersized=f.no_draft_headroom)
         set_harness_scales(dpool)
+        if f.no_draft_headroom and dpool.sub_pools[0].size < sizes.full:
+            FAULT_COUNTS.acted("no_draft_headroom")  # built short of the target's full space
         view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
         types = ["full_attention"] * s.draft_num_layers
         if dpool.is_split:

@@ -17,6 +17,7 @@ import torch
 
 from swafactory.errors import SpaceError
 from swafactory.errors import CapacityError
+from swafactory.guards import DeviceCheck
 from swafactory.kvcache.locs import Locs, SlotMapping, Space
 from swafactory.kvcache.quant import poison_rows, store_rows
 
@@ -251,13 +252,19 @@ class HybridSWAPool:
         """Set ``layer_id``'s K and V scales in the sub-pool that holds it (`KVPool.set_scales`)."""
         self.sub_pool(layer_id).set_scales(self.layers_mapping[layer_id][1], k_scale, v_scale)
 
-    def check(self, layer_id: int, locs: Locs) -> None:
-        """The checks of a checked `write` (typed space; bounds in check mode), without writing:
-        an engine that writes inside a CUDA graph checks each replay's slots here, outside it."""
-        self._checked(layer_id, locs)
+    def check(self, layer_id: int, locs: Locs) -> DeviceCheck | None:
+        """The checks of a checked `write`, without writing: an engine that writes inside a CUDA
+        graph checks each replay's slots here, outside it. The typed space (metadata) raises
+        now; the bounds (check mode only) come back as a `guards.DeviceCheck` computed on the
+        device (None: nothing to check), for the caller to read where reading is free
+        (`AttentionBackend`: at once on CPU, at `raise_pending` on CUDA)."""
+        pool = self._space_checked(layer_id, locs)
+        if pool.check_mode and len(locs):
+            return self._bounds(layer_id, locs.tensor, pool)
+        return None
 
-    def _checked(self, layer_id: int, locs: Locs) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
-        k_buf, v_buf, pool = self.get_kv(layer_id)
+    def _space_checked(self, layer_id: int, locs: Locs) -> KVPool:
+        pool = self.sub_pool(layer_id)
         if not pool.accepts(locs):
             unit = f", page ids of size {locs.page_size}" if locs.is_pages else ""
             raise SpaceError(
@@ -266,18 +273,34 @@ class HybridSWAPool:
                 f"locations of {locs.pool_id!r}{unit}"
                 + (" (translate full slots with swafactory.kvcache.translate first)"
                    if pool.space == "swa" and locs.space == "full" else ""))
-        if pool.check_mode and len(locs):
-            self._check_bounds(layer_id, locs.tensor, pool)
+        return pool
+
+    def _checked(self, layer_id: int, locs: Locs) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
+        """`check`, its bounds read at once (`write` and `read` called directly)."""
+        k_buf, v_buf, pool = self.get_kv(layer_id)
+        bounds = self.check(layer_id, locs)
+        err = None if bounds is None else bounds.error()
+        if err is not None:
+            self._in_bounds.pop(pool.pool_id, None)
+            raise err
         return k_buf, v_buf, pool
 
-    def _check_bounds(self, layer_id: int, t: torch.Tensor, pool: KVPool) -> None:
+    def _bounds(self, layer_id: int, t: torch.Tensor, pool: KVPool) -> DeviceCheck | None:
+        """Min and max of ``t`` on the device, against ``pool.rows``; None when ``t`` was checked
+        for an earlier layer and is unchanged since (a graph's buffers change in place)."""
         seen = self._in_bounds.get(pool.pool_id)
         if seen is not None and seen[0] is t and seen[1] == t._version:
-            return  # checked for an earlier layer, unchanged since (a graph's buffers change in place)
-        if not ((t >= 0) & (t < pool.rows)).all():
-            raise CapacityError(f"layer {layer_id}: locations outside {pool.pool_id!r}'s "
-                                f"{pool.rows} rows (max {int(t.max())})")
+            return None
         self._in_bounds[pool.pool_id] = (t, t._version)
+        rows, pid = pool.rows, pool.pool_id
+
+        def explain(word: list[int]) -> CapacityError | None:
+            lo, hi = word
+            if 0 <= lo and hi < rows:
+                return None
+            return CapacityError(f"layer {layer_id}: locations outside {pid!r}'s {rows} rows "
+                                 f"(min {lo}, max {hi})")
+        return DeviceCheck(torch.stack(torch.aminmax(t.reshape(-1))).long(), explain)
 
     def write(self, layer_id: int, locs: Locs, k: torch.Tensor, v: torch.Tensor, *,
               checked: bool = True) -> None:

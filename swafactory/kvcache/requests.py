@@ -20,6 +20,7 @@ from typing import Hashable, Union
 import torch
 
 from swafactory.errors import CapacityError
+from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.allocator import SWAAllocator, TokenAllocator
 from swafactory.kvcache.locs import Locs
 from swafactory.kvcache.pool import ReqToToken, host_to_device
@@ -154,6 +155,10 @@ class RequestSlots:
         s = self._get(rid)
         if premature_free_window and isinstance(self.allocator, SWAAllocator):
             self.evict_out_of_window(rid, s.kv_len, premature_free_window)  # FAULT
+            # acted: the frontier passed where eviction at the kept length would stop
+            if s.swa_evicted > max(0, new_len - premature_free_window + 1) // self.page_size \
+                    * self.page_size:
+                FAULT_COUNTS.acted("premature_free_on_reject")
         if not 0 <= new_len <= s.kv_len:
             raise ValueError(f"request {rid!r}: cannot truncate {s.kv_len} positions to {new_len}")
         if new_len < s.swa_evicted:
@@ -165,6 +170,7 @@ class RequestSlots:
         drop = row[keep_pages * P:s.kv_len:P].long() // P
         if leak_rejected_draft_slots and isinstance(self.allocator, SWAAllocator):
             self.allocator.full.free_pages(drop)  # FAULT: free_swa skipped
+            FAULT_COUNTS.acted("leak_rejected_draft_slots", drop.numel())
         else:
             self.allocator.free_pages(drop)
         self.req_to_token.zero(s.row, new_len, s.kv_len)
@@ -202,6 +208,8 @@ class RequestSlots:
         if paged_free_stale_mapping:  # FAULT: the pages of the positions, their entries only
             stale = row[s.swa_evicted:frontier].long()
             pages = torch.unique(stale // P)
+            if frontier % P:  # acted: the frontier's page is freed, its later rows stay mapped
+                FAULT_COUNTS.acted("paged_free_stale_mapping")
         else:
             stale, pages = None, row[s.swa_evicted:frontier:P].long() // P
         self.allocator.free_swa_pages(pages, stale_rows=stale)

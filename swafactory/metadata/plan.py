@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from swafactory.errors import SpaceError
+from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata import keys_triton
@@ -27,7 +28,8 @@ from swafactory.metadata.layer_groups import group_key, groups_of
 from swafactory.metadata.vector import (HostBatch, Pack, key_pieces, key_tables, mask_pieces,
                                         mask_tables, to_device)
 
-__all__ = ["AttnTables", "GroupPlan", "ForwardPlan", "PassCache", "plan", "group_key"]
+__all__ = ["AttnTables", "GroupPlan", "ForwardPlan", "PassCache", "plan", "group_key",
+           "lists_past_window"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -302,6 +304,30 @@ def _split_cascade(g: GroupPlan, kv_nodes: torch.Tensor, page_size: int = 1) -> 
     return replace(g, cascade=(prefix, expand))
 
 
+def lists_past_window(groups: Mapping[str, GroupPlan], narrower: int = 0) -> bool:
+    """Whether a windowed group lists, for some request, more than ``window - narrower`` keys
+    (from the host indptr, nothing read back): its last query then sees a key a window of that
+    width excludes, so planning without the window (or one ``narrower`` too wide) changes a
+    read. Fault accounting only (`swafactory.fault_counts`)."""
+    for g in groups.values():
+        kv = g.tables.kv_host
+        if g.window is not None and kv is not None and kv.numel() > 1 and \
+                int((kv[1:] - kv[:-1]).max()) > g.window - narrower:
+            return True
+    return False
+
+
+def _flat_bound_cuts(batch: ForwardBatch, groups: Mapping[str, GroupPlan]) -> bool:
+    """tree_mask_not_rebased's accounting: some node sits deeper in slot order than in the tree
+    and its flat window bound (prefix + slot - W + 1) is past key 0, so it loses in-window keys."""
+    ws = [g.window for g in groups.values() if g.window is not None]
+    if not ws:
+        return False
+    W = min(ws)
+    return any(r.prefix_len + i - W + 1 > 0 for r in batch.reqs
+               for i, d in enumerate(r.depths) if d < i)
+
+
 def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          windows: Mapping[int, int | None], source, *, cascade: bool = False,
          writes: bool = True, skip_spec_translation: bool = False,
@@ -334,7 +360,13 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
         groups = {k: _split_cascade(g, kv_nodes, page_size) for k, g in groups.items()}
+    if skip and any(g.sub_pool == "swa" for g in groups.values()):
+        FAULT_COUNTS.acted("skip_spec_translation")  # an SWA group kept full-space tables
+    if tree_mask_not_rebased and batch.has_tree and _flat_bound_cuts(batch, groups):
+        FAULT_COUNTS.acted("tree_mask_not_rebased")
     if plan_without_window:  # FAULT: the window is dropped from the plan, the trim stays
+        if lists_past_window(groups):
+            FAULT_COUNTS.acted("plan_without_window")
         groups = {k: replace(g, window=None) for k, g in groups.items()}
     return ForwardPlan(batch.mode, groups, layer_groups,
                        source.rule if source is not None else "none", h.total_q)

@@ -84,6 +84,7 @@ def test_custom_mask_is_structure_and_window_by_position(fake) -> None:
     world, _ = adapter_world("tiny", 1, ["model.sliding_window=4"])
     world.open(0)
     world.forward("extend", [world.req(0, 0, 10)], [0])
+    world.slots.extend(0, 4)  # the step's nodes have slots
     parents = (-1, -1, 0, 1)  # two roots at depth 0, one child each at depth 1
     batch = ForwardBatch.of("target_verify", [world.req(0, 10, 4, parents=parents)],
                             world.slots.req_to_token.table, world.alloc.full_id)
@@ -171,7 +172,10 @@ def test_wrappers_are_planned_in_init_forward_metadata_and_no_lse_is_asked(fake)
         assert out.shape == q.shape
     assert {k: w.plans for k, w in ad._wrappers.items()} == planned and ad.replans == 0
     assert asked == [False] * 6
-    backend.q_heads = m.num_attention_heads // 2  # an engine whose heads differ: re-planned
+    # an engine whose heads differ from q_heads: guards refuse it (test_misuse); without them
+    # the adapter re-plans the pass for the heads the layer brings
+    backend.guards = False
+    backend.q_heads = m.num_attention_heads // 2
     backend.init_forward_metadata(batch)
     backend.forward(q, k, k.clone(), 5)
     assert ad.replans == 1

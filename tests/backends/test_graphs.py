@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
 import torch
 
 from flashinfer_fake import module as fake_flashinfer
+from swafactory import guards
 from swafactory.backend import AttentionBackend, TargetView, model_windows
 from swafactory.errors import ConfigError, SpaceError
 from swafactory.graphs import GraphedAttention
@@ -125,7 +127,7 @@ def _record_tile_skipping(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("backend", _graph_backends())
-@pytest.mark.parametrize("stale", [False, True])
+@pytest.mark.parametrize("stale", [False, True, "deferred"])
 def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stale, backend,
                                                                              monkeypatch) -> None:
     """Replays on CPU (the step recorded, re-run over the same buffers) equal eager attention as
@@ -195,6 +197,16 @@ def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stal
             world.slots.extend(r, 1)
         batch = ForwardBatch.of("decode", reqs, world.slots.req_to_token.table,
                                 world.alloc.full_id)
+        if stale == "deferred":  # as on CUDA: the replay reads nothing back, raise_pending raises
+            monkeypatch.setattr(guards, "defers", lambda word: True)
+            plan = world.backend.init_forward_metadata_replay(batch, 8, 1)
+            live = [s for s in plan.group(0).write_locs.tensor.tolist()[5:] if s]
+            assert live
+            with pytest.raises(SpaceError, match=re.escape(
+                    f"group {swa_key}'s padding rows (past the batch's 5) write slots {live} of")):
+                world.backend.raise_pending()
+            world.backend.raise_pending()  # drained
+            return
         with pytest.raises(SpaceError, match=f"group {swa_key}'s padding rows"):
             world.backend.init_forward_metadata_replay(batch, 8, 1)
 

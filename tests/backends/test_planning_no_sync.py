@@ -5,14 +5,25 @@ tree verify, a DFlash block, and the cascade strategy's prefix/expand split of a
 
 FlashInfer's own ``plan`` runs here too. Its custom-mask prefill passes (every mode but decode)
 get the mask packed by the adapter from host lengths (`packed_custom_mask`): FlashInfer 0.6.18
-packing a bool mask itself reads the packed size back (``segment_packbits``)."""
+packing a bool mask itself reads the packed size back (``segment_packbits``).
+
+The guards (on by default) add no host sync either: their device checks (missing slots, a graph
+bucket's padding rows, write bounds in check mode) are copied behind an event and raised at
+``backend.raise_pending()``, the engine's own sync point; so a whole step (planning and every
+layer's ``forward``) with guards on, in check mode or not, reads nothing back."""
 from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import swafactory
+from swafactory.errors import CapacityError, SpaceError
 from swafactory.kvcache.factory import build_pools
+from swafactory.kvcache.locs import Locs
 from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.metadata.batch import ForwardBatch, ReqForward
@@ -76,8 +87,9 @@ def test_decode_graph_replay_planning_makes_no_host_sync(backend: str) -> None:
     batch = ForwardBatch.of("decode", [ReqForward(r, slots.reqs[r].row, ctx, 1)
                                        for r in range(bs)], slots.req_to_token.table,
                             alloc.full_id)
-    backend_.guards = False  # the replay guard reads the padding rows back, on purpose
+    assert backend_.guards  # the default: the replay guards (padding, bounds) read nothing back
     backend_.init_forward_metadata_replay(batch, bucket, 1)  # first use: lazy imports
+    backend_.raise_pending()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -85,3 +97,138 @@ def test_decode_graph_replay_planning_makes_no_host_sync(backend: str) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert plan.total_q == bucket
+    backend_.raise_pending()  # a clean replay: its padding rows write the dummy row
+
+
+STEPS = {"decode": ("decode", 1), "verify_chain8": ("target_verify", 8)}
+PKG = Path(swafactory.__file__).parent
+KERNEL_READS = {"torch_ref.py"}  # the fp32 reference (backend=torch) reads its indptrs back
+
+
+def _step_world(backend: str, check_mode: bool, mode: str):
+    """gpt_oss_20b pools (SWA and full layers, sinks) on CUDA, 8 requests of 300 tokens, the
+    step's inputs per layer, and the backend (guards on: the default)."""
+    if backend != "torch":
+        pytest.importorskip(backend)
+    cfg = swafactory.validate(swafactory.compose(
+        [f"backend={backend}", "spec=none", "model=gpt_oss_20b", "workload.device=cuda"]))
+    kind, nodes = STEPS[mode]
+    bs, ctx, W, m = 8, 300, cfg.model.sliding_window, cfg.model
+    pool, alloc = build_pools(cfg, bs * 512, bs * 512, "cuda", check_mode=check_mode)
+    slots = RequestSlots(alloc, ReqToToken(bs, 512, "cuda"))
+    for rid in range(bs):
+        slots.open(rid)
+        slots.extend(rid, ctx + nodes)
+        slots.evict_out_of_window(rid, ctx, W)
+    backend_ = swafactory.build_backend(cfg, pools=pool)
+    assert backend_.guards
+    batch = ForwardBatch.of(kind, [ReqForward(r, slots.reqs[r].row, ctx, nodes)
+                                   for r in range(bs)], slots.req_to_token.table, alloc.full_id)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs = []
+    for layer in range(m.num_layers):
+        sub = pool.sub_pool(layer)
+        q = torch.randn(bs * nodes, backend_.q_heads, sub.head_dim, device="cuda",
+                        dtype=torch.bfloat16, generator=g)
+        k = torch.randn(bs * nodes, sub.num_kv_heads, sub.head_dim, device="cuda",
+                        dtype=torch.bfloat16, generator=g)
+        inputs.append((q, k, torch.randn_like(k)))
+    sinks = (torch.randn(backend_.q_heads, device="cuda") if m.attention_sinks else None)
+    return backend_, batch, inputs, sinks, pool
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check_mode", [False, True], ids=["plain", "check_mode"])
+@pytest.mark.parametrize("mode", sorted(STEPS))
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", "torch"])
+def test_a_step_with_guards_makes_no_host_sync(backend: str, mode: str,
+                                                check_mode: bool) -> None:
+    """`init_forward_metadata` + `forward` of every layer (K/V write and attention), guards on:
+    under ``set_sync_debug_mode("warn")`` no synchronizing call comes from swafactory (the
+    guards, the planner, the pool's store, the adapters), the fp32 reference kernel of
+    backend=torch excepted (it reads its indptrs by design); flashinfer and triton steps make
+    none at all (``"error"``). Check mode's bounds checks are on the device too."""
+    backend_, batch, inputs, sinks, _ = _step_world(backend, check_mode, mode)
+
+    def step():
+        backend_.init_forward_metadata(batch)
+        for layer, (q, k, v) in enumerate(inputs):
+            backend_.forward(q, k, v, layer, sinks=sinks)
+
+    step()  # first use: lazy imports, kernel builds, the pinned blocks the checks reuse
+    backend_.raise_pending()
+    torch.cuda.synchronize()
+    strict = backend != "torch"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("error" if strict else "warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    ours = sorted({f"{Path(w.filename).relative_to(PKG)}:{w.lineno}" for w in caught
+                   if "synchroniz" in str(w.message) and Path(w.filename).is_relative_to(PKG)
+                   and Path(w.filename).name not in KERNEL_READS})
+    assert not ours, f"swafactory syncs the device in a guarded step: {ours}"
+    backend_.raise_pending()  # a clean step: every position has a slot, every slot in bounds
+
+
+@pytest.mark.gpu
+def test_check_mode_bounds_are_deferred_on_cuda() -> None:
+    """`HybridSWAPool.check` in check mode: the bounds reduced on the device (no read back),
+    the error read from the word later (`AttentionBackend.raise_pending` reads it)."""
+    _, _, _, _, pool = _step_world("torch", True, "decode")
+    bad = Locs("full", pool.full.pool_id, torch.tensor([0, 5, pool.full.rows + 3],
+                                                        device="cuda"))
+    layer = next(l for l, (sub, _) in pool.layers_mapping.items() if sub == "full")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        check = pool.check(layer, bad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert check is not None and check.deferred
+    err = check.error()
+    assert isinstance(err, CapacityError) and f"max {pool.full.rows + 3}" in str(err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_stale_padding_is_raised_at_raise_pending_on_cuda(backend: str) -> None:
+    """FAULT graph_pad_stale_swa_loc with guards on: the replay of a shrunk batch (its SWA
+    padding rows still hold the slots a full replay wrote) plans without a read back, and
+    `raise_pending` names the group, the rows and the live slots."""
+    pytest.importorskip(backend)
+    cfg = swafactory.validate(swafactory.compose(
+        [f"backend={backend}", "spec=none", "model=gpt_oss_20b", "workload.device=cuda"]))
+    bucket, ctx, W = 8, 300, cfg.model.sliding_window
+    pool, alloc = build_pools(cfg, bucket * 512, bucket * 512, "cuda")
+    slots = RequestSlots(alloc, ReqToToken(bucket, 512, "cuda"))
+    for rid in range(bucket):
+        slots.open(rid)
+        slots.extend(rid, ctx + 1)
+        slots.evict_out_of_window(rid, ctx, W)
+    backend_ = swafactory.build_backend(cfg, pools=pool)
+    backend_.faults = backend_.faults.model_copy(update={"graph_pad_stale_swa_loc": True})
+    backend_.init_cuda_graph_state(bucket, 1)
+    backend_.init_forward_metadata_capture(bucket, 1, "decode")
+
+    def batch(n: int) -> ForwardBatch:
+        return ForwardBatch.of("decode", [ReqForward(r, slots.reqs[r].row, ctx, 1)
+                                          for r in range(n)], slots.req_to_token.table,
+                               alloc.full_id)
+    backend_.init_forward_metadata_replay(batch(bucket), bucket, 1)  # every row a request's
+    backend_.raise_pending()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = backend_.init_forward_metadata_replay(batch(5), bucket, 1)  # raises nothing yet
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    swa = next(k for k, g in plan.groups.items() if g.window is not None)
+    live = [s for s in plan.groups[swa].write_locs.tensor.tolist()[5:] if s]
+    assert live, "the fault left no live slot in the padding rows"
+    with pytest.raises(SpaceError, match=re.escape(
+            f"group {swa}'s padding rows (past the batch's 5) write slots {live} of")):
+        backend_.raise_pending()
+    backend_.raise_pending()  # drained: nothing left

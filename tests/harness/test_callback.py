@@ -214,7 +214,8 @@ def test_rows_of_one_combination_show_the_overrides_that_tell_them_apart(tmp_pat
     (dict(status="refused"), "needs at least one reason"),
     (dict(status="failed"), "needs the report or the error"),
     (dict(status="ok", extra_field=1), "Extra inputs are not permitted"),
-    (dict(status="skipped"), "Input should be 'ok', 'refused' or 'failed'"),
+    (dict(status="skipped"), "Input should be 'ok', 'refused', 'inert' or 'failed'"),
+        (dict(status="inert"), "needs the report saying which fault never acted"),
 ])
 def test_job_result_refuses_rows_without_evidence(kw, message) -> None:
     with pytest.raises(ValidationError, match=message):

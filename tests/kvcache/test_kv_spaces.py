@@ -152,3 +152,22 @@ def test_check_mode_bounds_are_checked_once_per_location_tensor_and_again_after_
         pool.write(2, slots, *_kv(3, pool, 2, 3.0))
     with pytest.raises(CapacityError, match="locations outside"):
         pool.write(2, Locs("full", "target.full", torch.tensor([-1, 1])), *_kv(2, pool, 2, 3.0))
+
+
+def test_check_mode_bounds_come_back_as_a_device_check(tiny):
+    """`HybridSWAPool.check` raises the typed space now (metadata) and hands the bounds back as
+    a `guards.DeviceCheck` (min and max reduced on the device), for the backend to read where
+    reading is free: at once on CPU, at ``raise_pending`` on CUDA."""
+    pool, alloc = build_pools(tiny, 32, 16, check_mode=True)
+    ok = Locs("full", "target.full", torch.tensor([0, *alloc.alloc(2).tolist()]))
+    check = pool.check(2, ok)
+    assert check is not None and not check.deferred and check.error() is None
+    assert pool.check(2, ok) is None  # the same tensor, unchanged: checked once
+    bad = Locs("full", "target.full", torch.tensor([3, -2, pool.full.rows]))
+    err = pool.check(2, bad).error()
+    assert isinstance(err, CapacityError)
+    assert f"min -2, max {pool.full.rows}" in str(err) and "'target.full'" in str(err)
+    with pytest.raises(SpaceError, match="expected full-space slots of 'target.full'"):
+        pool.check(2, Locs("full", "draft.full", torch.tensor([1])))
+    plain, _ = build_pools(tiny, 32, 16)
+    assert plain.check(2, bad) is None  # bounds only in check mode

@@ -1,0 +1,53 @@
+"""A run whose fault never acted proves nothing: its status is ``inert``, not ok.
+
+The fault branches count the times they changed something (`swafactory.fault_counts`); the
+registry refuses a fault whose configuration cannot act at all (`registry.fault_needs`). What
+is left is a workload that gives the fault nothing to change: `inert_message` names, per fault,
+what the workload lacked and a launch that has it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["LACKS", "inert_message"]
+
+LACKS: dict[str, tuple[str, str]] = {
+    # fault → (what the workload lacked, what to try)
+    "graph_pad_stale_swa_loc": ("no batch shrank inside a graph bucket",
+                                "workload=smoke_shrink"),
+    "window_off_by_one": ("no sliding layer listed the key W positions back (no request passed "
+                          "its window)", "workload=smoke"),
+    "plan_without_window": ("no SWA group listed more keys than its window (a chunk's later "
+                            "queries, or page slack)", "workload=smoke"),
+    "skip_spec_translation": ("no tree forward reached an SWA group", "spec=eagle3"),
+    "tree_mask_not_rebased": ("no tree node's flat position moved its window bound past key 0",
+                              "spec=eagle3 workload=smoke"),
+    "allocator_pool_for_own_pool_draft": ("no own-pool draft forward resolved against a split "
+                                          "allocator pool", "spec=dflash"),
+    "pool_cached_at_init": ("the runner's view never moved off the pool it was built with",
+                            "spec=frozen_kv_mtp"),
+    "no_swa_eviction": ("no request passed its window by the eviction interval",
+                        "workload=smoke"),
+    "no_draft_headroom": ("no own draft pool was built short", "spec=eagle"),
+    "leak_rejected_draft_slots": ("no draft token was rejected", "spec=eagle"),
+    "premature_free_on_reject": ("no rejection moved the eviction frontier back into the window",
+                                 "spec=eagle"),
+    "paged_free_stale_mapping": ("no eviction frontier stopped inside a page",
+                                 "backend.page_size=16"),
+    "fp8_descale_dropped": ("no full layer read fp8 K/V with a scale other than 1",
+                            "backend.kv_dtype=fp8_e4m3"),
+    "sink_dropped": ("no forward passed sinks", "model=gpt_oss_20b"),
+}
+
+
+def inert_message(acted: Mapping[str, int]) -> str | None:
+    """Why the run is inert (every active fault in ``acted`` that never acted, with what the
+    workload lacked and what to try), or None when each acted at least once."""
+    idle = [name for name, n in acted.items() if n == 0]
+    if not idle:
+        return None
+    parts = []
+    for name in idle:
+        lacked, fix = LACKS.get(name, ("nothing it changes", "its conf file's launch line"))
+        parts.append(f"{name} never acted: {lacked}; try {fix}")
+    return "; ".join(parts) + " (an inert fault's green run proves nothing)"

@@ -1,0 +1,87 @@
+"""Every fault counts the times it acted: on its documented launch line (the `# Launch:` line of
+its conf/faults file) it acts and is caught; on a workload that gives it nothing to change the
+run is `inert` (exit 3), never ok."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import swafactory
+from swafactory.config.paths import conf_dir, group_options
+from swafactory.errors import EXIT_CONFORMANCE, EXIT_INERT
+from swafactory.harness.callback import build_matrix
+from swafactory.harness.inert import LACKS
+from swafactory.harness.report_model import Report
+
+FAULTS = [f for f in group_options("faults") if f != "none"]
+PREFIX = "# Launch: python -m swafactory "
+
+
+def launch_args(fault: str) -> list[str]:
+    """The overrides of ``fault``'s documented launch line."""
+    lines = [x for x in (conf_dir() / "faults" / f"{fault}.yaml").read_text().splitlines()
+             if x.startswith(PREFIX)]
+    assert len(lines) == 1, f"conf/faults/{fault}.yaml needs one '{PREFIX}…' line"
+    return shlex.split(lines[0][len(PREFIX):])
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swafactory", *args, f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "COLUMNS": "140"})
+
+
+def test_every_fault_has_a_launch_line_and_an_inert_hint() -> None:
+    assert FAULTS and set(LACKS) == set(FAULTS)
+    for f in FAULTS:
+        assert f"faults={f}" in launch_args(f)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_documented_launch_line_acts_and_is_caught(fault: str, tmp_path) -> None:
+    out = _cli(tmp_path, *launch_args(fault))
+    assert out.returncode == EXIT_CONFORMANCE, out.stderr[-2000:]
+    report = Report.model_validate_json((tmp_path / "report.json").read_text())
+    assert report.status == "failed" and report.fault == fault, report.mismatch
+    assert report.fault_acted.get(fault, 0) > 0, report.fault_acted
+    assert f"caught by the {report.mismatch.check} check" in out.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "failed"
+
+
+def test_a_fault_whose_workload_never_shrinks_a_bucket_is_inert_not_ok(tmp_path) -> None:
+    """smoke runs at most two requests: a batch never shrinks inside a graph bucket, so
+    graph_pad_stale_swa_loc has nothing to change and the run proves nothing."""
+    out = _cli(tmp_path, "faults=graph_pad_stale_swa_loc", "backend.cuda_graph=true",
+               "model=tiny", "spec=none", "workload=smoke")
+    assert out.returncode == EXIT_INERT, out.stderr[-2000:]
+    report = Report.model_validate_json((tmp_path / "report.json").read_text())
+    assert report.status == "inert" and report.mismatch is None
+    assert report.fault_acted == {"graph_pad_stale_swa_loc": 0}
+    assert "no batch shrank inside a graph bucket; try workload=smoke_shrink" in report.inert
+    assert "conformance INERT: graph_pad_stale_swa_loc never acted" in out.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "inert"
+    md = build_matrix(tmp_path)  # a sweep shows inert as its own outcome
+    assert "0 ok, 0 refused, 0 failed, 1 inert" in md and "| **inert** |" in md
+
+
+def test_in_process_counts_start_from_zero_per_run() -> None:
+    """The counts are cleared per run: a clean run after a faulty one reports no fault."""
+    base = ["backend=torch", "model=tiny", "spec=none", "workload=smoke",
+            "workload.num_requests=2"]
+    bad = swafactory.run(swafactory.compose([*base, "faults=window_off_by_one"]))
+    assert bad.status == "failed" and bad.fault_acted["window_off_by_one"] > 0
+    clean = swafactory.run(swafactory.compose(base))
+    assert clean.status == "ok" and clean.fault_acted == {} and clean.inert is None
+
+
+def test_auto_says_what_it_chose_and_why() -> None:
+    r = swafactory.run(swafactory.compose(["backend=auto", "model=tiny", "spec=none",
+                                           "workload=smoke", "workload.num_requests=2"]))
+    assert r.backend == "torch"
+    assert r.backend_choice == "auto → torch, bf16 KV: no CUDA device"
