@@ -12,6 +12,7 @@ import torch
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import CapacityError, SpaceError
 from swafactory.fault_counts import FAULT_COUNTS
+from swafactory.guards import GuardError
 from swafactory.harness import leaks
 from swafactory.harness.estimate import estimate_steps
 from swafactory.harness.inert import inert_message
@@ -181,12 +182,12 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
         mismatch = Mismatch(step=loop.step, worker=exc.worker, mode=exc.mode, layer=exc.layer,
                             group=exc.group, request=str(exc.request), error=exc.detail,
                             check="kv")
-    except (SpaceError, CapacityError, RuntimeError) as exc:
+    except (SpaceError, GuardError, CapacityError, RuntimeError) as exc:
         if isinstance(exc, CapacityError) and (loop is None or loop.current == ("-", "setup")):
             raise  # no forward ran: the pools cannot hold this workload, a refusal
         # a typed-space refusal, a pool that ran out, or a kernel that raised: the run stops here
         worker, mode = loop.current if loop else ("-", "setup")
-        check = ("space" if isinstance(exc, SpaceError) else
+        check = ("space" if isinstance(exc, (SpaceError, GuardError)) else
                  "capacity" if isinstance(exc, CapacityError) else "kernel")
         layer, group, request = _where(exc, parts, worker)
         mismatch = Mismatch(step=loop.step if loop else 0, worker=worker, mode=mode, layer=layer,
