@@ -198,6 +198,7 @@ def write_matrix(sweep_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".matrix.", suffix=".md", dir=sweep_dir)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(build_matrix(sweep_dir))
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; matrix.md is read like every other output
     os.replace(tmp, path)
     return path
 
