@@ -50,6 +50,10 @@ def main() -> None:
         from swafactory.cli import help_text
 
         print(help_text(), flush=True)  # what swafactory is, its exit codes and groups; Hydra's next
+    from swafactory.cli import did_you_mean
+
+    for line in did_you_mean(sys.argv[1:]):  # a mistyped option: the guess, then Hydra's list
+        print(line, file=sys.stderr, flush=True)
     try:
         _app()
     except SystemExit as exc:

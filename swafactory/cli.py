@@ -16,14 +16,15 @@ from rich.console import Console
 from rich.table import Table
 
 from swafactory.config.from_hydra import from_hydra
-from swafactory.config.paths import conf_dir
+from swafactory.config.paths import conf_dir, group_options
 from swafactory.errors import EXIT_CONFORMANCE, EXIT_INERT, EXIT_OK, CapacityError, ConfigError
+from swafactory.job_log import job_console, log_line, screen_only
 from swafactory.layout import PlanSummary, describe
 from swafactory.registry.auto_note import auto_note
 from swafactory.registry.device import detect_device
 from swafactory.registry.select import validate
 
-__all__ = ["run_cli", "render_plan", "help_text"]
+__all__ = ["run_cli", "render_plan", "help_text", "did_you_mean"]
 
 
 def _mib(n: int) -> str:
@@ -91,7 +92,11 @@ def run_cli(cfg: DictConfig, output_dir: Path | None, *, overrides: list[str] = 
     in a sweep it is recorded as `refused` and 0 returned, as is a failure: the sweep goes on and
     `__main__` exits with the worst of its jobs (`callback.sweep_status`).
     """
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140)
+    with job_console(output_dir) as console:  # stdout, and Hydra's job log in the output dir
+        return _run(cfg, output_dir, list(overrides), sweep, console)
+
+
+def _run(cfg, output_dir, overrides, sweep, console) -> int:
     try:
         try:
             asked = from_hydra(cfg)
@@ -107,8 +112,9 @@ def run_cli(cfg: DictConfig, output_dir: Path | None, *, overrides: list[str] = 
             reasons = [str(r) for r in getattr(exc, "reasons", ())] or [str(exc)]
             _write_result(output_dir, cfg, list(overrides), "refused", reasons=reasons)
             if not sweep:
+                log_line(console, str(exc))  # __main__ prints it on stderr
                 raise
-            print(exc, file=sys.stderr)
+            _stderr(console, str(exc))
             return EXIT_OK
     except Exception as exc:
         # an unexpected error: in a sweep, the row says so (failed) before Hydra records the crash
@@ -116,6 +122,12 @@ def run_cli(cfg: DictConfig, output_dir: Path | None, *, overrides: list[str] = 
             _write_result(output_dir, cfg, list(overrides), "failed",
                           error=f"{type(exc).__name__}: {exc}")
         raise
+
+
+def _stderr(console: Console, line: str) -> None:
+    """A verdict or refusal: on stderr, and in the job log beside the run's console output."""
+    print(line, file=sys.stderr)
+    log_line(console, line)
 
 
 def _plan(conf, device, cfg, output_dir, overrides, console) -> int:
@@ -134,7 +146,7 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
     from swafactory.harness.report import progress, render_summary, write_report
     from swafactory.harness.run import run
 
-    with progress(console) as bar:
+    with screen_only(console), progress(console) as bar:
         report = run(conf, device, on_progress=bar.update)
     if note:  # `conf` is resolved already: what auto chose, from the config as asked
         report = report.model_copy(update={"backend_choice": note})
@@ -144,13 +156,13 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
             console.print(f"wrote {path}")
         _write_result(output_dir, cfg, overrides, report.status, report=report)
     if report.status == "inert":
-        print(f"conformance INERT: {report.inert}", file=sys.stderr)
+        _stderr(console, f"conformance INERT: {report.inert}")
         return EXIT_OK if sweep else EXIT_INERT
     if report.status != "ok":
         m = report.mismatch
-        print(f"conformance FAILED at step {m.step}: {m.worker} {m.mode}, layer {m.layer} "
-              f"({m.group}), request {m.request}, caught by the {m.check} check: {m.error}",
-              file=sys.stderr)
+        _stderr(console, f"conformance FAILED at step {m.step}: {m.worker} {m.mode}, layer "
+                f"{m.layer} ({m.group}), request {m.request}, caught by the {m.check} check: "
+                f"{m.error}")
         return EXIT_OK if sweep else EXIT_CONFORMANCE
     return EXIT_OK
 
@@ -170,15 +182,38 @@ def _generate(conf, device, cfg, output_dir, overrides, console, sweep) -> int:
                       f"{next(c.detail for c in report.checks if c.name == report.caught_by)}")
     if report.status != "ok":
         failed = next(c for c in report.checks if c.name == report.caught_by)
-        print(f"generate FAILED: caught by the {report.caught_by} check: {failed.detail}",
-              file=sys.stderr)
+        _stderr(console, f"generate FAILED: caught by the {report.caught_by} check: "
+                f"{failed.detail}")
         return EXIT_OK if sweep else EXIT_CONFORMANCE
     return EXIT_OK
 
 
+def did_you_mean(args: list[str]) -> list[str]:
+    """One line per `group=option` argument whose option has no conf/<group>/<option>.yaml but a
+    close one does (`spec=eagel3` -> eagle3). Hydra then refuses it with the group's whole list;
+    this line goes first. Sweep values (`a,b`) are checked one by one; anything else is Hydra's."""
+    from difflib import get_close_matches
+
+    lines = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        group = key.lstrip("+")
+        if not eq or arg.startswith("-") or "." in group or "/" in group or "(" in value:
+            continue
+        if group == "hydra" or not (conf_dir() / group).is_dir():
+            continue
+        options = group_options(group)
+        for v in value.split(","):
+            close = [] if v in options or v == "null" else get_close_matches(v, options, n=3)
+            if close:
+                lines.append(f"`{group}={v}`: no such {group} option; did you mean "
+                             f"{' or '.join(close)}?")
+    return lines
+
+
 def help_text() -> str:
     """What `python -m swafactory --help` prints before Hydra's own help."""
-    from swafactory.config.paths import GROUPS, group_options
+    from swafactory.config.paths import GROUPS
 
     # the defaults' groups, then any other group of conf/ (added with +, e.g. +experiment=NAME)
     extra = [d.name for d in sorted(conf_dir().iterdir()) if d.is_dir() and d.name not in GROUPS]

@@ -40,6 +40,24 @@ def test_typo_in_option_lists_the_options_and_exits_2(cli) -> None:
     assert "Available options in 'backend'" in out.stderr and "flashinfer" in out.stderr
 
 
+def test_typo_in_option_says_did_you_mean_before_the_list(cli) -> None:
+    out = cli("spec=eagel3", "model=tiny")
+    assert out.returncode == 2
+    guess = "`spec=eagel3`: no such spec option; did you mean eagle3"
+    assert guess in out.stderr and "Available options in 'spec'" in out.stderr
+    assert out.stderr.index(guess) < out.stderr.index("Available options in 'spec'")
+
+
+def test_did_you_mean_checks_each_group_option_and_sweep_value() -> None:
+    from swafactory.cli import did_you_mean
+
+    assert did_you_mean(["spec=eagle3", "model=tiny", "spec.topk=2", "+experiment=x"]) == []
+    assert did_you_mean(["backend=torch,trtion"]) == [
+        "`backend=trtion`: no such backend option; did you mean triton?"]
+    assert "did you mean gemma4 or gemma3_4b?" in did_you_mean(["model=gema4"])[0]  # closest first
+    assert did_you_mean(["spec=zzzzzz", "hydra.run.dir=x", "nogroup=eagle3"]) == []
+
+
 def test_bad_field_gets_the_dotted_path(cli) -> None:
     out = cli("spec.topk=0")
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -104,6 +122,20 @@ def test_a_sizing_refusal_in_a_sweep_is_a_refused_row_and_the_sweep_goes_on(tmp_
     # no terminal: the ok job printed progress lines, step N/M, the last one at the end
     steps = [(int(n), int(m)) for n, m in re.findall(r"serving: step (\d+)/(\d+) ", out.stdout)]
     assert steps[0] == (0, ok.report.steps) and steps[-1] == (ok.report.steps, ok.report.steps)
+    # each job's console output, refusal included, is in its job dir's log (docs/sweeps.md)
+    refusal = (sweep / "0" / "__main__.log").read_text()
+    assert "- `workload.swa_full_tokens_ratio`: 0.01 gives" in refusal
+    log = (sweep / "1" / "__main__.log").read_text()
+    assert f"serving: step {ok.report.steps}/{ok.report.steps} " in log
+    assert f"wrote {sweep / '1' / 'report.json'}" in log
+
+
+def test_a_single_run_logs_its_console_output_in_the_job_log(cli, tmp_path) -> None:
+    out = cli("model=tiny", "backend=torch", *SMALL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (tmp_path / "run" / "__main__.log").read_text()
+    assert log and log == out.stdout  # off a terminal: the same text, line for line
+    assert "status" in log and f"wrote {tmp_path / 'run' / 'report.png'}" in log
 
 
 @pytest.mark.parametrize("overrides,code,counts", [

@@ -13,7 +13,7 @@ from rich.table import Table
 from swafactory.engine.report_model import GenerateReport
 from swafactory.report_files import write_report_files
 
-__all__ = ["GenProgress", "render_generate", "write_generate"]
+__all__ = ["GenProgress", "render_generate", "write_generate", "figure"]
 
 
 class GenProgress:
@@ -95,9 +95,11 @@ def render_generate(r: GenerateReport, console: Console) -> None:
                             expand=False))
 
 
-def _plot(r: GenerateReport, path: Path) -> None:
+def figure(r: GenerateReport):
+    """The report.png figure (a matplotlib ``Figure``; tests read its axes, not its pixels)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(9, 6), layout="constrained")
     FigureCanvasAgg(fig)
@@ -113,7 +115,7 @@ def _plot(r: GenerateReport, path: Path) -> None:
     if not any(q.accept_lengths for q in r.requests):
         ax.text(0.5, 0.5, "no spec steps", ha="center", transform=ax.transAxes)
     else:
-        ax.legend(loc="lower left", fontsize="small", ncol=4)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
     ax.set_xlabel("spec step of the request")
     ax.set_ylabel("accept length (tokens)")
     steps = [s.step for s in r.steps]
@@ -122,8 +124,14 @@ def _plot(r: GenerateReport, path: Path) -> None:
     ax_pool.set_ylim(0, 1.05)
     ax_pool.set_xlabel("scheduler step")
     ax_pool.set_ylabel("used / total")
-    ax_pool.legend(loc="lower right", fontsize="small")
-    fig.savefig(path, dpi=110)
+    ax_pool.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
+    for a in (ax, ax_pool):  # steps are whole numbers: no tick at 0.25
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
+def _plot(r: GenerateReport, path: Path) -> None:
+    figure(r).savefig(path, dpi=110)
 
 
 def write_generate(r: GenerateReport, out_dir: Path) -> list[Path]:

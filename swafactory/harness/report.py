@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from math import nan
 from pathlib import Path
 from typing import TextIO
 
@@ -19,7 +20,8 @@ from rich.table import Table
 from swafactory.harness.report_model import Report, Tick
 from swafactory.report_files import write_report_files
 
-__all__ = ["render_summary", "write_report", "progress", "RunProgress", "LogProgress", "layer_ranges"]
+__all__ = ["render_summary", "write_report", "figure", "progress", "RunProgress", "LogProgress",
+           "layer_ranges"]
 
 SWA_PRESSURE = 0.9
 """The pool use the workloads are sized to exceed; drawn as a line on the pool-use panel."""
@@ -132,7 +134,8 @@ def render_summary(report: Report, console: Console) -> None:
                             border_style="yellow", expand=False))
 
 
-def _plot(report: Report, path: Path) -> None:
+def figure(report: Report):
+    """The report.png figure (a matplotlib ``Figure``; tests read its axes, not its pixels)."""
     # Figure + Agg canvas, not pyplot: no global backend switch, nothing ever tries a display.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -154,14 +157,14 @@ def _plot(report: Report, path: Path) -> None:
     if errs:
         ax_err.semilogy(*zip(*errs), marker=".", linestyle="none", label="max rel err")
         ax_err.axhline(report.tolerance, color="red", linestyle="--", linewidth=1, label="tolerance")
-        ax_err.legend(loc="lower right", fontsize="small")
+        _legend_outside(ax_err)
     else:
         ax_err.text(0.5, 0.5, "no nonzero errors recorded", ha="center", transform=ax_err.transAxes)
     ax_err.set_ylabel("relative error")
 
-    acc = [(r.step, r.accept_len) for r in h if r.accept_len is not None]
-    if acc:
-        ax_acc.plot(*zip(*acc), marker=".", linewidth=0.8)
+    if any(r.accept_len is not None for r in h):  # NaN: no line across steps without a spec step
+        ax_acc.plot(steps, [nan if r.accept_len is None else r.accept_len for r in h],
+                    marker=".", linewidth=0.8)
     else:
         ax_acc.text(0.5, 0.5, "no spec steps", ha="center", transform=ax_acc.transAxes)
     ax_acc.set_ylabel("accept length")
@@ -171,8 +174,11 @@ def _plot(report: Report, path: Path) -> None:
     if steady:
         ax_ms.plot([r.step for r in steady], [r.attention_ms for r in steady], marker=".",
                    linewidth=0.8, label="attention")
-        ax_ms.plot([r.step for r in steady], [r.planning_ms for r in steady], marker=".",
-                   linewidth=0.8, label="planning")
+        # planning is ~1000x smaller than attention: on attention's axis it would lie flat at 0
+        ax_plan = ax_ms.twinx()
+        ax_plan.plot([r.step for r in steady], [r.planning_ms for r in steady], marker=".",
+                     linewidth=0.8, label="planning (right axis)", color="C1")
+        ax_plan.set_ylabel("planning ms")
     for r in h:
         if r.first_use_ms > 0:
             ax_ms.axvline(r.step, color="grey", linestyle=":", linewidth=1)
@@ -181,14 +187,25 @@ def _plot(report: Report, path: Path) -> None:
     ax_ms.set_ylabel("ms")
     ax_ms.set_xlabel("step")
     if steady:
-        ax_ms.legend(loc="upper right", fontsize="small")
+        _legend_outside(ax_ms, ax_plan)
 
     if report.mismatch is not None:  # where it stopped, on every panel
         for ax in (ax_pool, ax_err, ax_acc, ax_ms):
             ax.axvline(report.mismatch.step, color="red", linewidth=1,
                        label="mismatch" if ax is ax_pool else None)
-    ax_pool.legend(loc="lower right", fontsize="small")
-    fig.savefig(path, dpi=110)
+    _legend_outside(ax_pool)
+    return fig
+
+
+def _legend_outside(ax, *more) -> None:
+    """One legend for ``ax`` (and its twins ``more``), right of the axes: never over the points."""
+    pairs = [ax.get_legend_handles_labels(), *(m.get_legend_handles_labels() for m in more)]
+    ax.legend([h for hs, _ in pairs for h in hs], [lb for _, ls in pairs for lb in ls],
+              loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
+
+
+def _plot(report: Report, path: Path) -> None:
+    figure(report).savefig(path, dpi=110)
 
 
 def write_report(report: Report, out_dir: Path) -> list[Path]:

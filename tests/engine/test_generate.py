@@ -129,6 +129,21 @@ def test_the_report_rebuilds_with_plain_transformers(tmp_path) -> None:
     assert (tmp_path / "report.png").exists()
 
 
+def test_the_report_plot_has_whole_step_ticks_and_legends_outside() -> None:
+    from swafactory.engine.report import figure
+
+    r = _gen("model=tiny", "spec=eagle3")
+    fig = figure(r)
+    fig.canvas.draw()
+    ax, ax_pool = fig.axes
+    assert max(len(q.accept_lengths) for q in r.requests) < 8  # few steps: where 0.25 ticks came
+    for a in (ax, ax_pool):
+        ticks = [t for t in a.get_xticks() if a.get_xlim()[0] <= t <= a.get_xlim()[1]]
+        assert len(ticks) >= 2 and all(t == int(t) for t in ticks), ticks
+        box = a.get_legend().get_window_extent(fig.canvas.get_renderer())
+        assert box.x0 >= a.bbox.x1, (box, a.bbox)  # right of the axes, over none of the points
+
+
 def test_generate_fields_are_validated() -> None:
     with pytest.raises(swafactory.ConfigError, match="run.num_layers"):
         swafactory.compose(["run=generate", "model=tiny", "run.num_layers=7"])

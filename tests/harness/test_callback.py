@@ -174,6 +174,17 @@ def test_build_matrix_lists_unreadable_files_and_plan_only_jobs(tmp_path) -> Non
     assert not list(tmp_path.glob(".matrix.*"))  # the temp file was renamed into place
 
 
+def test_matrix_is_readable_like_every_other_output(tmp_path) -> None:
+    old = os.umask(0o022)  # the usual umask: write_text gives 0644; mkstemp alone gives 0600
+    try:
+        _write(tmp_path / "0", status="ok")
+        path = write_matrix(tmp_path)
+    finally:
+        os.umask(old)
+    mode = path.stat().st_mode & 0o777
+    assert mode == 0o644 == (tmp_path / "0" / "result.json").stat().st_mode & 0o777, oct(mode)
+
+
 def _write(d: Path, **kw) -> None:
     d.mkdir(parents=True)
     (d / "result.json").write_text(JobResult(**_result(**kw)).model_dump_json())

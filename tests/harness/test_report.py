@@ -66,6 +66,40 @@ def test_write_report_round_trips_and_draws_a_png(make_report, tmp_path) -> None
     assert png[:8] == PNG_SIGNATURE and len(png) > 10_000  # three panels, not an empty canvas
 
 
+def test_plot_gives_planning_its_own_axis_gaps_non_spec_steps_and_keeps_legends_outside(
+        make_report) -> None:
+    import math
+
+    from swafactory.harness.report import figure
+
+    report = make_report(steps=12)
+    history = [r.model_copy(update={"attention_ms": 400.0 + 500 * i, "planning_ms": 0.2 + 0.01 * i})
+               for i, r in enumerate(report.history)]
+    fig = figure(report.model_copy(update={"history": history}))
+    fig.canvas.draw()  # legends and twin axes are placed at draw time
+    ax_pool, ax_err, ax_acc, ax_ms, *twins = fig.axes
+    # planning on a twin axis of the ms panel, scaled to its own values, not attention's
+    [ax_plan] = twins
+    assert ax_plan.bbox.bounds == ax_ms.bbox.bounds
+    assert [ln.get_label() for ln in ax_plan.get_lines()] == ["planning (right axis)"]
+    low, high = ax_plan.get_ylim()
+    assert low <= 0.2 and 0.31 <= high < 1.0, (low, high)
+    # accept length: a value at each spec step, NaN (a gap, no line) at the steps without one
+    [acc] = ax_acc.get_lines()
+    x, y = acc.get_xdata(), acc.get_ydata()
+    assert list(x) == [r.step for r in history]
+    assert [math.isnan(v) for v in y] == [r.accept_len is None for r in history]
+    assert math.isnan(y[0]) and not math.isnan(y[-1])
+    # every legend lies right of its axes, over none of the points
+    for ax in (ax_pool, ax_err, ax_ms):
+        legend = ax.get_legend()
+        assert legend is not None
+        box = legend.get_window_extent(fig.canvas.get_renderer())
+        assert box.x0 >= ax.bbox.x1, (ax.get_ylabel(), box, ax.bbox)
+    assert {t.get_text() for t in ax_ms.get_legend().get_texts()} == {"attention",
+                                                                       "planning (right axis)"}
+
+
 def test_write_report_without_history_still_draws(make_report, tmp_path) -> None:
     paths = write_report(make_report(spec=False, steps=0), tmp_path)
     assert paths[1].read_bytes()[:8] == PNG_SIGNATURE
