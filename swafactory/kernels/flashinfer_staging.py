@@ -42,7 +42,8 @@ class StagingRing:
         self.waits = 0
         """Plans that waited for a staging buffer's copy (the host was too far ahead)."""
         self.grown = 0
-        """Buffers allocated (at most ``max_buffers``)."""
+        """Buffers allocated: at most ``max_buffers``, unless plans that raised between `begin`
+        and `end` took buffers out of the ring for good."""
         self._open: torch.Tensor | None = None  # the buffer of the plan between begin and end
 
     def _take(self, like: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,7 @@ class StagingRing:
             if buf.numel() >= n and (ev is None or ev.query()):
                 self._ring.pop()  # the buffer just rotated to the end
                 return buf
-        if self.grown < self.max_buffers:
+        if self.grown < self.max_buffers or not self._ring:  # (empty: plans that raised)
             self.grown += 1
             return torch.empty(n, dtype=like.dtype, pin_memory=True)
         buf, ev = self._ring.popleft()  # every buffer in flight: wait for the oldest copy
