@@ -16,7 +16,6 @@ plan's tables to a kernel and hold no pool logic. CUDA graphs: `init_cuda_graph_
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -25,7 +24,7 @@ import torch
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
 from swafactory.fault_counts import FAULT_COUNTS
-from swafactory.guards import Q_DTYPES, SlotCheck, forward_error
+from swafactory.guards import Q_DTYPES, PendingChecks, SlotCheck, forward_error
 from swafactory.graph_state import (GraphState, StaleGraphError, bucket_writes, capture_plan,
                                    check_graphable, check_padding)
 from swafactory.kernels.cuda.prepare import start_adapters
@@ -75,7 +74,7 @@ class AttentionBackend:
         self._checked: set[tuple[str, str]] = set()
         self._frozen = None
         # guards: each forward's deferred slot check (CUDA), raised at the engine's sync point
-        self._pending: deque[SlotCheck] = deque()
+        self._pending = PendingChecks()
         if self.faults.pool_cached_at_init:  # FAULT: what the view says at construction
             self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
 
@@ -149,9 +148,6 @@ class AttentionBackend:
 
     # --- guards: positions without a slot, checked on the device (swafactory.guards) ------------
 
-    MAX_PENDING = 64
-    """Deferred checks kept for `raise_pending`; past it the oldest (long done) is read."""
-
     def _check_slots(self, batch: ForwardBatch, fplan: ForwardPlan) -> None:
         """Reduce the plan's full-space tables to an error word on the device. On CPU raise
         now (reading is free); on CUDA keep it for `raise_pending` (no sync here)."""
@@ -167,21 +163,8 @@ class AttentionBackend:
                               next(iter(fplan.groups.values())).tables.qo_host))
 
     def _defer(self, check) -> None:
-        """A device check (`guards.SlotCheck` or `guards.DeviceCheck`; None: nothing to check):
-        read now where reading is free (CPU), else kept for `raise_pending` (CUDA: no sync)."""
-        if check is None:
-            return
-        if not check.deferred:
-            err = check.error()
-            if err is not None:
-                raise err
-            return
-        self._pending.append(check)
-        if len(self._pending) > self.MAX_PENDING:  # an engine that never asks: still raised
-            err = self._pending.popleft().error()
-            if err is not None:
-                self._pending.clear()
-                raise err
+        """A device check: read now where that is free (CPU), else kept for `raise_pending`."""
+        self._pending.defer(check)
 
     def raise_pending(self) -> None:
         """Raise the first error the guards' device checks found since the last call: a
@@ -190,13 +173,7 @@ class AttentionBackend:
         (CapacityError). Call it where the engine reads the device back anyway: it waits on the
         newest check's event (queued before that forward's kernels, not after them), once. A
         no-op with guards off and on CPU (raised when planned or written)."""
-        checks, self._pending = self._pending, deque()
-        if checks and checks[-1].event is not None:
-            checks[-1].event.synchronize()  # events are in stream order: all done
-        for c in checks:
-            err = c.error()
-            if err is not None:
-                raise err
+        self._pending.raise_pending()
 
     def _sigs(self, pool, fplan: ForwardPlan) -> dict[str, tuple]:
         """Group key → (q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap), what a

@@ -19,13 +19,15 @@ Two kinds of check, so that guards never add a host sync:
 """
 from __future__ import annotations
 
+from collections import deque
+
 from collections.abc import Callable
 
 import torch
 
 from swafactory.errors import SwaFactoryError
 
-__all__ = ["GuardError", "CallError", "CallTypeError", "MissingSlotError", "Q_DTYPES", "forward_error", "SlotCheck", "DeviceCheck",
+__all__ = ["PendingChecks", "GuardError", "CallError", "CallTypeError", "MissingSlotError", "Q_DTYPES", "forward_error", "SlotCheck", "DeviceCheck",
            "defers", "batch_table"]
 
 Q_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -236,3 +238,50 @@ class SlotCheck:
             f"the request and allocate its positions [0, {r.prefix_len + r.nodes}) "
             f"(RequestSlots.open / extend / decode) before the forward, or plan it with fewer "
             f"nodes")
+
+
+class PendingChecks:
+    """A backend's device checks (`SlotCheck`, `DeviceCheck`) between the engine's sync points:
+    each is read at once where reading is free (CPU) and kept otherwise (CUDA: no sync), to be
+    raised by `raise_pending`."""
+
+    MAX = 64
+    """Checks kept; past it the oldest (long done) is read, so an engine that never calls
+    `raise_pending` still gets its error, up to this many forwards late."""
+
+    def __init__(self) -> None:
+        self._checks: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._checks)
+
+    def clear(self) -> None:
+        """Forget the kept checks unread."""
+        self._checks.clear()
+
+    def defer(self, check) -> None:
+        """Read ``check`` now where that is free, else keep it (None: nothing to check)."""
+        if check is None:
+            return
+        if not check.deferred:
+            err = check.error()
+            if err is not None:
+                raise err
+            return
+        self._checks.append(check)
+        if len(self._checks) > self.MAX:
+            err = self._checks.popleft().error()
+            if err is not None:
+                self._checks.clear()
+                raise err
+
+    def raise_pending(self) -> None:
+        """Raise the first error of the kept checks, and forget them: one wait on the newest
+        check's event (events are in stream order), then host reads."""
+        checks, self._checks = self._checks, deque()
+        if checks and checks[-1].event is not None:
+            checks[-1].event.synchronize()
+        for c in checks:
+            err = c.error()
+            if err is not None:
+                raise err
