@@ -107,10 +107,7 @@ class GraphState:
         """ValueError when a request of ``plan`` lists more keys than bucket (bs, tokens)'s
         buffers hold per request: from the planner's host indptrs, nothing read back."""
         for key, g in plan.groups.items():
-            kv = g.tables.kv_host
-            if kv is None or kv.numel() < 2:
-                continue
-            need = int((kv[1:] - kv[:-1]).max())
+            need = g.tables.max_keys
             cap = self.keys(g.window, tokens)
             if need > cap:
                 bound = (f"max_context={self.max_context}" if g.window is None else

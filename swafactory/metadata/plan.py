@@ -72,6 +72,12 @@ class AttnTables:
         return self.qo_indptr.numel() - 1
 
     @property
+    def max_keys(self) -> int:
+        """Most keys one request lists, from the host indptr (0 without one): nothing read back."""
+        kv = self.kv_host
+        return 0 if kv is None or kv.numel() < 2 else int((kv[1:] - kv[:-1]).max())
+
+    @property
     def kv_rows(self) -> torch.Tensor:
         """[total_kv] the key rows a kernel indexes with: ``kv_indices_i32`` where the planner
         wrote them, else ``kv_indices``' int64 tensor."""
@@ -309,12 +315,8 @@ def lists_past_window(groups: Mapping[str, GroupPlan], narrower: int = 0) -> boo
     (from the host indptr, nothing read back): its last query then sees a key a window of that
     width excludes, so planning without the window (or one ``narrower`` too wide) changes a
     read. Fault accounting only (`swafactory.fault_counts`)."""
-    for g in groups.values():
-        kv = g.tables.kv_host
-        if g.window is not None and kv is not None and kv.numel() > 1 and \
-                int((kv[1:] - kv[:-1]).max()) > g.window - narrower:
-            return True
-    return False
+    return any(g.window is not None and g.tables.max_keys > g.window - narrower
+               for g in groups.values())
 
 
 def _flat_bound_cuts(batch: ForwardBatch, groups: Mapping[str, GroupPlan]) -> bool:
