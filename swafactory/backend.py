@@ -24,7 +24,8 @@ import torch
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason, SpaceError
 from swafactory.fault_counts import FAULT_COUNTS
-from swafactory.guards import Q_DTYPES, PendingChecks, SlotCheck, forward_error
+from swafactory.guards import (Q_DTYPES, CallOrderError, PendingChecks, SlotCheck, batch_error,
+                               forward_error)
 from swafactory.graph_state import (GraphState, StaleGraphError, bucket_writes, capture_plan,
                                    check_graphable, check_padding)
 from swafactory.kernels.cuda.prepare import start_adapters
@@ -109,7 +110,8 @@ class AttentionBackend:
     def plan(self) -> ForwardPlan:
         """The current forward's plan."""
         if self._plan is None:
-            raise RuntimeError("call init_forward_metadata(batch) before forward()")
+            raise CallOrderError("no forward is planned: call init_forward_metadata(batch) (or "
+                                 "a graph's capture/replay planning) before forward()")
         return self._plan
 
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardPlan:
@@ -120,6 +122,10 @@ class AttentionBackend:
 
     def _plan_forward(self, batch: ForwardBatch, graph: tuple[int, int] | None) -> ForwardPlan:
         f = self.faults
+        if self.guards:  # the batch's own mistakes, in its terms, before the planner meets them
+            err = batch_error(batch, self.view.active_pool.sub_pools[0].k_bufs[0].device)
+            if err is not None:
+                raise err
         if self._frozen is not None:
             pool, source = self._frozen  # FAULT pool_cached_at_init (sglang #26957)
             if pool is not self.view.active_pool:
@@ -250,7 +256,7 @@ class AttentionBackend:
 
     def _graph_state(self) -> GraphState:
         if self._graph is None:
-            raise RuntimeError("call init_cuda_graph_state(max_bs, max_tokens) first")
+            raise CallOrderError("call init_cuda_graph_state(max_bs, max_tokens) first")
         return self._graph
 
     def init_forward_metadata_capture(self, bs: int, tokens: int,
@@ -435,10 +441,15 @@ class AttentionBackend:
                                      or v.device != dev or k.dtype not in Q_DTYPES
                                      or v.dtype not in Q_DTYPES))
                     or (sinks is not None and (sinks.shape != (self.q_heads,)
-                                               or sinks.device != dev))):
+                                               or sinks.device != dev
+                                               or sinks.dtype not in Q_DTYPES))):
                 raise forward_error(layer_id, self._plan.mode, rows, self.q_heads, hkv, d, dev,
                                     q, k, v, save_kv, sinks) or AssertionError(
                                         f"layer {layer_id}: a guard disagrees with its message")
+        if not q.is_contiguous():  # q split from a fused qkv projection: kernels read it dense
+            q = q.contiguous()
+        if save_kv and not (k.is_contiguous() and v.is_contiguous()):
+            k, v = k.contiguous(), v.contiguous()
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
         if save_kv and fuse and key in self._decode and k.dtype == k_buf.dtype == v.dtype:
             new_kv = (k, v, self._store(layer_id, e, k, v, fused=True))  # the kernel writes

@@ -177,9 +177,12 @@ def _generate(conf, device, cfg, output_dir, overrides, console, sweep) -> int:
         for path in write_generate(report, output_dir):
             console.print(f"wrote {path}")
         _write_result(output_dir, cfg, overrides, report.status,
-                      error=None if report.status == "ok" else
-                      f"caught by {report.caught_by}: "
+                      error=None if report.status == "ok" else report.inert
+                      if report.status == "inert" else f"caught by {report.caught_by}: "
                       f"{next(c.detail for c in report.checks if c.name == report.caught_by)}")
+    if report.status == "inert":
+        _stderr(console, f"generate INERT: {report.inert}")
+        return EXIT_OK if sweep else EXIT_INERT
     if report.status != "ok":
         failed = next(c for c in report.checks if c.name == report.caught_by)
         _stderr(console, f"generate FAILED: caught by the {report.caught_by} check: "

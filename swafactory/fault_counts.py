@@ -3,8 +3,8 @@
 A fault switched on where the workload gives it nothing to change (no batch shrinks inside a
 graph bucket, no request passes its window, …) leaves the run green without proving anything.
 Each fault branch in the shared parts calls `FAULT_COUNTS.acted(name)` only when it changed the
-outcome; the harness clears the counts before a run and reads them after it
-(`swafactory.harness.inert`): a run whose fault never acted is ``inert``, not ok.
+outcome; the drivers (harness and run=generate) clear the counts before a run and read them after it
+(`swafactory.inert`): a run whose fault never acted is ``inert``, not ok.
 
 One process-wide counter: the fault branches sit deep in storage and planning code that must
 not import the drivers, and a run is one process (a tensor-parallel rank is its own).

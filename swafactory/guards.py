@@ -27,8 +27,9 @@ import torch
 
 from swafactory.errors import SwaFactoryError
 
-__all__ = ["PendingChecks", "GuardError", "CallError", "CallTypeError", "MissingSlotError", "Q_DTYPES", "forward_error", "SlotCheck", "DeviceCheck",
-           "defers", "batch_table"]
+__all__ = ["PendingChecks", "GuardError", "CallError", "CallTypeError", "CallOrderError",
+           "MissingSlotError", "Q_DTYPES", "forward_error", "batch_error", "SlotCheck",
+           "DeviceCheck", "defers", "batch_table"]
 
 Q_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 """dtypes of q (and of k, v before the store casts or quantizes them)."""
@@ -44,6 +45,11 @@ class CallError(GuardError, ValueError):
 
 class CallTypeError(GuardError, TypeError):
     """A `forward` argument of the wrong dtype, or not a tensor."""
+
+
+class CallOrderError(GuardError, RuntimeError):
+    """A backend call out of order (`forward` before `init_forward_metadata`, a replay before
+    `init_cuda_graph_state`)."""
 
 
 class MissingSlotError(GuardError, ValueError):
@@ -119,6 +125,9 @@ def forward_error(layer_id: int, mode: str, rows: int, q_heads: int, kv_heads: i
         if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q_heads,):
             reasons.append((ValueError, f"sinks must be [{q_heads}] (one per q head), got "
                                         f"{_t(sinks)}"))
+        elif sinks.dtype not in Q_DTYPES:
+            reasons.append((TypeError, f"sinks are {str(sinks.dtype).removeprefix('torch.')}; "
+                                       "accepted dtypes: float16, bfloat16, float32"))
         elif sinks.device != device:
             reasons.append((ValueError, f"sinks are on {sinks.device}, the layer's pool on "
                                         f"{device}: move them to {device}"))
@@ -127,6 +136,48 @@ def forward_error(layer_id: int, mode: str, rows: int, q_heads: int, kv_heads: i
     kind = CallTypeError if reasons[0][0] is TypeError else CallError
     text = "; ".join(r for _, r in reasons)
     return kind(f"{mode} layer {layer_id}: {text}")
+
+
+def batch_error(batch, device: torch.device) -> Exception | None:
+    """Every host-side mistake of a `ForwardBatch` (None: none), before anything is planned:
+    its table's dtype, rank and device (the pool's is ``device``), a ``req_to_token`` row
+    given twice, a decode forward with more than one query per request, a request reading past
+    its row. Python over the batch's requests: a few µs at bs 64."""
+    reasons: list[tuple[type, str]] = []
+    t = batch.req_to_token
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() != 2:
+        reasons.append((TypeError, f"req_to_token must be a 2-D int32/int64 tensor "
+                                   f"[max_requests, max_context] (ReqToToken.table), got {_t(t)}"))
+    elif t.device != device:
+        reasons.append((ValueError, f"req_to_token is on {t.device}, the pool on {device}: "
+                                    f"build ReqToToken on {device}"))
+    reqs = batch.reqs
+    if len({r.row for r in reqs}) != len(reqs):
+        seen: dict[int, object] = {}
+        for r in reqs:
+            if r.row in seen:
+                reasons.append((ValueError, f"requests {seen[r.row]!r} and {r.rid!r} both use "
+                                            f"req_to_token row {r.row}: each request of a "
+                                            "forward comes once, with its own row"))
+                break
+            seen[r.row] = r.rid
+    if batch.mode == "decode" and any(s.nodes - s.query_from != 1 for s in batch.step_shapes):
+        r = next(r for r in reqs if r.q_len != 1)
+        reasons.append((ValueError, f"a decode forward has one query per request; request "
+                                    f"{r.rid!r} has {r.q_len}: use mode='extend' (or "
+                                    "'target_verify' for a verify step)"))
+    if t.dim() == 2:
+        width = t.shape[1]
+        far = max(reqs, key=lambda r: r.prefix_len + r.nodes)
+        if far.prefix_len + far.nodes > width:
+            reasons.append((IndexError, f"request {far.rid!r} reaches position "
+                                        f"{far.prefix_len + far.nodes - 1}, past req_to_token's "
+                                        f"{width} columns (its max_context)"))
+    if not reasons:
+        return None
+    kind = {TypeError: CallTypeError, IndexError: IndexError}.get(reasons[0][0], CallError)
+    return kind(f"{batch.mode} forward of {len(reqs)} request{'s' * (len(reqs) != 1)}: "
+                + "; ".join(r for _, r in reasons))
 
 
 def defers(word: torch.Tensor) -> bool:

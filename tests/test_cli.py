@@ -111,7 +111,7 @@ def test_a_sizing_refusal_in_a_sweep_is_a_refused_row_and_the_sweep_goes_on(tmp_
     refused, ok = res["0"], res["1"]
     assert "workload.swa_full_tokens_ratio=0.01" in refused.overrides and refused.status == "refused"
     assert len(refused.reasons) == 1 and refused.reasons[0].startswith(
-        "- `workload.swa_full_tokens_ratio`: 0.01 gives each of 2 running requests")
+        "- `workload.swa_full_tokens_ratio`: 0.01 gives each of 4 running requests")
     assert ok.status == "ok" and ok.report.passed == ok.report.checks > 0
     md = (sweep / "matrix.md").read_text()
     assert "1 ok, 1 refused, 0 failed" in md

@@ -50,7 +50,7 @@ class GenProgress:
 
 def render_generate(r: GenerateReport, console: Console) -> None:
     """The end-of-run summary: header, the checks, the figures, the stop reason."""
-    colour = "green" if r.status == "ok" else "red"
+    colour = {"ok": "green", "inert": "yellow"}.get(r.status, "red")
     console.print(f"[b]swafactory generate[/]: {r.combination} on {r.device} "
                   f"({r.architecture}, transformers {r.transformers}, {r.dtype}) → "
                   f"[{colour} b]{r.status.upper()}[/]")
@@ -90,6 +90,9 @@ def render_generate(r: GenerateReport, console: Console) -> None:
         console.print(f"[b]tokens/s[/]: {r.tokens_per_s:.1f} with run.overlap=true, " + (
             "- without (not run)" if not off else
             f"{off:.1f} without (x{r.tokens_per_s / off:.2f})"))
+    if r.inert:
+        console.print(Panel(r.inert, title="inert: the fault never acted", title_align="left",
+                            border_style="yellow", expand=False))
     if r.error:
         console.print(Panel(r.error, title="stopped", title_align="left", border_style="red",
                             expand=False))

@@ -90,7 +90,9 @@ class CheckResult(_Model):
 class GenerateReport(_Model):
     """A `run=generate` job's result (report.json)."""
 
-    status: Literal["ok", "failed"]
+    status: Literal["ok", "inert", "failed"]
+    """`failed`: a check failed. `inert`: no check failed, but an injected fault never acted
+    (`fault_acted`), so the run proves nothing; `inert` says what the workload lacked."""
     combination: str
     device: str
     backend: str
@@ -114,6 +116,11 @@ class GenerateReport(_Model):
     draft: str
     """What the draft is (weights, pool)."""
     fault: str | None
+    fault_acted: dict[str, int] = {}
+    """Each injected fault → the times it changed something in the main run (a write, a plan, a
+    mapping, a free: `swafactory.fault_counts`). Empty without a fault."""
+    inert: str | None = None
+    """Why the run is `inert`: each fault that never acted and what to try."""
     guards: bool
     dtype: str
     requests: list[RequestRecord]

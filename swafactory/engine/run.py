@@ -47,6 +47,8 @@ from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateRe
                                             RequestRecord)
 from swafactory.engine.runner import NonFinite
 from swafactory.errors import CapacityError, SpaceError
+from swafactory.fault_counts import FAULT_COUNTS
+from swafactory.inert import inert_message
 from swafactory.registry.device import DeviceInfo, detect_device
 from swafactory.registry.kernel_choice import worker_lines
 from swafactory.registry.select import validate
@@ -148,7 +150,9 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     prompts, outs = draws(cfg, model.config.vocab_size)
     on_step = None if progress is None else GenProgress(
         progress, len(prompts), estimate_steps(cfg, [len(p) for p in prompts], outs))
+    FAULT_COUNTS.clear()  # each fault branch counts the times it acted in the main run
     main = _generate(cfg, dev, model, prompts, outs, on_step)
+    acted = FAULT_COUNTS.of(cfg.faults.active)  # the reference runs below have no fault
     t_ref = time.perf_counter()
     s = cfg.spec
     none_run = torch_run = twin = None
@@ -188,7 +192,7 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     failed = [c for c in CHECK_ORDER if c in checks and checks[c].status == "failed"]
     return _report(cfg, dev, tf.__version__, model, main, checks, failed,
                    err if main.error is None else None, npos if main.error is None else 0,
-                   none_run, ref_s, tol, recipe, twin)
+                   none_run, ref_s, tol, recipe, twin, acted)
 
 
 def _tokens_per_s(run: _Outcome | None) -> float | None:
@@ -198,7 +202,8 @@ def _tokens_per_s(run: _Outcome | None) -> float | None:
 
 
 def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, npos, none_run,
-            ref_s, tol, recipe, twin: _Outcome | None = None) -> GenerateReport:
+            ref_s, tol, recipe, twin: _Outcome | None = None,
+            acted: dict[str, int] | None = None) -> GenerateReport:
     gen = main.gen
     reqs = sorted([*(gen.done if gen else []), *(gen.running if gen else [])], key=lambda r: r.rid)
     records = [RequestRecord(rid=r.rid, prompt_ids=r.prompt, generated_ids=r.generated[:r.out],
@@ -213,10 +218,13 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
     for c in CHECK_ORDER:
         checks.setdefault(c, CheckResult(name=c, status="skipped", detail="not reached" if
                                          c not in names or main.error else "-"))
+    acted = acted or {}
+    inert = None if failed else inert_message(acted)
     lossless = None if "lossless" not in checks or checks["lossless"].status == "skipped" \
         else checks["lossless"].status == "ok"
     return GenerateReport(
-        status="failed" if failed else "ok", combination=cfg.combination, device=dev.describe(),
+        status="failed" if failed else "inert" if inert else "ok", combination=cfg.combination,
+        device=dev.describe(), fault_acted=acted, inert=inert,
         backend=cfg.backend.name, transformers=tf_version,
         kernels=worker_lines([r for r in (main.parts.target, main.parts.draft) if r is not None]
                              if main.parts else []),

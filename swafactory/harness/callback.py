@@ -47,7 +47,9 @@ class JobResult(BaseModel):
     """The run's report (`ok`, `inert` and `failed` runs; None for `run=plan` and for a job that
     crashed)."""
     error: str | None = None
-    """An exception that ended the job before a Report existed (`failed` only)."""
+    """An exception that ended the job before a Report existed (`failed` only), or a
+    `run=generate` job's verdict (`failed`: the check that caught it; `inert`: the fault that
+    never acted), which has no conformance Report."""
 
     @model_validator(mode="after")
     def _status_has_its_evidence(self) -> JobResult:
@@ -56,7 +58,7 @@ class JobResult(BaseModel):
             raise ValueError("status 'refused' needs at least one reason")
         if self.status == "failed" and self.report is None and not self.error:
             raise ValueError("status 'failed' needs the report or the error")
-        if self.status == "inert" and (self.report is None or not self.report.inert):
+        if self.status == "inert" and not (self.report and self.report.inert or self.error):
             raise ValueError("status 'inert' needs the report saying which fault never acted")
         return self
 
@@ -111,7 +113,8 @@ def _row(res: JobResult, same: list[JobResult] = ()) -> str:
     elif res.status == "refused":
         details = "<br>".join(_cell(x) for x in res.reasons)
     elif res.status == "inert":
-        details = "<br>".join(_cell(x) for x in (res.report.inert, _ok_details(res.report)))
+        details = ("<br>".join(_cell(x) for x in (res.report.inert, _ok_details(res.report)))
+                   if res.report else _cell(res.error or ""))
     else:
         details = _failed_details(res)
     apart = _distinct(res, same) if len(same) > 1 else ""

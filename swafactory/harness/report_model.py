@@ -104,7 +104,7 @@ class Report(_Model):
     free: `swafactory.fault_counts`). Empty without a fault."""
     inert: str | None = None
     """Why the run is `inert`: each fault that never acted, what the workload lacked, what to
-    try (`swafactory.harness.inert`)."""
+    try (`swafactory.inert`)."""
     layers_attended: list[int]
     """Target layers that ran attention (a subset in `smoke`)."""
     draft_layers: int

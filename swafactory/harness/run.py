@@ -15,7 +15,7 @@ from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.guards import GuardError
 from swafactory.harness import leaks
 from swafactory.harness.estimate import estimate_steps
-from swafactory.harness.inert import inert_message
+from swafactory.inert import inert_message
 from swafactory.harness.kv_check import StaleKV
 from swafactory.harness.loop import Loop, Mismatched
 from swafactory.harness.report_model import Mismatch, ModeStats, Report, StepRecord, Tick

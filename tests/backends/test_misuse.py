@@ -116,6 +116,26 @@ CASES = {
         r, [*_ok(r), ReqForward("x", r.free_row, 0, 3)]), ValueError, "request 'x'"),
     "req_to_token_object_wrong_type": (lambda r: lambda: r.batch(_ok(r), table=[[0]]),
                                        TypeError, "ReqToToken.table"),
+    "extend_negative": (lambda r: lambda: r.book.extend("a", -4), ValueError,
+                        "request 'a': cannot extend by -4 positions"),
+    # found beyond the reported table
+    "forward_before_plan": (lambda r: lambda: r.backend.forward(*r.qkv(), 2), RuntimeError,
+                            "call init_forward_metadata(batch)"),
+    "sinks_int64": (lambda r: lambda: _plan_then_forward(
+        r, _ok(r), sinks=torch.ones(8, dtype=torch.int64, device=r.device)), TypeError,
+        "sinks are int64"),
+    "row_twice_in_batch": (lambda r: lambda: _plan_then_forward(
+        r, [ReqForward("a", r.row, 0, 5), ReqForward("b", r.row, 5, 5)]), ValueError,
+        "requests 'a' and 'b' both use req_to_token row"),
+    "decode_two_queries": (lambda r: lambda: _plan_then_forward(
+        r, [ReqForward("a", r.row, 8, 2)], mode="decode"), ValueError,
+        "request 'a' has 2: use mode='extend'"),
+    "table_of_floats": (lambda r: lambda: r.backend.init_forward_metadata(
+        r.batch(_ok(r), table=r.book.req_to_token.table.float())), TypeError,
+        "req_to_token must be a 2-D int32/int64 tensor"),
+    "past_table_width": (lambda r: lambda: r.backend.init_forward_metadata(
+        r.batch([ReqForward("a", r.row, 60, 10)])), IndexError,
+        "reaches position 69, past req_to_token's 64 columns"),
 }
 
 
@@ -152,6 +172,21 @@ def test_req_to_token_object_is_its_table() -> None:
     rig.backend.init_forward_metadata(b)
     q, k, v = rig.qkv()
     assert torch.isfinite(rig.backend.forward(q, k, v, 2)).all()
+
+
+def test_strided_q_k_v_give_the_dense_result() -> None:
+    """q, k, v split from one fused qkv projection (rows strided) are what an engine passes:
+    they are read as the dense tensors they stand for."""
+    out = []
+    for strided in (False, True):
+        rig = Rig("cpu")
+        q, k, v = rig.qkv()
+        if strided:
+            qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+            q, k, v = (x.view(10, -1, 32) for x in qkv.split([8 * 32, 2 * 32, 2 * 32], 1))
+            assert not q.is_contiguous()
+        out.append(_plan_then_forward(rig, _ok(rig), q=q, k=k, v=v))
+    torch.testing.assert_close(out[0], out[1])
 
 
 def test_device_mismatch_names_both_devices() -> None:

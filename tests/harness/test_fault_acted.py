@@ -16,7 +16,7 @@ import swafactory
 from swafactory.config.paths import conf_dir, group_options
 from swafactory.errors import EXIT_CONFORMANCE, EXIT_INERT
 from swafactory.harness.callback import build_matrix
-from swafactory.harness.inert import LACKS
+from swafactory.inert import LACKS
 from swafactory.harness.report_model import Report
 
 FAULTS = [f for f in group_options("faults") if f != "none"]
@@ -55,15 +55,15 @@ def test_the_documented_launch_line_acts_and_is_caught(fault: str, tmp_path) -> 
 
 
 def test_a_fault_whose_workload_never_shrinks_a_bucket_is_inert_not_ok(tmp_path) -> None:
-    """smoke runs at most two requests: a batch never shrinks inside a graph bucket, so
-    graph_pad_stale_swa_loc has nothing to change and the run proves nothing."""
+    """Two requests at a time: a batch never shrinks inside a graph bucket (2 → bucket 2,
+    1 → bucket 1), so graph_pad_stale_swa_loc has nothing to change and the run proves nothing."""
     out = _cli(tmp_path, "faults=graph_pad_stale_swa_loc", "backend.cuda_graph=true",
-               "model=tiny", "spec=none", "workload=smoke")
+               "model=tiny", "spec=none", "workload=smoke", "workload.max_running_requests=2")
     assert out.returncode == EXIT_INERT, out.stderr[-2000:]
     report = Report.model_validate_json((tmp_path / "report.json").read_text())
     assert report.status == "inert" and report.mismatch is None
     assert report.fault_acted == {"graph_pad_stale_swa_loc": 0}
-    assert "no batch shrank inside a graph bucket; try workload=smoke_shrink" in report.inert
+    assert "no batch shrank inside a graph bucket; try workload=smoke (four requests at once)" in report.inert
     assert "conformance INERT: graph_pad_stale_swa_loc never acted" in out.stderr
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "inert"
     md = build_matrix(tmp_path)  # a sweep shows inert as its own outcome

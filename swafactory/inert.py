@@ -14,7 +14,7 @@ __all__ = ["LACKS", "inert_message"]
 LACKS: dict[str, tuple[str, str]] = {
     # fault → (what the workload lacked, what to try)
     "graph_pad_stale_swa_loc": ("no batch shrank inside a graph bucket",
-                                "workload=smoke_shrink"),
+                                "workload=smoke (four requests at once)"),
     "window_off_by_one": ("no sliding layer listed the key W positions back (no request passed "
                           "its window)", "workload=smoke"),
     "plan_without_window": ("no SWA group listed more keys than its window (a chunk's later "
@@ -29,9 +29,10 @@ LACKS: dict[str, tuple[str, str]] = {
     "no_swa_eviction": ("no request passed its window by the eviction interval",
                         "workload=smoke"),
     "no_draft_headroom": ("no own draft pool was built short", "spec=eagle"),
-    "leak_rejected_draft_slots": ("no draft token was rejected", "spec=eagle"),
+    "leak_rejected_draft_slots": ("no draft token was rejected (a self-draft accepts all)",
+                                  "spec=eagle with the conformance run, whose drafts miss"),
     "premature_free_on_reject": ("no rejection moved the eviction frontier back into the window",
-                                 "spec=eagle"),
+                                 "spec=eagle with the conformance run, whose drafts miss"),
     "paged_free_stale_mapping": ("no eviction frontier stopped inside a page",
                                  "backend.page_size=16"),
     "fp8_descale_dropped": ("no full layer read fp8 K/V with a scale other than 1",
