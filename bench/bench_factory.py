@@ -126,7 +126,7 @@ def kv_bytes_read(plan, pool) -> int:
 
 def triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory_out, do_bench) -> dict:
     """The same step through ``backend=triton`` on the same pools (our Triton kernels: the
-    issue's "our Triton verify against FlashInfer's custom-mask verify"): cycle time and the
+    goal's "our Triton verify against FlashInfer's custom-mask verify"): cycle time and the
     largest difference from the flashinfer factory's last-layer output."""
     import swafactory
 
@@ -509,7 +509,7 @@ def triton_graphs(rows: list[dict]) -> list[str]:
 
 
 def verify_over_decode(rows: list[dict], meta: dict) -> list[str]:
-    """Issue 16's verify line: each verify/draft cycle over the decode cycle of the same model
+    """The verify goal: each verify/draft cycle over the decode cycle of the same model
     and batch, both through the factory, from the same run."""
     dec = {(r["model"], r["bs"]): r["factory_ms"] for r in rows
            if r.get("mode") == "decode" and "factory_ms" in r}

@@ -1,4 +1,4 @@
-"""Host cost of planning one forward on CPU, against batch size (issue 16, item 1).
+"""Host cost of planning one forward on CPU, against batch size.
 
 For each (model, mode, batch size) it builds the model's pools and allocator on CPU (every layer,
 the allocator's pages shuffled), opens ``bs`` requests of ``ctx`` committed tokens, evicting
@@ -16,7 +16,7 @@ bs 256 would not fit a CPU host's memory, and it changes nothing the planner doe
         [--ctx 512] [--reps 30]
 
 Prints a table with the bs256 / bs8 ratio and writes OUT/planning-cpu.json (and .png when
-matplotlib imports). The issue's acceptance line: at bs 256 planning takes ≤ 3× planning at bs 8.
+matplotlib imports). The acceptance line: at bs 256 planning takes ≤ 3× planning at bs 8.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ each, and prints per mode: ok or the error, compiles, and seconds per shape (fir
 MODE: dynamic (dynamic=True), auto (dynamic=None), static_bucketed (dynamic=False, shapes
 rounded up to powers of two, keys to a multiple of 128), dynamic_bucketed, dynamic_transposed
 (dynamic=True on [B, S, H, D] tensors viewed as [B, H, S, D], as the adapter first did), and
-issue 17's two fixes for the passes of 9-127 queries that failed: dynamic_pad128 (such passes
+the two fixes for the passes of 9-127 queries that failed: dynamic_pad128 (such passes
 padded to one full 128-query block) and dynamic_force (``kernel_options=
 {"FORCE_USE_FLEX_ATTENTION": True}``: never the flex-decoding kernel).
 """

@@ -9,7 +9,7 @@
 #     JOBS     parallel harness processes sharing the GPU (default 6). Measured serve peaks
 #              (06bb54c): Gemma 4 about 20 GiB (torch backend, fp32 KV: 38), Mistral 10-12
 #              (torch: 23), GPT-OSS under 2; docs/gpu.md says what fit together.
-#     MODELS / BACKENDS / SPECS / WORKLOAD   narrow the matrix (defaults: the issue-7 matrix, serve).
+#     MODELS / BACKENDS / SPECS / WORKLOAD   narrow the matrix (defaults: the full matrix, serve).
 #     NAME     the matrix's folder under OUT (default matrix); EXTRA: more overrides for it.
 #     DEADLINE seconds the matrix stage may run (default: no limit). Jobs still running then are
 #              stopped; `bench/gpu_rows.py add` records them as unfinished. Leave time to pack OUT.
@@ -67,7 +67,7 @@ for stage in $STAGES; do
         mkdir -p "$OUT/faults"
         # graphs: a batch that shrinks inside its bucket of 4 (faults=none is the clean twin). The
         # replay guard catches it on any model; without it the oracle needs gpt_oss_20b: one zeroed
-        # key of gemma4's 1024-key window moves its outputs by less than bf16's error (call 27.1)
+        # key of gemma4's 1024-key window moves its outputs by less than bf16's error (at 2c17a0c)
         SHRINK=workload.max_running_requests=4,workload.num_requests=6
         # fault:spec[:model[:override]]; the model defaults to gemma4 (sinks need gpt_oss_20b,
         # fp8 on flashinfer needs gemma4's D = 512 layers on triton)

@@ -1,4 +1,4 @@
-"""Issue 15, item 5: `run=generate` on the GPU for every backend × model × spec, and its record.
+"""`run=generate` on the GPU for every backend × model × spec, and its record.
 
     # on the GPU host, one lane per backend (one process each; a lane runs its jobs one at a time)
     python3 bench/gpu_generate.py run --backend flashinfer --rows OUT/rows_flashinfer.jsonl \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15, item 5 on the GPU host: `run=generate` over every model × spec, one lane per backend
+# On the GPU host: `run=generate` over every model × spec, one lane per backend
 # (bench/gpu_generate.py run: one process, jobs one after another), each lane pinned to a GPU.
 #
 # From the repository root on the GPU host:

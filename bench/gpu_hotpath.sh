@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's hot-path evidence at one commit, in one device call (carry .whl and build/cubins):
+# The hot-path evidence at one commit, in one device call (carry .whl and build/cubins):
 # FlashInfer warm-up, the GPU tests of the planning and graph paths (no host sync, engine-style
 # capture, FlashInfer decode re-planning against the oracle, the fused key lists), then one
 # whole `bench_factory.py` run. Returns OUT/hotpath.tgz (the device tool brings back few files).

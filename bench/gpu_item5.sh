@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 16's item 5 (and issue 17's fp8 serve) at one commit, in two device calls on one warm
-# machine, each returning a single archive (the device tool brings back a few files only).
+# The conformance set of one commit (smoke of every accepted combination, serve for flashinfer
+# and triton; and the fp8 serve rows), in two device calls on one warm machine, each returning
+# a single archive (the device tool brings back a few files only).
 #
 # On the GPU host, from the repository root:
 #     bench/gpu_item5.sh OUT whl    carry .whl and build/cubins: FlashInfer warm-up, then
@@ -11,10 +12,11 @@
 #     bench/gpu_item5.sh OUT fa4    within 30 s of the first, carry .fa4y and build/w7 (not
 #                                   the cubins: the carry limit; the first call's stay in
 #                                   build/): flash_attn's smoke beside fp8 KV serve on triton ×
-#                                   gemma4 (about 300 s; 4 × 24 GiB). With ISSUE17=1 also issue
-#                                   17's serve rows: flash_attn + flashinfer per group, fp8 on
-#                                   flashinfer + triton (gemma4); flash_attn page 128,
-#                                   flashinfer page 16, flex (gpt_oss_20b, mistral_7b)
+#                                   gemma4 (about 300 s; 4 × 24 GiB). With ISSUE17=1 also the
+#                                   kernel-feature serve rows: flash_attn + flashinfer
+#                                   per group, fp8 on flashinfer + triton (gemma4);
+#                                   flash_attn page 128, flashinfer page 16, flex
+#                                   (gpt_oss_20b, mistral_7b)
 # Environment: DEADLINE (seconds the sweeps may run, default 420 for whl, 300 for fa4); TESTS=1
 # (whl): the warm-up, then the hot path's GPU tests alone (TESTS_S seconds), then the sweeps.
 # Nothing else runs beside the sweeps: at ad31922 GPU tests beside them left three serve runs
@@ -81,9 +83,9 @@ fa4)
         sweep smoke_fa "$D" BACKENDS=flash_attn WORKLOAD=smoke JOBS=3
         sweep fp8_serve "$D" BACKENDS=triton MODELS=gemma4 SPECS=$SPECS4 WORKLOAD=serve JOBS=4 \
             EXTRA=backend.kv_dtype=fp8_e4m3
-    else  # ISSUE17=1 (DEADLINE about 520): issue 17's serve rows too, in three chains that keep
-        # at most four Gemma 4 jobs (about 24 GiB each) on the GPU; FlashInfer is the one the
-        # whl part installed into /tmp/site on this machine
+    else  # ISSUE17=1 (DEADLINE about 520): the kernel-feature serve rows too, in three chains
+        # that keep at most four Gemma 4 jobs (about 24 GiB each) on the GPU; FlashInfer is the
+        # one the whl part installed into /tmp/site on this machine
         P2=gpt_oss_20b,mistral_7b
         ( after smoke_fa BACKENDS=flash_attn WORKLOAD=smoke JOBS=3
           after fa_fi_gemma4 BACKENDS=flash_attn MODELS=gemma4 SPECS=none,eagle3 WORKLOAD=serve \

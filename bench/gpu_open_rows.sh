@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU rows the open issues still lack after session 42 (bench/results/session-2026-12-04e-h200.md),
+# The GPU rows still missing after the bf87f57 runs (bench/results/session-2026-12-04e-h200.md),
 # at one commit, in two device calls on one warm machine, each returning one archive.
 #
 # On the GPU host, from the repository root:
 #     bench/gpu_open_rows.sh OUT whl   carry MODELS=1's wheels (build/whlm, docs/gpu.md) and
-#                                      build/cubins: issue 16's gemma4 × standalone through
+#                                      build/cubins: the hot path's gemma4 × standalone through
 #                                      `run=generate backend=flashinfer`, eager then with graphs
 #                                      (report.json names each rejected draft's logit gaps);
-#                                      issue 17's fp8 KV smoke and serve on gpt_oss_20b ×
+#                                      the fp8 KV smoke and serve on gpt_oss_20b ×
 #                                      flashinfer, triton × none, eagle3, frozen_kv_mtp, dflash;
 #                                      then, alone on the GPU, the fp8 decode bench (Gemma 4,
 #                                      bs 64) and FlashInfer's page sizes (GPT-OSS, bs 64)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs that issue 16's verify line and issue 17's flash_attn bandwidth line wait on, in
+# The GPU runs that the verify goal and the flash_attn bandwidth goal wait on, in
 # stages that fit one 10-minute device call each (docs/gpu.md, "Probes for the open kernel lines").
 #
 # On the GPU host, from the repository root:
@@ -14,7 +14,7 @@
 #              time) and bench_pages for flash_attn and flashinfer at pages 1 and 128
 #     graphs   FlashInfer's JIT warm-up for head dims 64 256 512, then bench/probe_graph_kernels.py:
 #              the kernels of GPT-OSS-20b's bs-8 decode step captured and eager, and of Gemma 4's
-#              bs-64 chain verify, with device µs per step (issue 16's graph-replay line)
+#              bs-64 chain verify, with device µs per step (the graph-replay goal)
 # Environment: WHEELS / FA4 as for bench/gpu_env.sh (.whl for verify and factory; .fa4y and a
 # trimmed .whl for fa4 on a fresh machine), COMMIT (recorded in the tables), DEADLINE (seconds
 # per stage, default 420).

@@ -14,7 +14,7 @@
 #                (bench/sync_sites.py → session/sync_BACKEND.txt)
 #     DEADLINE   seconds from the start until the sweeps are stopped (default 500)
 #     JOBS       parallel jobs per (backend, model) sweep (default 2; Gemma 4: GEMMA_JOBS, 2).
-#                Memory decides: at 4ab4ad3+ (call 12.1) a flashinfer Gemma 4 serve run peaked at
+#                Memory decides: at 4ab4ad3+ (2026-11-29) a flashinfer Gemma 4 serve run peaked at
 #                28-29 GiB, Mistral 13.5, GPT-OSS 2; the torch backend (fp32 KV) on Gemma 4 held
 #                45 GiB at its first step (report.json's peak_device_bytes says what each took)
 #     JOBS_<backend>_<model>  one sweep's own count (JOBS_torch_gemma4=1)

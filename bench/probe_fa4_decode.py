@@ -2,7 +2,7 @@
 
     python3 bench/probe_fa4_decode.py OUT
 
-Issue 17 asks flash_attn at page 128 to read a GPT-OSS full layer's decode K/V at ≥ 85% of copy
+The goal asks flash_attn at page 128 to read a GPT-OSS full layer's decode K/V at ≥ 85% of copy
 bandwidth; `bench_pages` measured 54% (wall time). Two suspects, separated here:
 
 * host launch time: FA4's Python interface runs per call; each variant is timed as the wall time

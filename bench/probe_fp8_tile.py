@@ -1,9 +1,9 @@
-"""Where an fp8 decode tile loses its halved bytes (H200 probe, issue 17's fp8 ≥ 1.5× line).
+"""Where an fp8 decode tile loses its halved bytes (H200 probe, for the fp8 ≥ 1.5× goal).
 
 `probe_fp8.py` showed our Triton decode reading e4m3 K/V *slower* than bf16 (Triton 3.6 turns
 each e4m3 tile into 16-bit values between shared memory and the tensor cores). This probe times
 one decode tile (stage 1 of split-KV decode, no window, no sinks: the combine is the same for
-every variant) at the issue's geometries, on shuffled pool rows as the allocator leaves them,
+every variant) at the goal's geometries, on shuffled pool rows as the allocator leaves them,
 with the K/V tile turned into tensor-core operands five ways:
 
 * ``bf16``: bf16 buffers, ``dot(q, kᵀ)`` (today's path, the reference time);

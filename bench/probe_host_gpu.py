@@ -1,5 +1,5 @@
 """Where the host time of one forward goes on the GPU host: planning (ours, FlashInfer's plan)
-and the per-layer loop, factory against raw (issue 16's decode-cycle and planning lines).
+and the per-layer loop, factory against raw (for the decode-cycle and planning goals).
 
     python3 bench/probe_host_gpu.py OUT [model:bs ...]
 

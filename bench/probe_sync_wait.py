@@ -1,4 +1,4 @@
-"""Does any part of a step wait for the GPU? (issue 16's decode-cycle line, GPU host only)
+"""Does any part of a step wait for the GPU? (the decode-cycle goal; GPU host only)
 
     python3 bench/probe_sync_wait.py OUT [model:bs ...]      (default gpt_oss_20b:8 gpt_oss_20b:64)
 

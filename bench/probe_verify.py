@@ -1,5 +1,5 @@
 """Why Gemma 4's full-layer verify tile is slow: the same kernel on three slot orders, and a
-transposed ("swap AB") dense tile, at issue 16's verify geometry (H200).
+transposed ("swap AB") dense tile, at the verify goal's geometry (H200).
 
     python3 bench/probe_verify.py OUT [--ncu]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's tensor-parallel sweep on a 2-GPU host, with fair timing:
+# The tensor-parallel scaling sweep on a 2-GPU host, with fair timing:
 #     backend × spec × model × parallel.tp ∈ {1, 2}, workload=serve, as Hydra multiruns.
 # A process's CUDA-event times include other processes' kernels when they time-slice one GPU, so
 # no GPU ever runs two harness processes at once:
@@ -10,13 +10,13 @@
 # dims of the models swept) while the triton jobs start; flashinfer jobs wait for it.
 #
 # On the GPU host, from the repository root:
-#     WHEELS=.whl COMMIT=abc1234 PHASE=tp1 bench/tp_scaling.sh "$OUT"    # call 1
-#     COMMIT=abc1234 PHASE=tp2 bench/tp_scaling.sh "$OUT"                # call 2, same warm host
+#     WHEELS=.whl COMMIT=abc1234 PHASE=tp1 bench/tp_scaling.sh "$OUT"    # first call
+#     COMMIT=abc1234 PHASE=tp2 bench/tp_scaling.sh "$OUT"                # second, same warm host
 # Environment:
 #     PHASE      tp1 | tp2 | all (default all; one device call rarely holds both)
 #     DEADLINE   seconds from the start until running sweeps are stopped (default 540); what
 #                finished is packed. A sweep is not started with under MIN_LEFT s (30) left.
-#     BACKENDS / SPECS / MODELS   narrow the sweep (comma lists; defaults: the issue's)
+#     BACKENDS / SPECS / MODELS   narrow the sweep (comma lists; defaults: the full sweep)
 #     COMMIT     the commit checked out (git may not work on the host)
 #     WORK       where the sweeps accumulate on the host (default /tmp/tp_scaling/COMMIT). A later
 #                call skips every combination that already has a result.json there (RESUME=0: none)

@@ -1,4 +1,4 @@
-"""bench/tp_scaling.py renders issue 18's record from real Report/JobResult JSON;
+"""bench/tp_scaling.py renders the tensor-parallel scaling record from real Report/JobResult JSON;
 bench/tp_scaling.sh plans the sweep so no GPU runs two harness processes at once (DRY plans, and
 a run with a fake python3 that only sleeps)."""
 from __future__ import annotations

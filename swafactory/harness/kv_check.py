@@ -2,7 +2,7 @@
 
 The oracle compares attention outputs within a tolerance, so one overwritten key among a bf16
 window of a thousand moves an output by less than bf16's own error and passes (a graph replay's
-stale padding writes, call 27.1 on gemma4). This check compares the rows themselves, exactly:
+stale padding writes on gemma4, at 2c17a0c). This check compares the rows themselves, exactly:
 for each request of a checked forward, the keys its plan lists for a layer (the pool's rows, in
 the group's typed space) against the same slots of its logical history, dequantized for fp8
 pools (bit-exact: the harness's fp8 scales are powers of two). A key list runs in slot order

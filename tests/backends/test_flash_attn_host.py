@@ -106,7 +106,7 @@ def test_pass_tile_is_sm90_head_dim_64_and_at_most_64_packed_rows() -> None:
 
 @pytest.mark.parametrize("page", [1, 128])
 def test_gpt_oss_decode_runs_the_64x128_tile(sm90, page: int, monkeypatch) -> None:
-    """Issue 17: GPT-OSS decode (8 packed rows per KV head, D 64) calls `_flash_attn_fwd` with
+    """GPT-OSS decode (8 packed rows per KV head, D 64) calls `_flash_attn_fwd` with
     ``tile_mn=(64, 128)`` on both layer groups; the prompt's extend (≥ 19 × 8 rows) keeps the
     varlen call. The outputs equal the oracle's and, exactly, the varlen call's (no tile)."""
     w, _ = world("gpt_oss_20b", page, GPT_OSS)

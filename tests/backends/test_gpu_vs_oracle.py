@@ -122,7 +122,7 @@ def test_gemma4_a_kernel_per_group(swa: str, full: str, kv_dtype: str, mode: str
 @pytest.mark.parametrize("mode", ["decode", "extend_prefix", "verify_chain", "verify_tree_4",
                                   "draft_decode", "dflash_block"])
 def test_flashinfer_reads_the_pools_own_pages(page: int, mode: str) -> None:
-    """FlashInfer on the pool's native pages (issue 17 item 2), GPT-OSS geometry with sinks:
+    """FlashInfer on the pool's native pages, GPT-OSS geometry with sinks:
     windows that start mid-page, nodes sharing a page with committed keys."""
     extra = ["model.sliding_window=20", "model.num_layers=4", "model.softmax_scale=0.1"]
     w, _ = world("flashinfer", "gpt_oss_20b", extra, page=page)
@@ -134,7 +134,7 @@ def test_flashinfer_reads_the_pools_own_pages(page: int, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["decode", "extend_prefix", "verify_chain", "verify_tree_4",
                                   "draft_decode", "dflash_block"])
 def test_flash_attn_reads_the_pools_own_pages(page: int, mode: str) -> None:
-    """flash-attn-4 on the pool's native pages (issue 17 item 2; page 128 is its TMA path),
+    """flash-attn-4 on the pool's native pages (page 128 is its TMA path),
     GPT-OSS geometry with sinks: natural passes read [rows/P, P, Hkv, D] through page ids,
     per-query key lists (trees, DFlash blocks) the page-size-1 view."""
     extra = ["model.sliding_window=20", "model.num_layers=4", "model.softmax_scale=0.1"]
@@ -142,6 +142,6 @@ def test_flash_attn_reads_the_pools_own_pages(page: int, mode: str) -> None:
     assert_close(run_mode(w, mode, [0, 1], 20), BF16)
     a = w.backend.adapter
     assert a.runs_by_page.get(page), a.runs_by_page
-    if mode in ("decode", "extend_prefix", "verify_chain"):  # ≤ 64 packed rows: issue 17's tile
+    if mode in ("decode", "extend_prefix", "verify_chain"):  # ≤ 64 packed rows: the 64-row tile
         tile = flash_attn.pass_tile(8, 64, flash_attn._arch(torch.device("cuda")))
         assert (page, tile) in a.runs and a.tile_fallback is None, (a.runs, a.tile_fallback)

@@ -1,8 +1,8 @@
 """run=generate: HF model definitions on swafactory attention, checked against transformers.
 
 Every family is lossless against spec=none and its logits match transformers' eager forward; a
-self-speculating copy reaches the ideal accept length; the seed faults and the silent ones of
-issue 19 are caught end to end with the guards off; a save_pretrained checkpoint generates the
+self-speculating copy reaches the ideal accept length; the seed faults and the field's silent ones
+are caught end to end with the guards off; a save_pretrained checkpoint generates the
 same tokens as the weights it saved.
 Shapes are tiny (short prompts past a 16-token window, a few tokens out) to stay cheap on 2 cores.
 """
@@ -56,7 +56,7 @@ def test_every_family_is_lossless_and_matches_transformers(model: str, spec: str
     ("skip_spec_translation", "eagle3", "tiny", "kernel"),  # full slots index the SWA pool: OOB
     ("allocator_pool_for_own_pool_draft", "dflash", "tiny", "draft_logits"),
     ("pool_cached_at_init", "frozen_kv_mtp", "tiny", "kernel"),  # the dummy pool's geometry
-    # issue 19: wrong numbers with no error, so only the logits show them
+    # the field's bug classes: wrong numbers with no error, so only the logits show them
     ("plan_without_window", "none", "tiny", "logits"),  # prompts pass W = 16
     ("tree_mask_not_rebased", "eagle3", "tiny", "logits"),  # a tree's deep nodes
     ("sink_dropped", "none", "gpt_oss_20b", "logits"),  # GPT-OSS's sinks

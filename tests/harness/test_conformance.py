@@ -74,7 +74,7 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     # chains reject a few drafts per step and the SWA share has the slack; a tree (eagle3) or a
     # DFlash block rejects more, and the SWA pool runs out before the end (capacity) instead
     "leak_rejected_draft_slots": ("eagle", "leak"),
-    # issue 19: the field's later SWA + spec bug classes
+    # the field's later SWA + spec bug classes
     "plan_without_window": ("none", "oracle"),  # a chunk's later queries see past W
     "sink_dropped": ("none", "oracle"),  # gpt_oss_20b has sinks
     "fp8_descale_dropped": ("none", "oracle"),  # the harness's fp8 scales are 1/8-1/32
