@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 
 import torch
 
@@ -21,10 +22,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, tp: int, port: int, cfg_json: str, device_kind: str, out: str) -> None:
+def _rank_main(rank: int, tp: int, port: int, cfg_json: str, device_kind: str, out: str,
+               run_rank: Callable) -> None:
     import torch.distributed as dist
-
-    from swafactory.harness.run import run_rank  # run imports this module: import on use
 
     if device_kind == "cuda":
         torch.cuda.set_device(rank)
@@ -41,8 +41,10 @@ def _rank_main(rank: int, tp: int, port: int, cfg_json: str, device_kind: str, o
         dist.destroy_process_group()
 
 
-def launch(cfg: SwaFactoryConfig, device_kind: str):
-    """Run the conformance job on ``cfg.parallel.tp`` ranks; returns rank 0's Report."""
+def launch(cfg: SwaFactoryConfig, device_kind: str, run_rank: Callable):
+    """Run the conformance job on ``cfg.parallel.tp`` ranks; returns rank 0's Report.
+    run_rank: ``(cfg, Shard) -> Report``, one rank's run (a module-level function: each spawned
+    rank unpickles it by name; passed in so that this module imports no driver)."""
     import torch.multiprocessing as mp
 
     from swafactory.harness.report_model import Report
@@ -52,7 +54,8 @@ def launch(cfg: SwaFactoryConfig, device_kind: str):
         raise RuntimeError(f"parallel.tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
-        mp.spawn(_rank_main, args=(tp, _free_port(), cfg.model_dump_json(), device_kind, out),
+        mp.spawn(_rank_main, args=(tp, _free_port(), cfg.model_dump_json(), device_kind, out,
+                                   run_rank),
                  nprocs=tp, join=True)
         with open(out) as f:
             return Report.model_validate_json(f.read())

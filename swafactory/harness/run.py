@@ -55,7 +55,7 @@ def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     if cfg.parallel.tp > 1:
         from swafactory.harness.launch import launch
 
-        report = launch(cfg, dev.kind)
+        report = launch(cfg, dev.kind, run_rank)
     else:
         report = _run_local(cfg, dev, on_progress, None)
     return report.model_copy(update={"backend_choice": note}) if note else report
