@@ -17,7 +17,7 @@ plan's tables to a kernel and hold no pool logic. CUDA graphs: `init_cuda_graph_
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,8 +40,45 @@ from swafactory.registry.table import backend_module
 from swafactory.resolve import RunnerView, TargetView, resolve_kv_source
 from swafactory.runner_windows import check_own_pool, model_windows, runner_windows
 
-__all__ = ["AttentionBackend", "build_backend", "TargetView", "model_windows", "runner_windows"]
+__all__ = ["AttentionBackend", "LayerEntry", "build_backend", "TargetView", "model_windows",
+           "runner_windows"]
 
+
+
+@dataclass(frozen=True, slots=True)
+class LayerEntry:
+    """What a layer's `forward` needs of the current plan and pool, gathered once per plan (and
+    again only when the pool, the layer groups or the fp8 scales change), so the per-layer path
+    reads attributes instead of looking anything up."""
+
+    key: str
+    """The layer's group key in the plan."""
+    k_buf: torch.Tensor
+    """[rows, Hkv, D] the layer's K buffer (pool dtype)."""
+    v_buf: torch.Tensor
+    """[rows, Hkv, D] the layer's V buffer."""
+    sub: object
+    """The sub-pool holding the layer (`kvcache.pool.SubPool`)."""
+    kw: dict
+    """The adapter's per-layer keywords: window, scale, softcap, fp8 k_scale/v_scale."""
+    pair: tuple
+    """(group key, sub-pool id): the unit of the read checks, once per forward."""
+    adapter: object
+    """The kernel adapter serving the layer's group."""
+    scales: tuple
+    """(k_scale, v_scale) the store quantizes with (1.0, 1.0 unless fp8)."""
+    wpair: tuple
+    """(group key, sub-pool id, "w"): the unit of the write checks."""
+    hkv: int
+    """KV heads of the layer."""
+    d: int
+    """head_dim of the layer."""
+    fp8: bool
+    """The pool stores fp8."""
+    fuse: bool
+    """The decode kernel may write the step's K/V itself."""
+    device: torch.device
+    """The pool's device."""
 
 class AttentionBackend:
     """One runner's attention: plans once per forward, runs a kernel once per layer."""
@@ -347,9 +384,9 @@ class AttentionBackend:
                 hkv, d = k_buf.shape[1], k_buf.shape[2]
                 # a decode kernel that writes the step's K/V itself (not fp8: the store quantizes)
                 fuse = getattr(ad, "fuses_writes", False) and not is_fp8(sub.dtype)
-                entries[layer] = (key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad, scales,
-                                  (key, sub.pool_id, "w"), hkv, d, is_fp8(sub.dtype), fuse,
-                                  k_buf.device)
+                entries[layer] = LayerEntry(key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad,
+                                            scales, (key, sub.pool_id, "w"), hkv, d,
+                                            is_fp8(sub.dtype), fuse, k_buf.device)
             # the pool is held, so its identity cannot be reused by another one
             self._layers = (pool, dict(fplan.layer_groups), entries, version)
 
@@ -362,7 +399,7 @@ class AttentionBackend:
                              f"{g.tables.kv_indices.pool_id!r}")
         self._checked.add(pair)
 
-    def _entry(self, layer_id: int) -> tuple:
+    def _entry(self, layer_id: int) -> LayerEntry:
         try:
             return self._layers[2][layer_id]
         except (TypeError, KeyError):  # no plan yet (None), or a layer the plan does not hold
@@ -376,9 +413,10 @@ class AttentionBackend:
 
     def _store(self, layer_id: int, e: tuple, k, v, fused: bool = False):
         """The per-layer write (hot: about as much Python as the raw ``index_copy_`` pair).
-        e: the layer's `_set_plan` entry. fused: check only, and return the int64 slots for the
+        e: the layer's `LayerEntry`. fused: check only, and return the int64 slots for the
         kernel that writes them (`forward`)."""
-        key, k_buf, v_buf, sub, _, _, _, scales, wpair, hkv, d, fp8, _, _ = e
+        key, k_buf, v_buf, sub, scales, wpair = e.key, e.k_buf, e.v_buf, e.sub, e.scales, e.wpair
+        hkv, d, fp8 = e.hkv, e.d, e.fp8
         idx = self._writes[key]
         if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
@@ -428,7 +466,8 @@ class AttentionBackend:
                 FAULT_COUNTS.acted("sink_dropped")
             sinks = None  # FAULT: the kernel takes sinks= and ignores it
         e = self._entry(layer_id)
-        key, k_buf, v_buf, sub, kw, pair, ad, _, _, hkv, d, _, fuse, dev = e
+        key, k_buf, v_buf, sub, kw, pair = e.key, e.k_buf, e.v_buf, e.sub, e.kw, e.pair
+        ad, hkv, d, fuse, dev = e.adapter, e.hkv, e.d, e.fuse, e.device
         g = self._plan.groups[key]
         if self.guards:
             if pair not in self._checked:
