@@ -1,0 +1,137 @@
+"""The CUDA-graph contract of `AttentionBackend` (`swafactory.graph_state` says how an engine uses
+it): graph state sized once, a bucket's capture plan, a replay's plan refilled in place.
+
+A base of `AttentionBackend`: it uses the attributes `core.AttentionBackend.__init__` sets
+(``cfg``, ``view``, ``windows``, ``guards``, ``faults``, ``_graph``, ``_frozen``, ``_pool``) and
+its planning methods (``_plan_forward``, ``_plan_kernels``, ``_set_plan``, ``_defer``)."""
+from __future__ import annotations
+
+import torch
+
+from swafactory.graph_state import (GraphState, StaleGraphError, bucket_writes, capture_plan,
+                                   check_graphable, check_padding)
+from swafactory.guards import CallOrderError
+from swafactory.kvcache.quant import is_fp8
+from swafactory.kvcache.sizing import step_nodes
+from swafactory.metadata.batch import ForwardBatch, ForwardMode
+from swafactory.metadata.plan import ForwardPlan
+
+__all__ = ["GraphContract"]
+
+
+class GraphContract:
+    """init_cuda_graph_state, init_forward_metadata_capture / _replay and what they report."""
+
+
+    @property
+    def cuda_graph_state(self) -> GraphState | None:
+        """The graphs' static state (None before `init_cuda_graph_state`)."""
+        return self._graph
+
+    def init_cuda_graph_state(self, max_bs: int, max_tokens: int,
+                              max_context: int | None = None) -> None:
+        """Ready graphs of up to ``max_bs`` requests × ``max_tokens`` query rows each, each
+        request reading at most ``max_context`` keys (its context, this forward's tokens
+        included; sglang's argument). A bucket's buffers hold ``bs · max_context`` keys per full
+        group and ``bs · (W + tokens + page)`` per SWA group (tokens: at least the spec's step
+        nodes, `graph_sizing.bucket_keys`), never the pool's rows. Default:
+        ``workload.context_len``, capped by the largest sub-pool's rows. Calling it again with
+        other limits keeps the buckets already captured (max_context is fixed once one is)."""
+        pool = self.view.active_pool
+        dev = pool.sub_pools[0].device
+        check_graphable([ad.capabilities for ad in self.adapters.values()], dev.type,
+                        self.cascade, max_bs, max_tokens)
+        rows = max(sp.rows - sp.page_size for sp in pool.sub_pools)  # past the dummy page
+        ctx = min(self.cfg.workload.context_len, rows) if max_context is None else max_context
+        if ctx < 1:
+            raise ValueError(f"init_cuda_graph_state needs max_context >= 1, got {max_context}")
+        st = self._graph
+        if st is not None:
+            if max_context is not None and ctx != st.max_context and st.captured:
+                raise ValueError(f"init_cuda_graph_state(max_context={ctx}): buckets "
+                                 f"{sorted(st.captured)} were captured with max_context="
+                                 f"{st.max_context}, their buffers sized by it; build a new "
+                                 "backend for another max_context")
+            st.max_bs, st.max_tokens = max_bs, max_tokens
+            st.max_context = ctx if max_context is not None else st.max_context
+        else:
+            st = self._graph = GraphState(max_bs, max_tokens, torch.device(dev), ctx,
+                                          pool.sub_pools[0].page_size, step_nodes(self.cfg.spec))
+        for ad in self.adapters.values():  # the adapters size their graph buffers by it
+            if hasattr(ad, "graph_keys"):
+                ad.graph_keys = st.keys
+
+    def graph_state_bytes(self) -> int:
+        """Bytes of every static buffer held for graphs: the write slots here and each
+        adapter's (FlashInfer's graph wrappers and their int workspaces, Triton's static
+        tables); 0 before `init_cuda_graph_state`. Shared eager workspaces are not counted."""
+        if self._graph is None:
+            return 0
+        return self._graph.bytes + sum(ad.graph_bytes() for ad in self.adapters.values()
+                                       if hasattr(ad, "graph_bytes"))
+
+    def graph_stale(self, bs: int, tokens: int) -> str | None:
+        """Why captured bucket (bs, tokens) may not replay now (a layer's fp8 scales changed
+        since its capture: `set_kv_scales`), or None. An engine re-captures it on a reason."""
+        st = self._graph
+        pool = st.captured.get((bs, tokens)) if st is not None else None
+        return None if pool is None else st.stale(bs, tokens, pool)
+
+    def _graph_state(self) -> GraphState:
+        if self._graph is None:
+            raise CallOrderError("call init_cuda_graph_state(max_bs, max_tokens) first")
+        return self._graph
+
+    def init_forward_metadata_capture(self, bs: int, tokens: int,
+                                      mode: ForwardMode) -> ForwardPlan:
+        """Plan the shapes of bucket (``bs`` requests × ``tokens`` queries) for a capture: every
+        request reads and writes the dummy row. The engine then warms up and captures its step,
+        calling `forward` per layer inside."""
+        st = self._graph_state()
+        st.check(bs, tokens)
+        if mode == "decode" and tokens != 1:
+            raise ValueError(f"a decode bucket has 1 token per request, got tokens={tokens}")
+        pool = self.view.active_pool if self._frozen is None else self._frozen[0]
+        fplan = capture_plan(st, pool, pool.layers_mapping, self.windows, bs=bs, tokens=tokens,
+                             mode=mode, writes=not pool.read_only)
+        self._plan_kernels(fplan, pool, (bs, tokens))
+        st.captured[(bs, tokens)] = pool
+        st.record_scales(bs, tokens, pool, [l for l in pool.layers_mapping
+                                            if is_fp8(pool.sub_pool(l).dtype)])
+        self._pool = pool
+        self._set_plan(fplan, graphed=True)
+        return fplan
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, bs: int,
+                                     tokens: int) -> ForwardPlan:
+        """Plan ``batch`` for the captured bucket (``bs``, ``tokens``) and refill the buffers its
+        graph reads, in place; the engine then copies its inputs and replays. The batch has at
+        most ``bs`` requests of at most ``tokens`` queries each."""
+        st = self._graph_state()
+        captured = st.captured.get((bs, tokens))
+        if captured is None:
+            raise ValueError(f"no graph was captured for {bs} requests × {tokens} tokens; "
+                             f"captured: {sorted(st.captured)}")
+        if batch.batch_size > bs:
+            raise ValueError(f"{batch.batch_size} requests do not fit the graph bucket of {bs}")
+        stale = st.stale(bs, tokens, captured)
+        if stale is not None:  # the graph's kernels hold the captured scales as constants
+            raise StaleGraphError(stale)
+        fplan = self._plan_forward(batch, (bs, tokens))
+        if self._pool is not captured:  # the graph holds the captured pool's buffer addresses
+            raise ValueError("the runner's active pool is not the one this graph was captured "
+                             "against; capture per pool (a FROZEN_KV draft's frozen view)")
+        padded = bucket_writes(st, fplan, bs, tokens,
+                               stale_swa=self.faults.graph_pad_stale_swa_loc)
+        if self.guards:  # the captured writes are unchecked: check what they will write, here
+            # (typed space now; bounds and padding on the device: raised at once on CPU, at
+            # raise_pending on CUDA, so a replay reads nothing back)
+            seen: set[str] = set()
+            for layer, key in fplan.layer_groups.items():
+                g = fplan.groups[key]
+                if g.write_locs is not None and key not in seen:
+                    seen.add(key)
+                    self._defer(self._pool.check(layer, g.write_locs))
+            self._defer(check_padding(padded, batch.total_q))
+        self._set_plan(padded, graphed=True)
+        return self._plan

@@ -1,0 +1,216 @@
+"""The per-layer path of `AttentionBackend`: each layer's `LayerEntry`, gathered once per plan,
+then `forward` (checks from tensor metadata only, the K/V store, the kernel) once per layer.
+
+A base of `AttentionBackend`: it uses the attributes `core.AttentionBackend.__init__` sets and
+the current plan (``_plan``, ``_pool``, ``adapters``, ``kernel_of``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swafactory.errors import SpaceError
+from swafactory.fault_counts import FAULT_COUNTS
+from swafactory.guards import Q_DTYPES, forward_error
+from swafactory.kvcache.quant import is_fp8, store_rows
+from swafactory.metadata.batch import ForwardBatch
+from swafactory.metadata.plan import ForwardPlan
+
+__all__ = ["LayerEntry", "LayerPath"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerEntry:
+    """What a layer's `forward` needs of the current plan and pool, gathered once per plan (and
+    again only when the pool, the layer groups or the fp8 scales change), so the per-layer path
+    reads attributes instead of looking anything up."""
+
+    key: str
+    """The layer's group key in the plan."""
+    k_buf: torch.Tensor
+    """[rows, Hkv, D] the layer's K buffer (pool dtype)."""
+    v_buf: torch.Tensor
+    """[rows, Hkv, D] the layer's V buffer."""
+    sub: object
+    """The sub-pool holding the layer (`kvcache.pool.SubPool`)."""
+    kw: dict
+    """The adapter's per-layer keywords: window, scale, softcap, fp8 k_scale/v_scale."""
+    pair: tuple
+    """(group key, sub-pool id): the unit of the read checks, once per forward."""
+    adapter: object
+    """The kernel adapter serving the layer's group."""
+    scales: tuple
+    """(k_scale, v_scale) the store quantizes with (1.0, 1.0 unless fp8)."""
+    wpair: tuple
+    """(group key, sub-pool id, "w"): the unit of the write checks."""
+    hkv: int
+    """KV heads of the layer."""
+    d: int
+    """head_dim of the layer."""
+    fp8: bool
+    """The pool stores fp8."""
+    fuse: bool
+    """The decode kernel may write the step's K/V itself."""
+    device: torch.device
+    """The pool's device."""
+
+
+class LayerPath:
+    """The plan's per-layer entries and `forward` / `write_kv`."""
+
+
+    def _set_plan(self, fplan: ForwardPlan, graphed: bool) -> None:
+        """Make ``fplan`` the current forward's: each group's write rows as the int64 index the
+        store takes (once per group, not per layer), and the per-layer entries rebuilt only when
+        the pool or the layer groups changed."""
+        self._plan, self._graphed = fplan, graphed
+        self._checked = set()
+        self._writes = {key: (None if g.write_locs is None else _rows(g.write_locs.tensor))
+                        for key, g in fplan.groups.items()}
+        # groups whose pass is decode (host facts): a kernel may write their K/V itself
+        self._decode = {key for key, g in fplan.groups.items() if g.cascade is None
+                        and g.tables.mask is None and g.tables.max_q_len == 1}
+        pool = self._pool
+        cached = self._layers
+        version = pool.scales_version
+        if (cached is None or cached[0] is not pool or cached[1] != fplan.layer_groups
+                or cached[3] != version):
+            entries = {}
+            for layer, key in fplan.layer_groups.items():
+                k_buf, v_buf, sub = pool.get_kv(layer)
+                kw = dict(window=fplan.groups[key].window, scale=self._scale(sub),
+                          softcap=self.softcap)
+                scales = pool.kv_scales(layer) if is_fp8(sub.dtype) else (1.0, 1.0)
+                if is_fp8(sub.dtype) and not (self.faults.fp8_descale_dropped and
+                                              self.windows.get(layer) is None):
+                    kw["k_scale"], kw["v_scale"] = scales  # kernels dequantize
+                # else FAULT fp8_descale_dropped: the full layers' reads skip the scales
+                elif is_fp8(sub.dtype) and tuple(scales) != (1.0, 1.0):
+                    FAULT_COUNTS.acted("fp8_descale_dropped")
+                ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
+                hkv, d = k_buf.shape[1], k_buf.shape[2]
+                # a decode kernel that writes the step's K/V itself (not fp8: the store quantizes)
+                fuse = getattr(ad, "fuses_writes", False) and not is_fp8(sub.dtype)
+                entries[layer] = LayerEntry(key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad,
+                                            scales, (key, sub.pool_id, "w"), hkv, d,
+                                            is_fp8(sub.dtype), fuse, k_buf.device)
+            # the pool is held, so its identity cannot be reused by another one
+            self._layers = (pool, dict(fplan.layer_groups), entries, version)
+
+    def _check_layer(self, layer_id: int, g, sub, pair: tuple[str, str]) -> None:
+        """The typed-space checks of a layer's reads and writes, once per (group, sub-pool) per
+        forward: every layer of the pair reads the same tables and writes the same rows."""
+        if not sub.accepts(g.tables.kv_indices):
+            raise SpaceError(f"layer {layer_id} reads {sub.pool_id!r} ({sub.space} space) but its "
+                             f"plan holds {g.tables.kv_indices.space}-space locations of "
+                             f"{g.tables.kv_indices.pool_id!r}")
+        self._checked.add(pair)
+
+    def _entry(self, layer_id: int) -> LayerEntry:
+        try:
+            return self._layers[2][layer_id]
+        except (TypeError, KeyError):  # no plan yet (None), or a layer the plan does not hold
+            self.plan  # noqa: B018 - raises before init_forward_metadata
+            self._plan.group(layer_id)  # raises naming the plan's layers
+            raise
+
+    def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
+        self._store(layer_id, self._entry(layer_id), k, v)
+
+    def _store(self, layer_id: int, e: tuple, k, v, fused: bool = False):
+        """The per-layer write (hot: about as much Python as the raw ``index_copy_`` pair).
+        e: the layer's `LayerEntry`. fused: check only, and return the int64 slots for the
+        kernel that writes them (`forward`)."""
+        key, k_buf, v_buf, sub, scales, wpair = e.key, e.k_buf, e.v_buf, e.sub, e.scales, e.wpair
+        hkv, d, fp8 = e.hkv, e.d, e.fp8
+        idx = self._writes[key]
+        if idx is None:
+            raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
+        # the pool's checks (typed space; bounds in check mode, on the device: `_defer`) once
+        # per group and sub-pool; a graph's writes were checked at replay planning
+        if self.guards and not self._graphed and wpair not in self._checked:
+            self._defer(self._pool.check(layer_id, self._plan.groups[key].write_locs))
+            self._checked.add(wpair)
+        ks = k.shape
+        if len(ks) != 3 or ks[0] != idx.shape[0] or ks[1] != hkv or ks[2] != d or v.shape != ks:
+            raise ValueError(f"layer {layer_id}: k/v must be [{idx.shape[0]}, {hkv}, {d}], got "
+                             f"{list(k.shape)} / {list(v.shape)}")
+        if fused:  # the adapter writes, leaving the dummy page as it was
+            return idx
+        if sub.check_mode:  # the pool's own write keeps its dummy page poisoned
+            return self._pool.write(layer_id, self._plan.groups[key].write_locs, k, v,
+                                    checked=False)
+        # the pool's store rule (index_copy_; fp8 quantized with the layer's cached scales)
+        if fp8 or k.dtype != k_buf.dtype or v.dtype != v_buf.dtype:
+            store_rows(k_buf, idx, k, scales[0])
+            store_rows(v_buf, idx, v, scales[1])
+        else:  # store_rows's own path, without its two calls
+            k_buf.index_copy_(0, idx, k)
+            v_buf.index_copy_(0, idx, v)
+
+    def layer_scale(self, layer_id: int) -> float:
+        """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
+        head_dim^-0.5 of the buffers it reads (a frozen draft layer reads a target layer)."""
+        return self._scale(self._pool.sub_pool(layer_id))
+
+    def _scale(self, sub) -> float:
+        return self.cfg.model.softmax_scale or sub.head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, batch: ForwardBatch | None = None, save_kv: bool = True,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one layer.
+
+        q: [total_q, Hq, D]; k, v: [total_q, Hkv, D] (this forward's new tokens, written first
+        when ``save_kv``); sinks: [Hq] fp32 or None. Returns [total_q, Hq, D] in q's dtype.
+        ``batch`` is accepted for engines that pass it; the plan is the one of
+        `init_forward_metadata`.
+        """
+        del batch
+        if self.faults.sink_dropped:
+            if sinks is not None:
+                FAULT_COUNTS.acted("sink_dropped")
+            sinks = None  # FAULT: the kernel takes sinks= and ignores it
+        e = self._entry(layer_id)
+        key, k_buf, v_buf, sub, kw, pair = e.key, e.k_buf, e.v_buf, e.sub, e.kw, e.pair
+        ad, hkv, d, fuse, dev = e.adapter, e.hkv, e.d, e.fuse, e.device
+        g = self._plan.groups[key]
+        if self.guards:
+            if pair not in self._checked:
+                self._check_layer(layer_id, g, sub, pair)
+            # metadata only (ints, dtypes, devices); `guards.forward_error` names what differs
+            qs, rows = q.shape, self._plan.total_q
+            if (len(qs) != 3 or qs[0] != rows or qs[1] != self.q_heads or qs[2] != d
+                    or q.dtype not in Q_DTYPES or q.device != dev
+                    or (save_kv and (k is None or v is None or k.device != dev
+                                     or v.device != dev or k.dtype not in Q_DTYPES
+                                     or v.dtype not in Q_DTYPES))
+                    or (sinks is not None and (sinks.shape != (self.q_heads,)
+                                               or sinks.device != dev
+                                               or sinks.dtype not in Q_DTYPES))):
+                raise forward_error(layer_id, self._plan.mode, rows, self.q_heads, hkv, d, dev,
+                                    q, k, v, save_kv, sinks) or AssertionError(
+                                        f"layer {layer_id}: a guard disagrees with its message")
+        if not q.is_contiguous():  # q split from a fused qkv projection: kernels read it dense
+            q = q.contiguous()
+        if save_kv and not (k.is_contiguous() and v.is_contiguous()):
+            k, v = k.contiguous(), v.contiguous()
+        # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
+        if save_kv and fuse and key in self._decode and k.dtype == k_buf.dtype == v.dtype:
+            new_kv = (k, v, self._store(layer_id, e, k, v, fused=True))  # the kernel writes
+            return ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, new_kv=new_kv, **kw)[0]
+        if save_kv:
+            self._store(layer_id, e, k, v)
+        if g.cascade is not None:
+            pre, exp = g.cascade
+            o1, l1 = ad.run(pre, q, k_buf, v_buf, **kw)
+            o2, l2 = ad.run(exp, q, k_buf, v_buf, **kw)
+            return ad.merge(o1, l1, o2, l2, sinks)
+        o, _ = ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, **kw)
+        return o
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the store's [n] int64 index: itself when it is one already (the planner's)."""
+    return t if t.dtype is torch.int64 and t.dim() == 1 else t.reshape(-1).long()
