@@ -1,6 +1,7 @@
 """fp8 e4m3 against bf16 KV: the whole decode step through the factory, per backend (H200).
 
-``python3 bench/bench_factory.py --out $OUT --fp8 flashinfer,triton,flashinfer+triton [--bs 64]``
+    python3 bench/bench_fp8.py --out $OUT --backends flashinfer,triton,flashinfer+triton [--bs 64]
+
 (``A+B``: kernel A on the SWA layers, B on the full ones, through ``backend.groups.full``).
 For each (model, backend, batch size) the same requests are built twice, once per KV dtype (the
 pools filled with random K/V; fp8 with the harness's per-layer scales), and one decode cycle is
@@ -12,6 +13,7 @@ the reason. Writes OUT/fp8-h200.md and .json.
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import platform
@@ -19,8 +21,10 @@ from pathlib import Path
 
 import torch
 
-from bench_factory import (batch_of, kv_bytes_read, setup, step_cycle, step_inputs, table_head,
-                           variant_rows)
+from common import (batch_of, case_args, kv_bytes_read, setup, step_cycle, step_inputs,
+                    table_head, variant_rows)
+
+__all__ = ["DTYPES", "one_dtype", "render"]
 
 DTYPES = ("bfloat16", "fp8_e4m3")
 
@@ -56,12 +60,17 @@ def one_dtype(model: str, backend_name: str, bs: int, ctx: int, dtype: str, do_b
     return {"ms": ms, "floor_ms": kv_bytes / bw * 1e3, "kv_gb": kv_bytes / 1e9}
 
 
-def run_fp8(a) -> int:
-    rows, bw = variant_rows(a, a.fp8, DTYPES, lambda m, b, bs, dt, do_bench, bw: one_dtype(
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backends", default="flashinfer,triton",
+                    help="comma-separated; A+B: kernel A on the SWA layers, B on the full ones")
+    case_args(ap, models="gemma4", bs="64")
+    a = ap.parse_args()
+    rows, bw = variant_rows(a, a.backends, DTYPES, lambda m, b, bs, dt, do_bench, bw: one_dtype(
         m, b, bs, a.ctx, dt, do_bench, bw))
     meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 python=platform.python_version(), copy_tbs=bw / 1e12, ctx=a.ctx,
-                command=f"python3 bench/bench_factory.py --out $OUT --fp8 {a.fp8} "
+                command=f"python3 bench/bench_fp8.py --out $OUT --backends {a.backends} "
                         f"--models {a.models} --bs {a.bs} --ctx {a.ctx}")
     print(render(rows, meta, Path(a.out)))
     return 0
@@ -131,3 +140,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

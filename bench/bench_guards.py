@@ -1,6 +1,6 @@
 """The guards' cost: a step's cycle time with guards on (the default) against guards off.
 
-For each case (model:bs, decode at ctx tokens, bench_factory's pools: every layer, bf16, pages
+For each case (model:bs, decode at ctx tokens, `common.setup`'s pools: every layer, bf16, pages
 shuffled, out-of-window SWA slots evicted) one backend is timed with ``backend.guards`` True and
 False, interleaved round by round (a shared host drifts within seconds):
 
@@ -48,7 +48,7 @@ def one_case(model: str, bs: int, a, do_bench) -> list[dict]:
     """Rows of one case: per variant, guards on and off (ms), overhead, planning host us."""
     import torch
 
-    from bench_factory import batch_of, capture, setup, step_inputs
+    from common import batch_of, capture, setup, step_inputs
 
     cfg, pool, alloc, slots, backend = setup(model, bs, a.ctx, 1, backend_name=a.backend)
     batch = batch_of("decode", slots, alloc, bs, a.ctx)

@@ -1,7 +1,7 @@
 """Page size 1 against the pool's own pages (16, 128): the decode step through the factory (H200).
 
-``python3 bench/bench_factory.py --out $OUT --pages flashinfer,flash_attn [--page-sizes 1,16,128]
-[--models gpt_oss_20b] [--bs 64]``
+    python3 bench/bench_pages.py --out $OUT --backends flashinfer,flash_attn [--page-sizes 1,16,128]
+        [--models gpt_oss_20b] [--bs 64]
 
 For each (model, backend, page size) the same requests are built (every layer, bf16, the
 allocator's pages shuffled, out-of-window SWA pages evicted) and two things are timed
@@ -19,6 +19,7 @@ A page size the registry refuses is a row with the reason. Writes OUT/pages-h200
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import platform
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from bench_factory import (batch_of, device_ms, kv_bytes_read, setup, step_cycle, step_inputs,
-                           table_head, variant_rows)
+from common import (batch_of, case_args, device_ms, kv_bytes_read, setup, step_cycle,
+                    step_inputs, table_head, variant_rows)
 
-__all__ = ["run_pages"]
+__all__ = ["one_case", "render"]
 
 
 def one_case(model: str, backend_name: str, bs: int, ctx: int, page: int, do_bench,
@@ -84,14 +85,19 @@ def one_case(model: str, backend_name: str, bs: int, ctx: int, page: int, do_ben
     return r
 
 
-def run_pages(a) -> int:
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backends", default="flashinfer,flash_attn", help="comma-separated")
+    ap.add_argument("--page-sizes", default="1,16,128", help="comma-separated")
+    case_args(ap, models="gpt_oss_20b", bs="64")
+    a = ap.parse_args()
     sizes = [int(x) for x in a.page_sizes.split(",")]
-    rows, bw = variant_rows(a, a.pages, sizes, lambda m, b, bs, page, do_bench, bw: one_case(
+    rows, bw = variant_rows(a, a.backends, sizes, lambda m, b, bs, page, do_bench, bw: one_case(
         m, b, bs, a.ctx, page, do_bench, bw))
     meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 python=platform.python_version(), copy_tbs=bw / 1e12, ctx=a.ctx,
                 page_sizes=sizes,
-                command=f"python3 bench/bench_factory.py --out $OUT --pages {a.pages} "
+                command=f"python3 bench/bench_pages.py --out $OUT --backends {a.backends} "
                         f"--page-sizes {a.page_sizes} --models {a.models} --bs {a.bs} "
                         f"--ctx {a.ctx}")
     print(render(rows, meta, Path(a.out)))
@@ -157,3 +163,7 @@ def _plot(rows: list[dict], meta: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import bench_factory
-from bench_factory import MODES, batch_of
+import common
+from common import MODES, batch_of
 
 GEOMETRY = ("model.swa.num_kv_heads=1", "model.swa.head_dim=8", "model.full.num_kv_heads=1",
             "model.full.head_dim=8")
@@ -65,9 +65,9 @@ class OpCounter(TorchDispatchMode):
 
 
 def setup(model: str, bs: int, ctx: int, nodes: int, seed: int = 0):
-    """bench_factory's set-up on CPU with the torch backend and the small geometry."""
-    return bench_factory.setup(model, bs, ctx, nodes, seed, backend_name="torch", device="cpu",
-                               overrides=GEOMETRY)
+    """`common.setup` on CPU with the torch backend and the small geometry."""
+    return common.setup(model, bs, ctx, nodes, seed, backend_name="torch", device="cpu",
+                        overrides=GEOMETRY)
 
 
 def count_ops(backend, batch, plan_fn=None) -> dict:

@@ -1,6 +1,7 @@
 """`run=generate` on the GPU for every backend × model × spec, and its record.
 
-    # on the GPU host, one lane per backend (one process each; a lane runs its jobs one at a time)
+    # on the GPU host: bench/gpu.sh OUT generate runs one lane per backend (one process each;
+    # a lane runs its jobs one at a time), each lane this:
     python3 bench/gpu_generate.py run --backend flashinfer --rows OUT/rows_flashinfer.jsonl \
         --reports OUT/reports_flashinfer [--deadline S] [OVERRIDE ...]
     # back here
@@ -134,7 +135,8 @@ def render(args: argparse.Namespace) -> int:
         "the same backend (lossless), and for frozen_kv_mtp / dflash the torch backend "
         "(acceptance step by step).",
         "",
-        "Commands (bench/gpu_generate.sh: one bench/gpu_generate.py lane per backend; each job is "
+        "Commands (`bench/gpu.sh OUT generate`: one bench/gpu_generate.py lane per backend; "
+        "each job is "
         "`python -m swafactory run=generate backend=B model=M spec=S`, run in the lane's "
         "process):",
         "",

@@ -5,7 +5,7 @@ device calls and commits). `add` appends the jobs of returned sweep folders; `re
 generated parts of `bench/results/gpu-conformance.md` (between its `<!-- grid -->` and
 `<!-- rows -->` markers) from the record, so the document never disagrees with the reports.
 
-    python bench/gpu_rows.py add --commit 1da1d66 --call 2 DIR [DIR ...]   # sweep folders
+    python bench/gpu_rows.py add --commit 1da1d66 DIR [DIR ...]   # sweep folders (gpu.sh matrix)
     python bench/gpu_rows.py render
     python bench/gpu_rows.py missing [--workload serve]   # sweeps still to run, as script knobs
 """
@@ -167,7 +167,7 @@ def refusals() -> str:
 
 def missing(workload: str) -> list[str]:
     """Per backend and model, the accepted specs (H200 registry verdict) with no ok row yet, as
-    `bench/gpu_conformance.sh` knobs."""
+    `bench/gpu.sh OUT matrix` knobs."""
     done = {(r["backend"], r["model"], r["spec"]) for r in load()
             if r["status"] == "ok" and r["workload"] == workload}
     out = []
@@ -197,7 +197,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("add")
     a.add_argument("--commit", required=True)
-    a.add_argument("--call", required=True)
+    a.add_argument("--call", default="-", help="which run of the commit, if several (a label)")
     a.add_argument("dirs", nargs="+")
     sub.add_parser("render")
     mi = sub.add_parser("missing")

@@ -17,16 +17,12 @@ __all__ = ["model_windows", "runner_windows", "check_own_pool"]
 
 def _windows(cfg: SwaFactoryConfig, layer_types) -> dict[int, int | None]:
     w = cfg.model.sliding_window
-    if w is not None and cfg.faults.window_off_by_one:  # FAULT: sliding layers see W + 1 keys
-        w += 1
     return {i: (w if t == "sliding_attention" else None) for i, t in enumerate(layer_types)}
 
 
 def model_windows(cfg: SwaFactoryConfig) -> dict[int, int | None]:
     """The *target's* ``layer -> W`` for sliding layers, None for full ones (masking, not pool
     choice). A draft's layers are keyed differently: see `runner_windows`.
-
-    The fault switch ``window_off_by_one`` makes sliding layers see W + 1 keys.
     """
     return _windows(cfg, cfg.model.layer_types)
 
@@ -43,8 +39,6 @@ def runner_windows(cfg: SwaFactoryConfig, view: RunnerView) -> dict[int, int | N
     * ``draft_own_pool``: a split own pool (DFlash ``draft_pool_split`` on a split target) has the
       target's last ``draft_num_layers`` layer types, as `kvcache.draft.build_draft_pool` builds
       it; any other own pool is one full-attention pool (no window).
-
-    The fault switch ``window_off_by_one`` makes sliding layers see W + 1 keys.
     """
     m, s = cfg.model, cfg.spec
     if view.role == "target":

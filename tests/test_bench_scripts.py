@@ -1,41 +1,81 @@
-"""The GPU-host scripts in bench/ take OUT (gpu_session.sh: a backend) as their first
-argument; `--help` there prints the script's header comment and makes nothing (an empty
-`--help` folder once appeared in a checkout's root), and any other option exits 2."""
+"""bench/gpu.sh, the GPU host's one entry, takes OUT and named suites: `--help` prints its header
+(every suite listed) and makes nothing (an empty `--help` folder once appeared in a checkout's
+root), any other option or an unknown suite exits 2, and sourced it only sets the environment.
+Every bench and probe answers ``--help`` on a machine without a GPU and makes nothing."""
 from __future__ import annotations
 
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p for p in (ROOT / "bench").glob("*.sh")
-                 if p.name not in ("gpu_env.sh", "gpu_usage.sh"))
+GPU_SH = ROOT / "bench" / "gpu.sh"
+PY = sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "bench" / "probes").glob("*.py"))
 
 
-def test_every_out_script_is_covered() -> None:
-    assert len(SCRIPTS) >= 10
-    assert all("gpu_usage.sh" in p.read_text() for p in SCRIPTS), \
-        [p.name for p in SCRIPTS if "gpu_usage.sh" not in p.read_text()]
+def _sh(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(GPU_SH), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=30)
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bench_holds_the_benches_and_one_gpu_script() -> None:
+    top = sorted(p.name for p in (ROOT / "bench").iterdir()
+                 if p.name not in ("README.md", "results", "probes", "__pycache__"))
+    assert len(top) <= 12, top
+    assert [p.name for p in (ROOT / "bench").glob("*.sh")] == ["gpu.sh"]
+
+
 @pytest.mark.parametrize("arg, rc", [("--help", 0), ("-h", 0), ("--deadline=5", 2)])
-def test_an_option_is_not_an_out_folder(script: Path, arg: str, rc: int, tmp_path: Path) -> None:
-    r = subprocess.run(["bash", str(script), arg], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=30)
+def test_an_option_is_not_an_out_folder(arg: str, rc: int, tmp_path: Path) -> None:
+    r = _sh(arg, cwd=tmp_path)
     assert r.returncode == rc, r.stderr
-    head = script.read_text().splitlines()[1].lstrip("# ")
+    head = GPU_SH.read_text().splitlines()[1].lstrip("# ")
     assert r.stdout.startswith(head), r.stdout[:300]
     assert list(tmp_path.iterdir()) == []
     assert (rc == 0) is ("unknown option" not in r.stderr)
 
 
+def test_help_lists_every_suite(tmp_path: Path) -> None:
+    text = GPU_SH.read_text()
+    suites = set(re.findall(r"^suite_(\w+)\(\)", text, re.M))
+    assert {"tests", "matrix", "faults", "generate", "factory", "prefill", "fp8", "pages", "tp",
+            "soak", "runahead", "graphs", "repro", "guards"} <= suites
+    listed = set(re.findall(r"^ {2}(\w+) ", _sh("--help", cwd=tmp_path).stdout, re.M))
+    listed |= set(re.findall(r"^ {2}\w+ .*? {2,}(\w+) {2,}", _sh("--help", cwd=tmp_path).stdout,
+                             re.M))
+    assert suites <= listed, sorted(suites - listed)
+
+
+def test_an_unknown_suite_runs_nothing(tmp_path: Path) -> None:
+    r = _sh(str(tmp_path / "out"), "tests", "nosuch", cwd=tmp_path)
+    assert r.returncode == 2 and "unknown suite nosuch" in r.stderr
+    assert not (tmp_path / "out" / "tests.txt").exists()
+
+
+def test_sourced_it_sets_the_environment_only(tmp_path: Path) -> None:
+    r = subprocess.run(["bash", "-c", f"WHEELS= FA4= . {GPU_SH} && echo $SWAFACTORY_GPU_ENV "
+                        "$PYTORCH_CUDA_ALLOC_CONF && [[ $- != *u* ]] && echo still-here"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "expandable_segments:True", "still-here"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script", PY, ids=lambda p: p.relative_to(ROOT / "bench").as_posix())
+def test_every_bench_and_probe_answers_help(script: Path, tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_guards_help_makes_nothing_and_out_is_required(tmp_path: Path) -> None:
     """bench/bench_guards.py (a GPU bench) answers ``--help`` on any machine and makes nothing;
     a call without ``--out`` exits 2 naming it."""
-    import sys
-
     script = ROOT / "bench" / "bench_guards.py"
     r = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 """bench/tp_scaling.py renders the tensor-parallel scaling record from real Report/JobResult JSON;
-bench/tp_scaling.sh plans the sweep so no GPU runs two harness processes at once (DRY plans, and
-a run with a fake python3 that only sleeps)."""
+bench/gpu.sh's tp suite plans the sweep so no GPU runs two harness processes at once (DRY plans,
+and a run with a fake python3 that only sleeps)."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,7 +18,7 @@ from swafactory.harness.callback import JobResult
 from swafactory.harness.report_model import Mismatch, Report
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench/tp_scaling.sh"
+SCRIPT = ROOT / "bench/gpu.sh"  # its tp suite
 
 
 def _tp_scaling():
@@ -173,9 +173,9 @@ def test_overlapping_sweeps_on_one_gpu_are_reported(tmp_path: Path) -> None:
     assert mod.timeline_overlaps(t) == []
 
 
-def _run(env: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "NGPU": "2", **env}, timeout=timeout)
+def _run(env: dict, out: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), out, "tp"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "NGPU": "2", **env}, timeout=timeout)
 
 
 def _plan(stdout: str) -> list[dict]:
@@ -216,9 +216,9 @@ def test_script_syntax_and_dry_plan(tmp_path: Path) -> None:
     got = [(j["tp"], j["spec"], j["backend"]) for j in _plan(p.stdout)]
     assert got == [("2", "dflash", "triton")] * 2  # one per model
     assert "flashinfer_warm" not in p.stdout
-    p = _run({"DRY": "1", "PHASE": "tp3"}, "o")
+    p = _run({"DRY": "1", "PHASE": "tp3"}, str(tmp_path / "o"))
     assert p.returncode == 2 and "PHASE=tp3" in p.stderr
-    p = _run({"DRY": "1", "BACKENDS": "flashinfer,trition"}, "o")
+    p = _run({"DRY": "1", "BACKENDS": "flashinfer,trition"}, str(tmp_path / "o"))
     assert p.returncode == 2 and "backend 'trition'" in p.stderr and "triton" in p.stderr
 
 
@@ -267,7 +267,7 @@ def test_script_runs_one_process_per_gpu_resumes_and_packs(tmp_path: Path) -> No
     out = tmp_path / "out"
     p = _run(env, str(out))
     assert p.returncode == 0, p.stderr
-    with tarfile.open(out / "tp_scaling.tgz") as t:
+    with tarfile.open(out / "tp.tgz") as t:
         names = t.getnames()
         t.extractall(tmp_path / "back", filter="data")
     assert sum(n.endswith("result.json") for n in names) == 32
@@ -286,7 +286,7 @@ def test_script_runs_one_process_per_gpu_resumes_and_packs(tmp_path: Path) -> No
 
     again = _run(env, str(out))  # a second call finds everything done: no sweep
     assert again.returncode == 0 and "0 sweeps; 32 combinations already" in again.stdout
-    with tarfile.open(out / "tp_scaling.tgz") as t:  # its tarball holds the first call's jobs too
+    with tarfile.open(out / "tp.tgz") as t:  # its tarball holds the first call's jobs too
         t.extractall(tmp_path / "back2", filter="data")
     res = tmp_path / "res/tp"
     assert mod.main([str(tmp_path / "back"), str(tmp_path / "back2"), "--out", str(res)]) == 0
@@ -297,4 +297,4 @@ def test_script_runs_one_process_per_gpu_resumes_and_packs(tmp_path: Path) -> No
 
     env |= {"WORK": str(tmp_path / "work2"), "FAKE_JOB_S": "30", "DEADLINE": "4", "MIN_LEFT": "1"}
     p = _run(env, str(out), timeout=40)  # stopped at the deadline, still packed
-    assert p.returncode == 0 and "(deadline)" in p.stdout and (out / "tp_scaling.tgz").exists()
+    assert p.returncode == 0 and "(deadline)" in p.stdout and (out / "tp.tgz").exists()

@@ -1,4 +1,4 @@
-"""Probe: our Triton decode kernel's tile and split count on GPT-OSS geometry, as a graph runs it.
+"""Which tile and split count makes our decode kernel fastest on GPT-OSS geometry in a graph?
 
 GPT-OSS-20b layers (Hq 64, Hkv 8, D 64, sinks): the full layer over ``ctx`` keys and the SWA
 layer over its W = 128 window (a trimmed list), bs 8 and 64, page size 1 with shuffled slots.
@@ -7,7 +7,7 @@ where it splits, the merge launch: captured once in a CUDA graph and replayed (`
 median). TB/s: the K/V bytes read over that time, beside a device copy of the same run. Every
 variant is checked against an fp32 reference.
 
-    python3 bench/probe_decode_tiles.py --out DIR [--tiles 64x4x3,32x4x4] [--splits 0,4,8,16]
+    python3 bench/probes/decode_tiles.py --out DIR [--tiles 64x4x3,32x4x4] [--splits 0,4,8,16]
         [--cuda 64x3,128x2]
 
 ``--cuda`` adds our CUDA cluster kernel (``kernels/cuda/decode_d64.cu``, splits merged in the
@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_factory import capture  # noqa: E402
-from bench_triton_vs_flashinfer import build, copy_bandwidth, rel_err  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+from common import capture  # noqa: E402
+from triton_vs_flashinfer import build, copy_bandwidth, rel_err  # noqa: E402
 
 HQ, HKV, D = 64, 8, 64
 

@@ -6,7 +6,7 @@ there (NoValidChoicesError). This probe runs one compile mode over a sequence of
 shapes (GPT-OSS geometry: 64 q heads, 8 KV heads, head_dim 64, window 128) in a fresh process
 each, and prints per mode: ok or the error, compiles, and seconds per shape (first call, warm).
 
-    python3 bench/flex_probe.py OUT.json [MODE ...]
+    python3 bench/probes/flex_compile.py OUT.json [MODE ...]
 MODE: dynamic (dynamic=True), auto (dynamic=None), static_bucketed (dynamic=False, shapes
 rounded up to powers of two, keys to a multiple of 128), dynamic_bucketed, dynamic_transposed
 (dynamic=True on [B, S, H, D] tensors viewed as [B, H, S, D], as the adapter first did), and
@@ -91,6 +91,9 @@ def child(mode: str) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):  # the usage; nothing run
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     if sys.argv[1] == "--child":
         print(json.dumps(child(sys.argv[2])))
         return

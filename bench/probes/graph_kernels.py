@@ -1,13 +1,13 @@
-"""Which kernels a captured factory step replays, and how long each takes (GPU host).
+"""Which kernels does a captured factory step replay, and how long does each take? (GPU host)
 
-For each case (model:mode:bs[:override,...]) it builds bench_factory's pools and batch, captures
-the whole step through the backend's graph contract (as `bench_factory.graph_case` does), times
+For each case (model:mode:bs[:override,...]) it builds `common.setup`'s pools and batch, captures
+the whole step through the backend's graph contract (as `common.graph_case` does), times
 the replay (do_bench median) and profiles 10 replays with the torch profiler: per kernel name,
 calls and device µs per replay, grouped by the layer group whose step it is. The floor is the
 K/V bytes the step reads over a copy measured in the same run.
 
-    python3 bench/probe_graph_kernels.py OUT gpt_oss_20b:decode:8 gemma4:verify_chain8:64
-    python3 bench/probe_graph_kernels.py OUT gemma4:verify_chain8:64:backend.groups.full=triton
+    python3 bench/probes/graph_kernels.py OUT gpt_oss_20b:decode:8 gemma4:verify_chain8:64
+    python3 bench/probes/graph_kernels.py OUT gemma4:verify_chain8:64:backend.groups.full=triton
 
 Writes OUT/probe-graph-kernels.json and prints a table per case.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_factory as bf  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+import common as bf  # noqa: E402
 
 
 def one(spec: str, do_bench, bw: float, eager: bool) -> dict:
@@ -79,6 +79,9 @@ def one(spec: str, do_bench, bw: float, eager: bool) -> dict:
 
 
 def main() -> None:
+    if len(sys.argv) < 3 or sys.argv[1].startswith("-"):  # the usage; nothing run, nothing made
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     from triton.testing import do_bench

@@ -1,4 +1,4 @@
-"""The host work of a GPU forward's planning, measured on a CPU (no GPU needed).
+"""How much host work does a GPU forward's planning cost? Measured on a CPU (no GPU needed).
 
 ``init_forward_metadata`` on a GPU takes the fused key-list path (`metadata.keys_triton`) and the
 flashinfer adapter's plan. This runs the same Python on CPU tensors: the planner is forced onto
@@ -8,7 +8,7 @@ made a no-op (FlashInfer's own plan is paid by a raw engine too). What is timed 
 the one launch and FlashInfer's own plan: the per-request numbers, the pack, the plan objects,
 the typed-space wrapping and the adapter's per-pass preparation.
 
-    python bench/probe_host_cpu.py [--cases gpt_oss_20b:8,gemma4:64] [--reps 200] [--profile]
+    python bench/probes/host_cpu.py [--cases gpt_oss_20b:8,gemma4:64] [--reps 200] [--profile]
 
 Prints the median and 10th percentile per case (a shared machine's timings are noisy: compare
 the low percentiles of interleaved runs): ``init_forward_metadata`` (ms) and the host time of one layer's
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "backends"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "backends"))
 
 
 class _StubLaunch:
@@ -61,14 +61,14 @@ def _stub_run(self, q, paged_kv_cache, return_lse=False, **kw):
 
 
 def world(model: str, bs: int, ctx: int):
-    """bench_factory's set-up on CPU (small head geometry: planning never reads K/V), with the
+    """`common.setup` on CPU (small head geometry: planning never reads K/V), with the
     flashinfer adapter over the CPU fake."""
-    import bench_factory
+    import common
     from bench_planning import GEOMETRY
     from swafactory.backend import AttentionBackend, TargetView, model_windows
     from swafactory.kernels.flashinfer import Adapter
 
-    cfg, pool, alloc, slots, _ = bench_factory.setup(model, bs, ctx, 1, backend_name="torch",
+    cfg, pool, alloc, slots, _ = common.setup(model, bs, ctx, 1, backend_name="torch",
                                                      device="cpu", overrides=GEOMETRY)
     backend = AttentionBackend(cfg, Adapter(), TargetView(pool), model_windows(cfg))
     return cfg, alloc, slots, backend
@@ -102,7 +102,7 @@ def main() -> int:
         w.plan = lambda self, *args, **kw: None  # FlashInfer's own plan: raw pays it too
         w.run = _stub_run  # FlashInfer's run: the layer loop times only what is around it
     fi.decode.fast_decode_plan = lambda *args, **kw: None  # its fast plan, as raw's plan
-    import bench_factory
+    import common
     import importlib
 
     from swafactory.metadata import keys_triton
@@ -118,7 +118,7 @@ def main() -> int:
     for case in a.cases.split(","):
         model, bs = case.split(":")
         cfg, alloc, slots, backend = world(model, int(bs), a.ctx)
-        batch = bench_factory.batch_of("decode", slots, alloc, int(bs), a.ctx)
+        batch = common.batch_of("decode", slots, alloc, int(bs), a.ctx)
         for _ in range(20):
             backend.init_forward_metadata(batch)
         ts = []

@@ -1,7 +1,7 @@
-"""Where the host time of one forward goes on the GPU host: planning (ours, FlashInfer's plan)
-and the per-layer loop, factory against raw (for the decode-cycle and planning goals).
+"""Where does the host time of one forward go on the GPU host? Planning (ours, FlashInfer's
+plan) and the per-layer loop, factory against raw.
 
-    python3 bench/probe_host_gpu.py OUT [model:bs ...]
+    python3 bench/probes/host_gpu.py OUT [model:bs ...]
 
 (default cases: gemma4:8 gemma4:64 gpt_oss_20b:8 gpt_oss_20b:64)
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_factory import (Raw, batch_of, host_ms, probe_cases, setup,  # noqa: E402
-                           step_inputs)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+from bench_factory import Raw  # noqa: E402
+from common import batch_of, host_ms, probe_cases, setup, step_inputs  # noqa: E402
 
 
 def case(model: str, bs: int, ctx: int = 8192) -> dict:

@@ -1,11 +1,11 @@
-"""Where does a harness run wait for the GPU? Counts synchronizing CUDA calls by call site.
+"""Where does a harness run wait for the GPU? (synchronizing CUDA calls counted by call site)
 
 A dozen harness processes share one GPU in the serve matrix; the GPU time-slices between their
 contexts, so every sync waits for the others' turns and a run's speed follows its sync count
 more than its kernels. This runs one harness run under ``torch.cuda.set_sync_debug_mode("warn")``
 and attributes each warning to the innermost ``swafactory`` frame.
 
-    python3 bench/sync_sites.py OUT.json [OVERRIDE ...]     (GPU host; default: a gemma4 smoke run)
+    python3 bench/probes/sync_sites.py OUT.json [OVERRIDE ...]   (GPU host; default: gemma4 smoke)
 Prints the run's syncs per step and the top sites; writes them all to OUT.json.
 """
 from __future__ import annotations
@@ -62,6 +62,7 @@ def main(out: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):  # the usage; nothing run
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     main(sys.argv[1], sys.argv[2:])

@@ -1,6 +1,6 @@
-"""Does any part of a step wait for the GPU? (the decode-cycle goal; GPU host only)
+"""Does any part of a step wait for the GPU? (GPU host only)
 
-    python3 bench/probe_sync_wait.py OUT [model:bs ...]      (default gpt_oss_20b:8 gpt_oss_20b:64)
+    python3 bench/probes/sync_wait.py OUT [model:bs ...]      (default gpt_oss_20b:8 gpt_oss_20b:64)
 
 `bench_factory`'s eager cycle measured about planning + the layers' device time (GPT-OSS bs 64 at
 cd26e19: 5.59 ms = 1.18 + 4.3), as if the host waited for the GPU before planning, although the
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_factory import Raw, batch_of, probe_cases, setup, step_inputs  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+from bench_factory import Raw  # noqa: E402
+from common import batch_of, probe_cases, setup, step_inputs  # noqa: E402
 
 SLEEP_MS = 40.0
 

@@ -1,4 +1,4 @@
-"""Our Triton decode / verify kernels against FlashInfer on the same data, in one run.
+"""Are our Triton decode / verify kernels as fast as FlashInfer's on the same data?
 
 Each case builds one paged pool (page size 1, a random slot permutation, slot 0 unused). Both
 kernels read the same K/V rows and indices. SWA cases hand both kernels the index list trimmed
@@ -13,7 +13,7 @@ at prefix + depth). FlashInfer's sliding window counts positions by index, which
 so its tree cases get the window folded into the custom mask (``window_left=-1``); ours takes
 the window by position as the contract says.
 
-Usage (GPU host): python bench/bench_triton_vs_flashinfer.py --out $OUT
+Usage (GPU host): python bench/probes/triton_vs_flashinfer.py --out $OUT
 ``--no-flashinfer`` checks ours against the fp32 torch reference instead (no FlashInfer JIT);
 ``--sweep`` also times a grid of extend tile configs on the verify cases, each one checked;
 ``--wide-sweep`` a grid of the two-kernel wide verify's tiles (``verify_wide``) on D ≥ 512 verify.

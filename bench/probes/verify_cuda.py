@@ -1,4 +1,4 @@
-"""Probe: our CUDA head_dim-512 verify tile against the Triton tile and the decode step.
+"""Which variant of our CUDA head_dim-512 verify tile is fastest, against the Triton tile?
 
 Gemma 4 full-layer geometry (Hq 32, Hkv 4, D 512), bs 64, ctx 8192, an 8-token chain (and the
 8-node tree), page size 1 with random slots. Prints and writes JSON: the dense-run kernel alone
@@ -6,7 +6,7 @@ per (BN, stages, splits), the whole verify through ``extend_attention`` with and
 Triton tile, FlashInfer's decode of one token per request (``--flashinfer``), and the floor
 (the K/V bytes over a device copy measured in the same run). Checks against an fp32 reference.
 
-    python3 bench/probe_verify_cuda.py --out DIR [--flashinfer]
+    python3 bench/probes/verify_cuda.py --out DIR [--flashinfer]
 """
 from __future__ import annotations
 
@@ -14,12 +14,10 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_triton_vs_flashinfer import build, copy_bandwidth, flashinfer_call, rel_err  # noqa: E402
+from triton_vs_flashinfer import build, copy_bandwidth, flashinfer_call, rel_err
 
 
 def reference(t, scale, reqs):

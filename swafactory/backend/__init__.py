@@ -15,9 +15,12 @@ plan's tables to a kernel and hold no pool logic. CUDA graphs: `init_cuda_graph_
 `init_forward_metadata_capture` and `init_forward_metadata_replay` (`swafactory.graph_state`).
 
 Three parts, one class: planning and the guards (`core`), the CUDA-graph contract
-(`graph_contract`), the per-layer path (`layer_path`).
+(`graph_contract`), the per-layer path (`layer_path`). The fault catalog's injections live in a
+subclass, `faulty.FaultyBackend`, which `build_backend` (`build`) composes only when the config
+switches a fault on: the default path has no fault branch.
 """
-from swafactory.backend.core import AttentionBackend, build_backend
+from swafactory.backend.build import build_backend
+from swafactory.backend.core import AttentionBackend
 from swafactory.backend.layer_path import LayerEntry
 from swafactory.resolve import TargetView
 from swafactory.runner_windows import model_windows, runner_windows

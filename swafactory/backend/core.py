@@ -1,6 +1,7 @@
 """`AttentionBackend`: planning once per forward (the resolver, the planner, the kernels' own
-planning) and the guards' checks of it; `build_backend`, which validates and composes one. The
-graph contract and the per-layer path are the two bases (`graph_contract`, `layer_path`)."""
+planning) and the guards' checks of it. The graph contract and the per-layer path are its two
+bases (`graph_contract`, `layer_path`); `build.build_backend` validates and composes one. No
+fault code: `faulty.FaultyBackend` overrides the steps a fault changes."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -11,22 +12,15 @@ import torch
 from swafactory.backend.graph_contract import GraphContract
 from swafactory.backend.layer_path import LayerPath
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.errors import ConfigError, Reason
-from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.graph_state import GraphState
 from swafactory.guards import CallOrderError, PendingChecks, SlotCheck, batch_error
-from swafactory.kernels.cuda.prepare import start_adapters
 from swafactory.kvcache.quant import query_dtype
 from swafactory.metadata.batch import ForwardBatch
-from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
+from swafactory.metadata.plan import ForwardPlan, plan
 from swafactory.registry.capabilities import Capabilities
-from swafactory.registry.device import detect_device
-from swafactory.registry.select import validate
-from swafactory.registry.table import backend_module
-from swafactory.resolve import RunnerView, TargetView, resolve_kv_source
-from swafactory.runner_windows import check_own_pool, runner_windows
+from swafactory.resolve import RunnerView, resolve_kv_source
 
-__all__ = ["AttentionBackend", "build_backend"]
+__all__ = ["AttentionBackend"]
 
 
 class AttentionBackend(GraphContract, LayerPath):
@@ -43,7 +37,6 @@ class AttentionBackend(GraphContract, LayerPath):
         self.guards = guards
         self.softcap = cfg.model.logit_softcap
         self.cascade = cfg.backend.tree_mask == "cascade"
-        self.faults = cfg.faults
         self._plan: ForwardPlan | None = None
         self._pool = None
         self.q_heads = cfg.model.num_attention_heads // cfg.parallel.tp
@@ -59,11 +52,8 @@ class AttentionBackend(GraphContract, LayerPath):
         self._writes: dict[str, torch.Tensor | None] = {}
         self._decode: set[str] = set()
         self._checked: set[tuple[str, str]] = set()
-        self._frozen = None
         # guards: each forward's deferred slot check (CUDA), raised at the engine's sync point
         self._pending = PendingChecks()
-        if self.faults.pool_cached_at_init:  # FAULT: what the view says at construction
-            self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
 
     @property
     def capabilities(self) -> Capabilities:
@@ -107,29 +97,12 @@ class AttentionBackend(GraphContract, LayerPath):
         return self._plan
 
     def _plan_forward(self, batch: ForwardBatch, graph: tuple[int, int] | None) -> ForwardPlan:
-        f = self.faults
         if self.guards:  # the batch's own mistakes, in its terms, before the planner meets them
             err = batch_error(batch, self.view.active_pool.sub_pools[0].k_bufs[0].device)
             if err is not None:
                 raise err
-        if self._frozen is not None:
-            pool, source = self._frozen  # FAULT pool_cached_at_init (sglang #26957)
-            if pool is not self.view.active_pool:
-                FAULT_COUNTS.acted("pool_cached_at_init")  # the view moved on since then
-        else:
-            pool = self.view.active_pool
-            source = resolve_kv_source(self.view, self.cfg.backend.resolver,
-                                       fault_allocator_for_own_draft=f.allocator_pool_for_own_pool_draft)
-        lmap = pool.layers_mapping
-        if f.allocator_pool_for_own_pool_draft and source is not None and source.pool is not pool:
-            lmap = {j: source.pool.layers_mapping[j] for j in lmap}  # FAULT: reads keyed on it
-        fplan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
-                     writes=not pool.read_only, page_size=pool.sub_pools[0].page_size,
-                     skip_spec_translation=f.skip_spec_translation,
-                     plan_without_window=f.plan_without_window,
-                     tree_mask_not_rebased=f.tree_mask_not_rebased)
-        if f.window_off_by_one and lists_past_window(fplan.groups, narrower=1):
-            FAULT_COUNTS.acted("window_off_by_one")  # a list holds the key W positions back
+        pool, source, lmap = self._source()
+        fplan = self._tables(batch, pool, source, lmap)
         if graph is not None:  # before the adapters refill buffers the batch would overflow
             self._graph.check_keys(fplan, *graph)
         if self.guards:
@@ -137,6 +110,21 @@ class AttentionBackend(GraphContract, LayerPath):
         self._pool = pool
         self._plan_kernels(fplan, pool, graph)  # kernels with host-side planning: here, once
         return fplan
+
+    def _source(self):
+        """(the pool this forward reads and writes, the resolver's `KVSource`, that pool's
+        ``layer -> (sub_pool, local_id)``), read from the view now (`swafactory.resolve`)."""
+        pool = self.view.active_pool
+        return pool, resolve_kv_source(self.view, self.cfg.backend.resolver), pool.layers_mapping
+
+    def _tables(self, batch: ForwardBatch, pool, source, lmap) -> ForwardPlan:
+        """The planner's tables of ``batch`` (`swafactory.metadata.plan`)."""
+        return plan(batch, lmap, self.windows, source, cascade=self.cascade,
+                    writes=not pool.read_only, page_size=pool.sub_pools[0].page_size)
+
+    def _capture_pool(self):
+        """The pool a graph bucket is captured against: the view's active pool."""
+        return self.view.active_pool
 
     # --- guards: positions without a slot, checked on the device (swafactory.guards) ------------
 
@@ -183,45 +171,6 @@ class AttentionBackend(GraphContract, LayerPath):
                            sub.dtype, self._scale(sub), self.softcap)
         self._sig_cache = (pool, key, sigs)  # the pool held, so its identity cannot be reused
         return sigs
-
-
-def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = None, *,
-                  windows: Mapping[int, int | None] | None = None,
-                  guards: bool = True) -> AttentionBackend:
-    """Validate ``cfg`` for the pools' device and compose the backend.
-
-    pools: a target `HybridSWAPool` (wrapped in a `TargetView`), or give ``view`` (drafts,
-    host engines). windows: ``layer -> W or None`` of the runner's layers; the default,
-    `runner_windows(cfg, view)`, follows what each layer reads (a draft's layer j is not the
-    target's layer j). Pass it only to override. guards: False skips the typed-space checks of
-    reads and writes and the geometry check, as an engine that embedded only the kernels would
-    run (the generator's ``run.guards=false``: faults must then show end to end).
-    """
-    if view is None:
-        if pools is None:
-            raise ValueError("build_backend needs pools= (a target pool) or view= (any runner)")
-        view = TargetView(pools, spec_algorithm=cfg.spec.algorithm)
-    pool = view.active_pool
-    device = detect_device("cuda" if pool.sub_pools[0].device.type == "cuda" else "cpu")
-    cfg = validate(cfg, device)
-    b = cfg.backend
-    names = dict.fromkeys((b.name, *(n for n in (b.groups.swa, b.groups.full) if n)))
-    modules = {n: backend_module(n) for n in names}
-    for n, module in modules.items():
-        if not hasattr(module, "Adapter"):  # check() refused it already; a direct caller may not
-            raise ConfigError([Reason("backend", "backend.name", f"{n}'s capabilities are "
-                                      "declared but its adapter is not built yet",
-                                      "backend=torch", rule="adapter")])
-    if windows is None:
-        windows = runner_windows(cfg, view)
-        if view.role != "draft_reads_target":  # a FROZEN_KV view's pool is a dummy until swapped
-            check_own_pool(view, windows)
-    adapters = {n: m.Adapter() for n, m in modules.items()}
-    # our CUDA kernels are built here (or fall back, warned), never in a forward
-    kernels = start_adapters(cfg, adapters, pool.sub_pools[0].device, device)
-    backend = AttentionBackend(cfg, adapters[b.name], view, windows, guards, adapters=adapters)
-    backend.kernels = kernels  # what serves each pass × group (KernelPolicy; .lines())
-    return backend
 
 
 def _only(fplan: ForwardPlan, keys: set[str]) -> ForwardPlan:

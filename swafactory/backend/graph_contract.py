@@ -2,8 +2,8 @@
 it): graph state sized once, a bucket's capture plan, a replay's plan refilled in place.
 
 A base of `AttentionBackend`: it uses the attributes `core.AttentionBackend.__init__` sets
-(``cfg``, ``view``, ``windows``, ``guards``, ``faults``, ``_graph``, ``_frozen``, ``_pool``) and
-its planning methods (``_plan_forward``, ``_plan_kernels``, ``_set_plan``, ``_defer``)."""
+(``cfg``, ``view``, ``windows``, ``guards``, ``_graph``, ``_pool``) and its planning methods
+(``_plan_forward``, ``_plan_kernels``, ``_set_plan``, ``_defer``, ``_capture_pool``)."""
 from __future__ import annotations
 
 import torch
@@ -91,7 +91,7 @@ class GraphContract:
         st.check(bs, tokens)
         if mode == "decode" and tokens != 1:
             raise ValueError(f"a decode bucket has 1 token per request, got tokens={tokens}")
-        pool = self.view.active_pool if self._frozen is None else self._frozen[0]
+        pool = self._capture_pool()
         fplan = capture_plan(st, pool, pool.layers_mapping, self.windows, bs=bs, tokens=tokens,
                              mode=mode, writes=not pool.read_only)
         self._plan_kernels(fplan, pool, (bs, tokens))
@@ -121,8 +121,7 @@ class GraphContract:
         if self._pool is not captured:  # the graph holds the captured pool's buffer addresses
             raise ValueError("the runner's active pool is not the one this graph was captured "
                              "against; capture per pool (a FROZEN_KV draft's frozen view)")
-        padded = bucket_writes(st, fplan, bs, tokens,
-                               stale_swa=self.faults.graph_pad_stale_swa_loc)
+        padded = self._bucket_writes(st, fplan, bs, tokens)
         if self.guards:  # the captured writes are unchecked: check what they will write, here
             # (typed space now; bounds and padding on the device: raised at once on CPU, at
             # raise_pending on CUDA, so a replay reads nothing back)
@@ -135,3 +134,9 @@ class GraphContract:
             self._defer(check_padding(padded, batch.total_q))
         self._set_plan(padded, graphed=True)
         return self._plan
+
+    def _bucket_writes(self, st: GraphState, fplan: ForwardPlan, bs: int,
+                       tokens: int) -> ForwardPlan:
+        """``fplan`` padded to the bucket: padding rows write the dummy row
+        (`graph_state.bucket_writes`)."""
+        return bucket_writes(st, fplan, bs, tokens)

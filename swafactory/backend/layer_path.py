@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.errors import SpaceError
-from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.guards import Q_DTYPES, forward_error
 from swafactory.kvcache.quant import is_fp8, store_rows
 from swafactory.metadata.batch import ForwardBatch
@@ -58,6 +57,10 @@ class LayerEntry:
 class LayerPath:
     """The plan's per-layer entries and `forward` / `write_kv`."""
 
+    def _read_scales(self, layer_id: int, scales: tuple[float, float]) -> dict:
+        """The kernel keywords that dequantize an fp8 layer's reads with its ``scales``."""
+        return {"k_scale": scales[0], "v_scale": scales[1]}
+
 
     def _set_plan(self, fplan: ForwardPlan, graphed: bool) -> None:
         """Make ``fplan`` the current forward's: each group's write rows as the int64 index the
@@ -81,12 +84,8 @@ class LayerPath:
                 kw = dict(window=fplan.groups[key].window, scale=self._scale(sub),
                           softcap=self.softcap)
                 scales = pool.kv_scales(layer) if is_fp8(sub.dtype) else (1.0, 1.0)
-                if is_fp8(sub.dtype) and not (self.faults.fp8_descale_dropped and
-                                              self.windows.get(layer) is None):
-                    kw["k_scale"], kw["v_scale"] = scales  # kernels dequantize
-                # else FAULT fp8_descale_dropped: the full layers' reads skip the scales
-                elif is_fp8(sub.dtype) and tuple(scales) != (1.0, 1.0):
-                    FAULT_COUNTS.acted("fp8_descale_dropped")
+                if is_fp8(sub.dtype):
+                    kw.update(self._read_scales(layer, scales))  # kernels dequantize
                 ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
                 hkv, d = k_buf.shape[1], k_buf.shape[2]
                 # a decode kernel that writes the step's K/V itself (not fp8: the store quantizes)
@@ -168,10 +167,6 @@ class LayerPath:
         `init_forward_metadata`.
         """
         del batch
-        if self.faults.sink_dropped:
-            if sinks is not None:
-                FAULT_COUNTS.acted("sink_dropped")
-            sinks = None  # FAULT: the kernel takes sinks= and ignores it
         e = self._entry(layer_id)
         key, k_buf, v_buf, sub, kw, pair = e.key, e.k_buf, e.v_buf, e.sub, e.kw, e.pair
         ad, hkv, d, fuse, dev = e.adapter, e.hkv, e.d, e.fuse, e.device

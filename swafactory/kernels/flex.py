@@ -37,7 +37,7 @@ CAPABILITIES = Capabilities(
     devices_note="on CUDA the adapter compiles with dynamic shapes and forces FlexAttention's "
                  "prefill kernel (kernel_options FORCE_USE_FLEX_ATTENTION): at 1da1d66 its "
                  "flex-decoding kernel failed to lower extend passes of 64-100 queries per "
-                 "request (NoValidChoicesError); bench/flex_probe.py at e05dc49 lowered all 15 "
+                 "request (NoValidChoicesError); bench/probes/flex_compile.py (then bench/flex_probe.py) at e05dc49 lowered all 15 "
                  "serve-like shapes with the forced kernel",
     max_head_dim=256,
     head_dim_note="swafactory caps FlexAttention at head_dim 256: larger heads are not verified "

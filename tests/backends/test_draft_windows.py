@@ -175,7 +175,17 @@ def test_runner_windows_follow_what_each_draft_layer_reads() -> None:
         assert runner_windows(cfg, View(None, None, role, cfg.spec.algorithm)) == want, spec
     off = swafactory.compose([*tiny, "spec=frozen_kv_mtp", "faults=window_off_by_one"])
     assert runner_windows(off, View(None, None, "draft_reads_target", "frozen_kv_mtp")) == \
-        {0: W + 1, 1: None}  # the fault keeps its meaning: sliding layers see W + 1 keys
+        {0: W, 1: None}  # the windows are the model's: the fault lives in the backend
+    from swafactory.backend.faulty import FaultyBackend
+    from swafactory.kvcache.factory import build_pools
+
+    pool, _ = build_pools(swafactory.validate(off), 64, 64, "cpu")
+    faulty = swafactory.build_backend(off, pools=pool)
+    assert isinstance(faulty, FaultyBackend)  # sliding layers see W + 1 keys, full ones all
+    assert faulty.windows == {i: (W + 1 if w else None) for i, w in model_windows(off).items()}
+    clean = swafactory.build_backend(swafactory.compose([*tiny, "spec=frozen_kv_mtp"]),
+                                     pools=pool)
+    assert type(clean).__name__ == "AttentionBackend" and clean.windows == model_windows(off)
 
 
 def test_an_own_pool_that_disagrees_with_the_config_is_refused() -> None:

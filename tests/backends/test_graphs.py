@@ -19,6 +19,7 @@ import torch
 from flashinfer_fake import module as fake_flashinfer
 from swafactory import guards
 from swafactory.backend import AttentionBackend, TargetView, model_windows
+from swafactory.backend.faulty import with_faults
 from swafactory.errors import ConfigError, SpaceError
 from swafactory.graphs import GraphedAttention
 from swafactory.kernels import flashinfer as fi
@@ -144,8 +145,7 @@ def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stal
     launched = triton_decode.launches if backend == "triton" else None
     layers = [0, 1]  # SWA, full
     if stale:
-        world.backend.faults = world.backend.faults.model_copy(
-            update={"graph_pad_stale_swa_loc": True})
+        with_faults(world.backend, graph_pad_stale_swa_loc=True)
         world.backend.guards = False
     _open_all(world, layers)
     m = cfg.model

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swafactory.backend.faulty import with_faults
 import swafactory
 from swafactory.errors import CapacityError, SpaceError
 from swafactory.kvcache.factory import build_pools
@@ -209,7 +210,7 @@ def test_stale_padding_is_raised_at_raise_pending_on_cuda(backend: str) -> None:
         slots.extend(rid, ctx + 1)
         slots.evict_out_of_window(rid, ctx, W)
     backend_ = swafactory.build_backend(cfg, pools=pool)
-    backend_.faults = backend_.faults.model_copy(update={"graph_pad_stale_swa_loc": True})
+    with_faults(backend_, graph_pad_stale_swa_loc=True)
     backend_.init_cuda_graph_state(bucket, 1)
     backend_.init_forward_metadata_capture(bucket, 1, "decode")
 

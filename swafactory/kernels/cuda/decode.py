@@ -3,10 +3,10 @@
 
 It serves the triton backend's bf16 decode passes at head_dim 64 (GPT-OSS) on Hopper. Measured on
 the H200 (GPT-OSS-20b, ctx 8192, the step's K/V written by the kernel, captured in a graph;
-bench/results/session-2026-12-04a-h200.md): a full layer at bs 64 in 265 µs = 96% of copy
+bench/results/README.md): a full layer at bs 64 in 265 µs = 96% of copy
 bandwidth (the Triton decode: 277 µs, 92%); at bs 8 52 µs against 52 for Triton's kernel + merge.
 The whole GPT-OSS step replays in 0.568 ms (1.48× the floor) at bs 8 and 3.19 ms (1.04×) at bs 64
-(`49b0cc2`, bench/results/session-2026-12-04b-h200.md), against 0.626 and 3.41 through the Triton
+(`49b0cc2`, bench/results/README.md), against 0.626 and 3.41 through the Triton
 decode (`e864ce2`).
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@
 // (request, KV head) are one thread-block cluster: each CTA reduces its keys to an unnormalised
 // partial state in its own shared memory, and rank 0 merges the CLUSTER states through
 // distributed shared memory (Hopper), adds the sink and writes o and the LSE. One launch a layer.
-// Measured on the H200 (bench/results/session-2026-12-04a-h200.md): a bs-64 full layer at 96% of
+// Measured on the H200 (bench/results/README.md): a bs-64 full layer at 96% of
 // copy bandwidth (Triton: 91%); at bs 8 a full layer takes about 52 us against a 32 us floor, as
 // Triton's kernel + merge do, so the merge launch was not what held bs 8 back.
 //

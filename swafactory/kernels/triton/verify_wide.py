@@ -16,7 +16,7 @@ bench/results/probes-54316e4.md). Split the work so no program holds it:
   e^{m_t − M}``; ``o = acc / L``. Programs of one (request, head) differ only in their D slice and
   are launched next to each other, so P comes from L2 after the first.
 
-Measured (H200, commit 2db4d40, `bench/bench_triton_vs_flashinfer.py --only gemma4_full_verify8
+Measured (H200, commit 2db4d40, `bench/probes/triton_vs_flashinfer.py --only gemma4_full_verify8
 --wide-sweep`; bs 64, ctx 8192, 8 chain tokens, D 512, group 8): 4.04-4.21 ms at BN 32 and 5.27
 at BN 64, against 2.01 ms for the one-kernel tile and 2.23 for FlashInfer's custom-mask prefill,
 outputs equal (rel err 3.1e-3 against FlashInfer, as the tile's). Both kernels still run one

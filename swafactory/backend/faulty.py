@@ -1,0 +1,113 @@
+"""`FaultyBackend`: the `AttentionBackend` with the catalog's injected faults (`conf/faults`),
+composed by `build_backend` only when the config switches one on. Each fault overrides one
+step of the plain backend and counts the times it changed something (`swafactory.fault_counts`),
+so the default path carries no fault code at all.
+
+| fault | step it changes |
+|---|---|
+| window_off_by_one | the runner's windows: sliding layers see W + 1 keys |
+| pool_cached_at_init | `_source`/`_capture_pool`: the pool and source seen at construction (sglang #26957) |
+| allocator_pool_for_own_pool_draft | `_source`: an own-pool draft resolved to the allocator's pool, its reads keyed on it (sglang #27737) |
+| skip_spec_translation, plan_without_window, tree_mask_not_rebased | `_tables`: the planner's switches (sglang #24402, #31501, #39160) |
+| graph_pad_stale_swa_loc | `_bucket_writes`: padding rows keep an earlier replay's SWA slots (sglang #24743) |
+| fp8_descale_dropped | `_read_scales`: full layers read fp8 K/V without their scales |
+| sink_dropped | `forward`: sinks are taken and ignored |
+
+The storage-side faults (leaked or early-freed slots, a stale page mapping) are switches of the
+slot books' calls, which the drivers pass (`swafactory.speculative.fault_switches`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from swafactory.backend.core import AttentionBackend
+from swafactory.config.schema import SwaFactoryConfig
+from swafactory.fault_counts import FAULT_COUNTS
+from swafactory.graph_state import GraphState, bucket_writes
+from swafactory.metadata.batch import ForwardBatch
+from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
+from swafactory.resolve import RunnerView, resolve_kv_source
+
+__all__ = ["FaultyBackend", "with_faults"]
+
+
+class FaultyBackend(AttentionBackend):
+    """An `AttentionBackend` that injects ``cfg.faults`` (at least one switched on)."""
+
+    def __init__(self, cfg: SwaFactoryConfig, adapter, view: RunnerView,
+                 windows: Mapping[int, int | None], guards: bool = True,
+                 adapters: Mapping[str, object] | None = None) -> None:
+        f = self.faults = cfg.faults
+        if f.window_off_by_one:  # FAULT: sliding layers see W + 1 keys
+            windows = {j: (None if w is None else w + 1) for j, w in windows.items()}
+        super().__init__(cfg, adapter, view, windows, guards, adapters)
+        self._frozen = None
+        if f.pool_cached_at_init:  # FAULT: what the view says at construction
+            self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
+
+    def _source(self):
+        f = self.faults
+        if self._frozen is not None:
+            pool, source = self._frozen  # FAULT pool_cached_at_init (sglang #26957)
+            if pool is not self.view.active_pool:
+                FAULT_COUNTS.acted("pool_cached_at_init")  # the view moved on since then
+            return pool, source, pool.layers_mapping
+        pool = self.view.active_pool
+        source = resolve_kv_source(self.view, self.cfg.backend.resolver,
+                                   fault_allocator_for_own_draft=f.allocator_pool_for_own_pool_draft)
+        lmap = pool.layers_mapping
+        if f.allocator_pool_for_own_pool_draft and source is not None and source.pool is not pool:
+            lmap = {j: source.pool.layers_mapping[j] for j in lmap}  # FAULT: reads keyed on it
+        return pool, source, lmap
+
+    def _capture_pool(self):
+        return self.view.active_pool if self._frozen is None else self._frozen[0]
+
+    def _tables(self, batch: ForwardBatch, pool, source, lmap) -> ForwardPlan:
+        f = self.faults
+        fplan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
+                     writes=not pool.read_only, page_size=pool.sub_pools[0].page_size,
+                     skip_spec_translation=f.skip_spec_translation,
+                     plan_without_window=f.plan_without_window,
+                     tree_mask_not_rebased=f.tree_mask_not_rebased)
+        if f.window_off_by_one and lists_past_window(fplan.groups, narrower=1):
+            FAULT_COUNTS.acted("window_off_by_one")  # a list holds the key W positions back
+        return fplan
+
+    def _bucket_writes(self, st: GraphState, fplan: ForwardPlan, bs: int,
+                       tokens: int) -> ForwardPlan:
+        return bucket_writes(st, fplan, bs, tokens,
+                             stale_swa=self.faults.graph_pad_stale_swa_loc)
+
+    def _read_scales(self, layer_id: int, scales: tuple[float, float]) -> dict:
+        if self.faults.fp8_descale_dropped and self.windows.get(layer_id) is None:
+            # FAULT fp8_descale_dropped: the full layers' reads skip the scales
+            if tuple(scales) != (1.0, 1.0):
+                FAULT_COUNTS.acted("fp8_descale_dropped")
+            return {}
+        return super()._read_scales(layer_id, scales)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer_id: int, batch: ForwardBatch | None = None, save_kv: bool = True,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.faults.sink_dropped:
+            if sinks is not None:
+                FAULT_COUNTS.acted("sink_dropped")
+            sinks = None  # FAULT: the kernel takes sinks= and ignores it
+        return super().forward(q, k, v, layer_id, batch, save_kv, sinks)
+
+
+def with_faults(backend: AttentionBackend, **switches: bool) -> FaultyBackend:
+    """``backend`` (built without a fault) switched to inject ``switches`` (fault field → True)
+    from its next plan on: the same object, its class changed (tests that break a built
+    backend). Only faults that act after construction: not window_off_by_one or
+    pool_cached_at_init, which change what the constructor sets up."""
+    early = {"window_off_by_one", "pool_cached_at_init"} & {k for k, v in switches.items() if v}
+    if early:
+        raise ValueError(f"{sorted(early)} act at construction: build with cfg.faults instead")
+    backend.__class__ = FaultyBackend
+    backend.faults = backend.cfg.faults.model_copy(update=switches)
+    backend._frozen = None
+    return backend
