@@ -9,10 +9,14 @@ start-up capture of every bucket holds. No torch here: `run=plan` imports it.
 """
 from __future__ import annotations
 
-__all__ = ["bucket_keys", "graph_state_estimate", "GRAPH_BUCKETS", "FLASHINFER_INT_WORKSPACE"]
+__all__ = ["bucket_keys", "graph_state_estimate", "BUCKETS", "GRAPH_BUCKETS",
+           "FLASHINFER_INT_WORKSPACE"]
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-"""The engine runner's request buckets (`swafactory.engine.runner.BUCKETS`)."""
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+"""Requests per captured graph: the one list both graph drivers use (the engine runner's start-up
+capture, `graphs.GraphedAttention`'s default); a larger batch runs eagerly."""
+GRAPH_BUCKETS = BUCKETS
+"""The same list under the name `run=plan`'s estimate has used."""
 FLASHINFER_INT_WORKSPACE = 8 * 1024 * 1024
 """Bytes of the int workspace each FlashInfer 0.6 wrapper allocates for itself."""
 

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.errors import ConfigError, Reason
+from swafactory.graph_sizing import BUCKETS
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 
 __all__ = ["GraphedAttention", "RecordedStep", "BUCKETS"]
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-"""Default batch-size buckets (requests per graph)."""
 
 
 class RecordedStep:

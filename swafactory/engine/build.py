@@ -1,4 +1,5 @@
-"""Build a generator's parts: the serving config, pools, the target and draft runners.
+"""Build a generator's parts: the serving config, then the serving core (`swafactory.serving`:
+pools, slot books, draft pool and view, backends, the FROZEN_KV swap) wrapped in HF runners.
 
 Drafts, per family (what each one is, and the pool it owns or reads):
 
@@ -20,20 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from swafactory.backend import build_backend, model_windows
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.engine.models import draft_copy, draft_from_layers, load_target, serving_model
 from swafactory.engine.runner import Runner
-from swafactory.kvcache.draft import build_draft_pool, own_draft_pool, split_draft_pool
-from swafactory.kvcache.factory import build_pools, compute_dtype, torch_dtype
-from swafactory.kvcache.pool import ReqToToken
+from swafactory.kvcache.factory import compute_dtype
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import size_pools
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.layout import frozen_draft_binding
-from swafactory.resolve import DraftView
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.select import validate
+from swafactory.serving import build_serving
 
 __all__ = ["Parts", "build", "serving_config", "model_dtype", "OWN_COPY"]
 
@@ -88,66 +86,42 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     longest = max(p + o for p, o in zip(prompts, outs)) + step_nodes(s) + P
     chunk = min(scfg.workload.chunk_size, max(prompts))
     sizes = size_pools(scfg, scfg.workload.max_running_requests, longest, chunk=chunk)
-    pool, alloc = build_pools(scfg, sizes.full, sizes.swa, dev, check_mode=guards)
-    alloc.shuffle(torch.Generator().manual_seed(scfg.workload.seed))  # pages in random order
-    slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, dev))
-    target = Runner("target", model, build_backend(scfg, pools=pool, guards=guards),
-                    guards=guards, graphs=graphs, max_context=longest)
-    parts = Parts(scfg, target, None, pool, alloc, None, slots, model.config.to_dict(), "-")
+    layout = "copy" if s.algorithm in OWN_COPY else "config"
+    sv = build_serving(scfg, sizes.full, sizes.swa, sizes.max_requests, sizes.full_per_request,
+                       dev, check_mode=guards, guards=guards, draft_layout=layout,
+                       gen=torch.Generator().manual_seed(scfg.workload.seed))
+    pool, alloc = sv.pool, sv.alloc
+    target = Runner("target", model, sv.target, guards=guards, graphs=graphs,
+                    max_context=longest)
+    parts = Parts(scfg, target, None, pool, alloc, sv.draft_pool, sv.slots,
+                  model.config.to_dict(), "-")
     if s.algorithm == "none":
         return parts
     n, types = m.num_layers, list(m.layer_types)
     if s.algorithm in OWN_COPY:
-        if pool.is_split:
-            dpool = split_draft_pool(pool, types, pool.sub_pools[0].dtype, dev,
-                                     check_mode=guards)
-        else:
-            geo = m.full or m.swa
-            dpool = own_draft_pool(alloc.full_size, P, n, geo.num_kv_heads, geo.head_dim,
-                                   pool.sub_pools[0].dtype, dev, full_id=alloc.full_id,
-                                   check_mode=guards)
-        for sub in dpool.sub_pools:
-            alloc.attach(sub)
-        view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
-        # the copy has the target's layers: their windows, stated (an own pool is full
-        # attention by default, which a copy of a sliding model is not)
-        backend = build_backend(scfg, view=view, windows=model_windows(scfg), guards=guards)
-        parts.draft = Runner("draft", draft_copy(model), backend, guards=guards, graphs=graphs,
+        parts.draft = Runner("draft", draft_copy(model), sv.draft, guards=guards, graphs=graphs,
                              max_context=longest)
-        parts.draft_pool = dpool
         parts.draft_desc = (f"a copy of the target's {n} layers, own "
-                            f"{'split ' if dpool.is_split else ''}pool")
+                            f"{'split ' if sv.draft_pool.is_split else ''}pool")
     elif s.algorithm == "frozen_kv_mtp":
-        binding = frozen_draft_binding(scfg)
-        frozen = build_draft_pool(scfg, pool, alloc)
-        geo = m.full or m.swa
-        dummy = own_draft_pool(alloc.full_size, P, len(binding), geo.num_kv_heads, geo.head_dim,
-                               pool.sub_pools[0].dtype, dev, check_mode=guards)
-        view = DraftView(dummy, pool, "draft_reads_target", s.algorithm)
-        backend = build_backend(scfg, view=view, guards=guards)
-        parts.draft = Runner("draft", draft_copy(model), backend, writes=False,
-                             swap=(view, frozen, dummy), guards=guards, graphs=graphs,
-                             max_context=longest)
-        parts.draft_desc = (f"the target's {len(binding)} layers reading its frozen K/V (writes "
-                            "none); step k queries position L+k over keys < L")
+        parts.draft = Runner("draft", draft_copy(model), sv.draft, writes=False, swap=sv.swap,
+                             guards=guards, graphs=graphs, max_context=longest)
+        parts.draft_desc = (f"the target's {len(frozen_draft_binding(scfg))} layers reading its "
+                            "frozen K/V (writes none); step k queries position L+k over keys < L")
     else:  # dflash
-        dpool = build_draft_pool(scfg, pool, alloc, device=dev, check_mode=guards)
+        dpool = sv.draft_pool
         k = s.draft_num_layers
         dtypes = list(m.layer_types[-k:]) if dpool.is_split else ["full_attention"] * k
         sources = _sources(types, m, dtypes)
-        view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
-        backend = build_backend(scfg, view=view, guards=guards)
         model_d = draft_from_layers(model, sources, dtypes,
                                     m.sliding_window if dpool.is_split else None)
-        parts.draft = Runner("draft", model_d, backend, guards=guards, graphs=graphs,
+        parts.draft = Runner("draft", model_d, sv.draft, guards=guards, graphs=graphs,
                              max_context=longest)
-        parts.draft_pool = dpool
         parts.draft_desc = (f"{k} {'target-typed' if dpool.is_split else 'full-attention'} "
                             f"layers (weights of target layers {sources}), own "
                             f"{'split ' if dpool.is_split else ''}pool; a block of "
                             f"{s.block_size} that sees itself")
     return parts
-
 
 def _sources(types: list[str], m, dtypes: list[str]) -> list[int]:
     """For each draft layer type, a target layer with the same KV geometry: the target's last

@@ -14,20 +14,19 @@ replays a CUDA graph of the whole model call, captured per bucket (requests roun
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from swafactory.engine.readback import pinned_ids
 from swafactory.errors import SpaceError
+from swafactory.graph_sizing import BUCKETS
 from swafactory.graphs import RecordedStep
 from swafactory.integrations.transformers import ATTENTION, register, routing
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
 __all__ = ["Runner", "NonFinite", "attn_implementation", "BUCKETS"]
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-"""Requests per captured graph; a larger batch runs eagerly."""
 MAX_GRAPH_TOKENS = 16
 """Queries per request a graph holds at most (verify, draft steps); more run eagerly."""
 
@@ -51,9 +50,9 @@ def attn_implementation(model, name: str):
 class Runner:
     """An HF model + the backend its attention runs through.
 
-    writes: the runner writes its K/V (False: a FROZEN_KV draft). swap: ``(view, frozen_pool,
-    dummy_pool)`` for a FROZEN_KV draft, whose view's active pool the engine swaps to the
-    target's frozen view around each forward (sglang's runner does the same). max_context: the
+    writes: the runner writes its K/V (False: a FROZEN_KV draft). swap: a FROZEN_KV draft's
+    `serving.FrozenSwap`, which puts the target's frozen view in around each forward and
+    capture (sglang's runner does the same). max_context: the
     most keys a request reads (sizes the graph state; None: `init_cuda_graph_state`'s default).
     guards: check every forward's logits for NaN/inf (the NaN guard; the pools are poisoned in
     check mode).
@@ -86,10 +85,7 @@ class Runner:
         batch = ForwardBatch.of(mode, reqs, req_to_token, full_id)
         if batch.total_q != len(tokens):
             raise ValueError(f"{self.name} {mode}: {len(tokens)} tokens for {batch.total_q} queries")
-        if self.swap is not None:
-            view, frozen, _ = self.swap
-            view.active_pool = frozen  # the engine swaps the target's frozen view in
-        try:
+        with self._swapped():  # a FROZEN_KV draft: the target's frozen view in, then out
             ids = (tokens.to(self.device).view(1, -1) if isinstance(tokens, torch.Tensor)
                    else pinned_ids(list(tokens), self.device).view(1, -1))
             pos = pinned_ids(list(positions), self.device).view(1, -1)
@@ -102,9 +98,6 @@ class Runner:
                 self.graph_use["eager"] += 1
             else:
                 logits = self._replay(batch, bucket, ids, pos)
-        finally:
-            if self.swap is not None:
-                view.active_pool = self.swap[2]
         self.forwards += 1
         logits = logits.float()
         if check:  # this read back is a sync point: the guards' deferred checks report first
@@ -132,16 +125,14 @@ class Runner:
         as an engine does (graph state is allocated once, sized by bucket and context); returns
         how many were captured. Buckets captured already are kept."""
         todo = [(m, bs, t) for m, t in modes for bs in BUCKETS if (bs, t) not in self._graphs]
-        if self.swap is not None:
-            view, frozen, _ = self.swap
-            view.active_pool = frozen  # captured against the frozen view, as forwards run
-        try:
+        with self._swapped():  # captured against the frozen view, as forwards run
             for m, bs, t in todo:
                 self._graphs[(bs, t)] = self._capture(m, bs, t)
-        finally:
-            if self.swap is not None:
-                view.active_pool = self.swap[2]
         return len(todo)
+
+    def _swapped(self):
+        """The FROZEN_KV swap around a forward or capture (a no-op for other runners)."""
+        return nullcontext() if self.swap is None else self.swap.active()
 
     def _replay(self, batch: ForwardBatch, bucket: tuple[int, int], ids: torch.Tensor,
                 pos: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from swafactory.errors import CapacityError
@@ -82,16 +83,12 @@ class Loop:
 
     def _run(self, worker: Worker, mode: ForwardMode, reqs: list[ReqForward], check: bool) -> None:
         self.current = (worker.name, mode)
-        swap = worker.name == "draft" and self.p.frozen_view is not None
-        if swap:  # the engine swaps the target's frozen view in for the draft's forward
-            self.p.draft_view.active_pool = self.p.frozen_view
-        try:
+        swap = self.p.swap if worker.name == "draft" and self.p.swap is not None else None
+        # a FROZEN_KV draft: the target's frozen view in for its forward (serving.FrozenSwap)
+        with nullcontext() if swap is None else swap.active():
             checks = worker.forward(mode, reqs, self.p.slots.req_to_token.table,
                                     self.p.alloc.full_id, check=check, keep_above=self.tol,
                                     kv_check=True)
-        finally:
-            if swap:
-                self.p.draft_view.active_pool = self.p.dummy_pool
         worker.backend.raise_pending()  # the checks read back already: guards report here
         self.on_forward(worker, mode, len(worker.layers), checks)
         for c in checks:

@@ -5,16 +5,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swafactory.backend import build_backend, model_windows
+from swafactory.backend import model_windows
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import CapacityError
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.harness.kv_quant import set_harness_scales
 from swafactory.harness.workers import LayerSpec, Worker
 from swafactory.harness.world import target_layer_specs
-from swafactory.kvcache.draft import build_draft_pool, frozen_draft_view, own_draft_pool
-from swafactory.kvcache.factory import build_pools, compute_dtype, torch_dtype
-from swafactory.kvcache.pool import ReqToToken
+from swafactory.kvcache.factory import compute_dtype
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import size_pools
 from swafactory.kvcache.sizing import step_nodes
@@ -22,6 +20,7 @@ from swafactory.layout import frozen_draft_binding
 from swafactory.resolve import DraftView
 from swafactory.metadata.plan import group_key
 from swafactory.parallel import Shard, shard_config
+from swafactory.serving import FrozenSwap, build_serving
 
 __all__ = ["Sizes", "pool_sizes", "Parts", "build_parts"]
 
@@ -64,8 +63,8 @@ class Parts:
     draft: Worker | None
     draft_pool: object | None
     draft_view: DraftView | None
-    frozen_view: object | None
-    dummy_pool: object | None
+    swap: FrozenSwap | None
+    """A FROZEN_KV draft's view swap (`serving.FrozenSwap`), None otherwise."""
     hist_t: dict = field(default_factory=dict)
     hist_d: dict = field(default_factory=dict)
 
@@ -96,30 +95,28 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
     m, s, f = cfg.model, cfg.spec, cfg.faults
     scfg = cfg if shard is None else shard_config(cfg, shard)
     sizes = pool_sizes(cfg, prompts, outs)
-    pool, alloc = build_pools(scfg, sizes.full, sizes.swa, device, check_mode=True)
-    set_harness_scales(pool)  # fp8 KV: per-layer scales, as a calibrated checkpoint has
-    alloc.shuffle(gen)  # pages in random order
-    slots = RequestSlots(alloc, ReqToToken(cfg.workload.max_running_requests, sizes.max_context,
-                                           device))
+    headroom = 0.5 if f.no_draft_headroom else 1.0
+    sv = build_serving(scfg, sizes.full, sizes.swa, cfg.workload.max_running_requests,
+                       sizes.max_context, device, check_mode=True, draft_layout="config",
+                       gen=gen, headroom=headroom, unsafe_undersized=f.no_draft_headroom,
+                       on_pool=set_harness_scales)  # fp8 KV: per-layer scales, as a checkpoint
+    pool, alloc = sv.pool, sv.alloc
     kv = cfg.backend.kv_dtype
     q_dtype = compute_dtype(kv)
     sinks = {i: (torch.randn(m.num_attention_heads, generator=gen) * 2)
              for i in range(m.num_layers)} if m.attention_sinks else {}
     binding = frozen_draft_binding(cfg) if s.draft_kv == "target_pool" else ()
     specs = target_layer_specs(cfg)
-    parts = Parts(cfg, sizes, pool, alloc, slots, None, None, None, None, None, None)  # type: ignore[arg-type]
+    parts = Parts(cfg, sizes, pool, alloc, sv.slots, None, None, sv.draft_pool,  # type: ignore[arg-type]
+                  sv.draft_view, sv.swap)
     layers = _subset(cfg, pool, tuple(binding))
-    parts.target = Worker("target", build_backend(scfg, pools=pool), {i: specs[i] for i in layers},
+    parts.target = Worker("target", sv.target, {i: specs[i] for i in layers},
                           parts.hist_t, writes=True, q_dtype=q_dtype, device=device, gen=gen,
                           sinks=sinks, shard=shard)
     if s.draft_kv == "own_pool":
-        headroom = 0.5 if f.no_draft_headroom else 1.0
-        dpool = build_draft_pool(scfg, pool, alloc, device=device, check_mode=True,
-                                 headroom=headroom, unsafe_undersized=f.no_draft_headroom)
-        set_harness_scales(dpool)
+        dpool = sv.draft_pool
         if f.no_draft_headroom and dpool.sub_pools[0].size < sizes.full:
             FAULT_COUNTS.acted("no_draft_headroom")  # built short of the target's full space
-        view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
         types = ["full_attention"] * s.draft_num_layers
         if dpool.is_split:
             types = list(m.layer_types[-s.draft_num_layers:])
@@ -132,22 +129,14 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
             geo = (m.swa if t == "sliding_attention" else m.full) if dpool.is_split else (m.full or m.swa)
             dspecs[j] = LayerSpec(windows[j], m.num_attention_heads, geo.num_kv_heads, geo.head_dim,
                                   m.softmax_scale or geo.head_dim ** -0.5, m.logit_softcap, j)
-        parts.draft_pool, parts.draft_view = dpool, view
-        parts.draft = Worker("draft", build_backend(scfg, view=view), dspecs,
-                             parts.hist_d, writes=True, q_dtype=q_dtype, device=device, gen=gen,
-                             sinks={}, shard=shard)
+        parts.draft = Worker("draft", sv.draft, dspecs, parts.hist_d, writes=True,
+                             q_dtype=q_dtype, device=device, gen=gen, sinks={}, shard=shard)
     elif s.draft_kv == "target_pool":
-        geo = scfg.model.full or scfg.model.swa
         # the FROZEN_KV runner's own pool is a dummy non-split pool; the engine swaps the target's
         # view in for each draft forward (sglang), which is what a cached resolver gets wrong
-        dummy = own_draft_pool(sizes.full, cfg.backend.page_size, len(binding), geo.num_kv_heads,
-                               geo.head_dim, torch_dtype(kv), device, check_mode=True)
-        view = DraftView(dummy, pool, "draft_reads_target", s.algorithm)
         dspecs = {j: specs[t] for j, t in enumerate(binding)}
-        parts.dummy_pool, parts.draft_view = dummy, view
-        parts.frozen_view = frozen_draft_view(pool, binding)
-        parts.draft = Worker("draft", build_backend(scfg, view=view), dspecs,
-                             parts.hist_t, writes=False, q_dtype=q_dtype, device=device, gen=gen,
+        parts.draft = Worker("draft", sv.draft, dspecs, parts.hist_t, writes=False,
+                             q_dtype=q_dtype, device=device, gen=gen,
                              sinks={j: sinks[t] for j, t in enumerate(binding) if t in sinks},
                              shard=shard)
     if parts.draft_pool is not None and parts.draft_pool.sub_pools[0].size < sizes.full and \
