@@ -104,7 +104,7 @@ def test_the_verify_choice_decides_who_serves_gemma4s_wide_verify(fake, choice,
     from swafactory.registry.device import H200
     from swafactory.registry.kernel_choice import KernelPolicy, resolve_passes
 
-    world, _ = adapter_world("gemma4", 1, ["model.sliding_window=8"])
+    world, _ = adapter_world("gemma4", 1, ["model.sliding_window=8", "model.num_layers=6"])
     cfg = swafactory.compose(["model=gemma4", "backend=flashinfer", "spec=eagle3",
                               f"backend.kernels.full.verify={choice}"])
     ad = world.backend.adapter
