@@ -188,9 +188,8 @@ class LayerPath:
                                     q, k, v, save_kv, sinks) or AssertionError(
                                         f"layer {layer_id}: a guard disagrees with its message")
         if not q.is_contiguous():  # q split from a fused qkv projection: kernels read it dense
-            q = q.contiguous()
-        if save_kv and not (k.is_contiguous() and v.is_contiguous()):
-            k, v = k.contiguous(), v.contiguous()
+            q = q.contiguous()  # (strided k and v: the store's index_copy_ and the fused
+            # decode kernels' own writers take them as they are)
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
         if save_kv and fuse and key in self._decode and k.dtype == k_buf.dtype == v.dtype:
             new_kv = (k, v, self._store(layer_id, e, k, v, fused=True))  # the kernel writes
