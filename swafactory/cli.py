@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from swafactory.autotune import autotuned
 from swafactory.config.from_hydra import from_hydra
 from swafactory.config.paths import conf_dir, group_options
 from swafactory.errors import EXIT_CONFORMANCE, EXIT_INERT, EXIT_OK, CapacityError, ConfigError
@@ -101,13 +102,19 @@ def _run(cfg, output_dir, overrides, sweep, console) -> int:
         try:
             asked = from_hydra(cfg)
             device = detect_device(asked.workload.device)
-            conf = validate(asked, device)
+            tuned, tuning = autotuned(asked, device)  # backend=auto on a GPU: by measurement
+            conf = validate(tuned, device)
+            lines = tuning.lines() if tuning is not None else []
+            for line in lines:
+                console.print(f"[b]autotune[/] {line}"
+                              + (" (cached)" if tuning.cached else ""), overflow="fold")
             if conf.run.mode == "plan":
-                return _plan(conf, device, cfg, output_dir, list(overrides), console)
+                return _plan(conf, device, cfg, output_dir, list(overrides), console, lines)
             if conf.run.mode == "generate":
-                return _generate(conf, device, cfg, output_dir, list(overrides), console, sweep)
+                return _generate(conf, device, cfg, output_dir, list(overrides), console, sweep,
+                                 lines)
             return _conformance(conf, device, cfg, output_dir, list(overrides), console, sweep,
-                                auto_note(asked, conf, device))
+                                auto_note(asked, conf, device), lines)
         except (ConfigError, CapacityError) as exc:
             reasons = [str(r) for r in getattr(exc, "reasons", ())] or [str(exc)]
             _write_result(output_dir, cfg, list(overrides), "refused", reasons=reasons)
@@ -130,19 +137,20 @@ def _stderr(console: Console, line: str) -> None:
     log_line(console, line)
 
 
-def _plan(conf, device, cfg, output_dir, overrides, console) -> int:
+def _plan(conf, device, cfg, output_dir, overrides, console, tuned=()) -> int:
     plan = describe(conf, device)
     render_plan(plan, console)
     if output_dir is not None:
         path = output_dir / "plan.json"
-        path.write_text(json.dumps({"plan": plan.model_dump(),
+        path.write_text(json.dumps({"plan": plan.model_dump(), "autotune": list(tuned),
                                     "config": conf.model_dump(mode="json")}, indent=2))
         _write_result(output_dir, cfg, overrides, "ok")
         console.print(f"wrote {path}")
     return EXIT_OK
 
 
-def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=None) -> int:
+def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=None,
+                 tuned=()) -> int:
     from swafactory.harness.report import progress, render_summary, write_report
     from swafactory.harness.run import run
 
@@ -150,6 +158,8 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
         report = run(conf, device, on_progress=bar.update)
     if note:  # `conf` is resolved already: what auto chose, from the config as asked
         report = report.model_copy(update={"backend_choice": note})
+    if tuned:
+        report = report.model_copy(update={"autotune": list(tuned)})
     render_summary(report, console)
     if output_dir is not None:
         for path in write_report(report, output_dir):
@@ -167,11 +177,13 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
     return EXIT_OK
 
 
-def _generate(conf, device, cfg, output_dir, overrides, console, sweep) -> int:
+def _generate(conf, device, cfg, output_dir, overrides, console, sweep, tuned=()) -> int:
     from swafactory.engine.report import render_generate, write_generate
     from swafactory.engine.run import run_generate
 
     report = run_generate(conf, device, progress=console.file)
+    if tuned:
+        report = report.model_copy(update={"autotune": list(tuned)})
     render_generate(report, console)
     if output_dir is not None:
         for path in write_generate(report, output_dir):

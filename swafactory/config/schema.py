@@ -205,6 +205,10 @@ class BackendSpec(_Frozen):
     kernels: KernelChoice = KernelChoice()
     """Which kernel serves each pass of each group, within its family (`run=plan` shows what
     each resolved to)."""
+    autotune: bool = True
+    """`backend=auto` on a GPU: time each candidate family and kernel per layer group and pass
+    at the run's geometry and keep the fastest (cached on disk; `swafactory.autotune`). False,
+    or on CPU: the fixed preference order."""
 
     @field_validator("name")
     @classmethod

@@ -99,6 +99,9 @@ class GenerateReport(_Model):
     kernels: list[str] = []
     """What served each pass × layer group and why, per runner, as resolved when its backend
     was built (`backend.kernels`)."""
+    autotune: list[str] = []
+    """`backend=auto` tuned on a GPU: each pass × group's choice with its measured time and the
+    candidates that lost (`swafactory.autotune`); empty otherwise."""
     transformers: str
     """transformers version the model was built with."""
     architecture: str

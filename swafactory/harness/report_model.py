@@ -91,6 +91,9 @@ class Report(_Model):
     """Resolved backend (after `auto`)."""
     backend_choice: str | None = None
     """`backend=auto` only: what it chose and why (``auto → torch, bf16 KV: no CUDA device``)."""
+    autotune: list[str] = []
+    """`backend=auto` tuned on a GPU: each pass × group's choice with its measured time and the
+    candidates that lost (`swafactory.autotune`); empty otherwise."""
     parts: dict[str, str]
     """Which shared parts served the run (resolver policy, planner, kernel, tree strategy, …)."""
     kernels: list[str] = []

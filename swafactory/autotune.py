@@ -1,0 +1,114 @@
+"""`backend=auto` tuned on this GPU: each candidate's passes timed at the run's geometry, the
+fastest kept (`registry.autotune` holds the candidates, the choice and the on-disk cache).
+
+`autotuned(cfg, device)` is what the drivers call before validating: on a CUDA device, with
+`backend=auto` and ``backend.autotune`` on, it returns the tuned config and its `Tuning` (the
+choices with their times, for `run=plan` and report.json); otherwise the config unchanged and
+None, and `validate` keeps the fixed preference order.
+
+`measure_pass` times one pass of one layer of a group: a model cut to the first layers that hold
+both groups, ``workload.max_running_requests`` requests (at most 64) of
+``workload.context_len`` committed tokens (at most 32K), SWA slots evicted as a serving engine
+does, random K/V; the plan is made once, then the layer's ``forward`` is timed with CUDA events
+(median of ``reps`` after ``warmup``). Decode is one query per request, verify the spec's
+``num_draft_tokens`` as a chain, extend a ``workload.chunk_size`` chunk (at most 2048) of up to 4
+requests.
+"""
+from __future__ import annotations
+
+import statistics
+
+from swafactory.config.schema import SwaFactoryConfig
+from swafactory.registry.autotune import TuneCache, Tuning, tune
+from swafactory.registry.device import DeviceInfo
+
+__all__ = ["autotuned", "measure_pass"]
+
+
+def _cut(cfg: SwaFactoryConfig) -> SwaFactoryConfig:
+    """``cfg`` with the model cut to its first layers holding a layer of each group."""
+    m = cfg.model
+    firsts = [ls[0] for ls in (m.swa_layers, m.full_layers) if ls]
+    n = max(firsts) + 1
+    data = m.model_dump()
+    data.update(num_layers=n, layer_types=list(m.layer_types[:n]), layer_pattern=None)
+    return cfg.model_copy(update={"model": type(m).model_validate(data)})
+
+
+def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 20,
+                 warmup: int = 3) -> float | None:
+    """Median device ms of one ``pass_`` forward of one ``group`` layer under ``cfg`` (a
+    candidate: its family and kernel choices set) on the current CUDA device; None when the
+    candidate fails to build or run there (it is then no candidate)."""
+    import torch
+
+    import swafactory
+    from swafactory.kvcache.factory import build_pools, compute_dtype
+    from swafactory.kvcache.pool import ReqToToken
+    from swafactory.kvcache.requests import RequestSlots
+    from swafactory.kvcache.shares import size_pools
+    from swafactory.metadata import ForwardBatch, ReqForward
+
+    cfg = _cut(cfg)
+    m, w = cfg.model, cfg.workload
+    bs, ctx = min(64, w.max_running_requests), min(32768, w.context_len)
+    nodes = {"decode": 1, "verify": max(2, cfg.spec.num_draft_tokens),
+             "extend": min(2048, w.chunk_size)}[pass_]
+    if pass_ == "extend":
+        bs = min(bs, 4)
+    layer = (m.swa_layers if group == "swa" else m.full_layers)[0]
+    try:
+        sizes = size_pools(cfg, bs, ctx + nodes, chunk=max(64, nodes))
+        pool, alloc = build_pools(cfg, sizes.full, sizes.swa, "cuda")
+        slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, "cuda"))
+        split = bool(m.swa_layers and m.hybrid_pool)
+        for rid in range(bs):
+            slots.open(rid)
+            done = 0
+            while done < ctx + nodes:
+                n = min(max(64, nodes), ctx + nodes - done)
+                slots.extend(rid, n)
+                done += n
+                if split:
+                    slots.evict_out_of_window(rid, min(done, ctx), m.sliding_window, 1)
+        for sub in pool.sub_pools:
+            for buf in (*sub.k_bufs, *sub.v_bufs):
+                buf.copy_(torch.randn(buf.shape, device="cuda", dtype=torch.bfloat16))
+        backend = swafactory.build_backend(cfg, pools=pool, guards=False)
+        mode = {"decode": "decode", "verify": "target_verify", "extend": "extend"}[pass_]
+        reqs = [ReqForward(r, slots.reqs[r].row, ctx, nodes) for r in range(bs)]
+        batch = ForwardBatch.of(mode, reqs, slots.req_to_token.table, alloc.full_id)
+        sub = pool.sub_pool(layer)
+        dt = compute_dtype(cfg.backend.kv_dtype)
+        q = torch.randn(bs * nodes, m.num_attention_heads, sub.head_dim, device="cuda", dtype=dt)
+        k = torch.randn(bs * nodes, sub.num_kv_heads, sub.head_dim, device="cuda", dtype=dt)
+        backend.init_forward_metadata(batch)
+        sinks = (torch.zeros(m.num_attention_heads, device="cuda")
+                 if m.attention_sinks else None)
+        for _ in range(warmup):
+            backend.forward(q, k, k, layer, sinks=sinks)
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            backend.forward(q, k, k, layer, sinks=sinks)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+    except (RuntimeError, ValueError) as exc:  # a kernel that cannot run here: no candidate
+        if "out of memory" in str(exc):
+            torch.cuda.empty_cache()
+        return None
+    finally:
+        torch.cuda.empty_cache()
+
+
+def autotuned(cfg: SwaFactoryConfig, device: DeviceInfo, cache: TuneCache | None = None
+              ) -> tuple[SwaFactoryConfig, Tuning | None]:
+    """``cfg`` tuned for ``device`` when it asks for `backend=auto` with ``backend.autotune`` on
+    a CUDA device (the tuning cached on disk); else ``cfg`` and None."""
+    b = cfg.backend
+    if b.name != "auto" or not b.autotune or device.kind != "cuda":
+        return cfg, None
+    return tune(cfg, device, measure_pass, cache)

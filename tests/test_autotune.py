@@ -1,0 +1,122 @@
+"""`backend=auto` by measured speed, without a GPU: the cache key follows the device, the
+geometry, the dtype and the library versions; a cached tuning is reused, a stale one measured
+again; the fastest candidate wins; and the tuned config passes the registry."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import swafactory
+from swafactory.registry.autotune import SCHEMA, TuneCache, candidates, tune, tune_key
+from swafactory.registry.check import check
+from swafactory.registry.device import H200
+
+VERSIONS = {"torch": "2.11.0", "triton": "3.6.0", "flashinfer-python": "0.6.18.post1",
+            "flash-attn-4": None, "swafactory": "0.1.0"}
+
+
+def _cfg(*extra: str):
+    return swafactory.compose(["backend=auto", "spec=eagle3", "model=gpt_oss_20b", *extra])
+
+
+class Timer:
+    """Fake timings: group `full` decodes fastest on our triton kernel, everything else on
+    flashinfer; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, cfg, group: str, pass_: str) -> float:
+        self.calls += 1
+        fam = cfg.backend.kernel_for(group == "swa")
+        choice = getattr(getattr(cfg.backend.kernels, group), pass_)
+        if group == "full" and pass_ == "decode" and fam == "triton":
+            return 0.5 if choice == "auto" else 0.7  # auto: the CUDA decode where it fits
+        return {"flashinfer": 1.0, "flash_attn": 1.2, "triton": 1.5}[fam]
+
+
+def test_the_key_changes_with_device_geometry_dtype_and_versions() -> None:
+    base = tune_key(_cfg(), H200, VERSIONS)
+    assert base["schema"] == SCHEMA
+    others = [
+        tune_key(_cfg(), replace(H200, name="NVIDIA H100 80GB HBM3"), VERSIONS),
+        tune_key(_cfg("model.full.head_dim=128", "model.swa.head_dim=128"), H200, VERSIONS),
+        tune_key(_cfg("backend.kv_dtype=fp8_e4m3"), H200, VERSIONS),
+        tune_key(_cfg(), H200, {**VERSIONS, "flashinfer-python": "0.6.19"}),
+        tune_key(_cfg(), H200, {**VERSIONS, "swafactory": "0.2.0"}),
+        tune_key(_cfg("workload.max_running_requests=64"), H200, VERSIONS),
+    ]
+    digests = {json.dumps(k, sort_keys=True) for k in [base, *others]}
+    assert len(digests) == 1 + len(others)
+
+
+def test_a_tuning_is_cached_and_a_stale_entry_is_measured_again(tmp_path) -> None:
+    cache = TuneCache(tmp_path / "autotune.json")
+    timer = Timer()
+    cfg1, t1 = tune(_cfg(), H200, timer, cache, VERSIONS)
+    first = timer.calls
+    assert first > 0 and not t1.cached and t1.choices
+    cfg2, t2 = tune(_cfg(), H200, timer, cache, VERSIONS)  # same key: read back, not timed
+    assert timer.calls == first and t2.cached and cfg2 == cfg1
+    # a new library version is another key: measured again
+    tune(_cfg(), H200, timer, cache, {**VERSIONS, "triton": "3.7.0"})
+    assert timer.calls == 2 * first
+    # an entry written by an older schema (same key fields otherwise) is stale
+    data = json.loads(cache.path.read_text())
+    for e in data.values():
+        e["fields"]["schema"] = SCHEMA - 1
+    cache.path.write_text(json.dumps(data))
+    _, t3 = tune(_cfg(), H200, timer, cache, VERSIONS)
+    assert not t3.cached and timer.calls == 3 * first
+
+
+def test_the_fastest_candidate_wins_and_the_registry_accepts_it(tmp_path) -> None:
+    cfg, t = tune(_cfg(), H200, Timer(), TuneCache(tmp_path / "c.json"), VERSIONS)
+    assert check(cfg, H200) == []
+    by = {(c.group, c.pass_): c for c in t.choices}
+    # full: triton's decode at 0.5 beats flashinfer's 1.0, but the family's sum decides:
+    # triton full = 0.5 + 1.5 + 1.5 = 3.5 > flashinfer 3.0, so flashinfer keeps the full group
+    assert by[("full", "decode")].family == "flashinfer"
+    assert by[("full", "decode")].tried["triton/auto"] == 0.5  # what lost is shown
+    assert cfg.backend.name == "flashinfer" and t.lines()[0].startswith("decode/")
+
+
+def test_a_group_whose_passes_are_all_faster_elsewhere_moves_family(tmp_path) -> None:
+    class Fast(Timer):
+        def __call__(self, cfg, group, pass_):
+            fam = cfg.backend.kernel_for(group == "swa")
+            return 0.4 if (group, fam) == ("swa", "triton") else super().__call__(cfg, group, pass_)
+
+    cfg, t = tune(_cfg(), H200, Fast(), TuneCache(tmp_path / "c.json"), VERSIONS)
+    assert cfg.backend.kernel_for(True) == "triton" and cfg.backend.kernel_for(False) == "flashinfer"
+    assert check(cfg, H200) == []
+
+
+def test_cpu_has_nothing_to_time() -> None:
+    assert candidates(swafactory.compose(["backend=auto", "spec=none", "model=tiny"]),
+                      swafactory.registry.device.CPU) == {}
+
+
+def test_run_plan_shows_each_tuned_choice_with_its_time(tmp_path, monkeypatch) -> None:
+    """The CLI tunes `backend=auto` before validating (here on a stand-in H200 with fake
+    timings) and run=plan writes each choice with its time to plan.json; a second run reads
+    the cache."""
+    from hydra import compose, initialize_config_dir
+
+    import swafactory.autotune as at
+    import swafactory.cli as cli
+    from swafactory.config.paths import conf_dir
+
+    monkeypatch.setenv("SWAFACTORY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cli, "detect_device", lambda *_: H200)
+    timer = Timer()
+    monkeypatch.setattr(at, "measure_pass", timer)
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["run=plan", "backend=auto",
+                                                       "spec=eagle3", "model=gpt_oss_20b"])
+    assert cli.run_cli(cfg, tmp_path) == 0
+    lines = json.loads((tmp_path / "plan.json").read_text())["autotune"]
+    assert lines and all(" ms; tried " in x for x in lines)
+    assert any(x.startswith("decode/full: flashinfer auto (1.000 ms") for x in lines), lines
+    calls = timer.calls
+    assert cli.run_cli(cfg, tmp_path) == 0 and timer.calls == calls  # cached
