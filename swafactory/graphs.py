@@ -26,7 +26,7 @@ from swafactory.errors import ConfigError, Reason
 from swafactory.graph_sizing import BUCKETS
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 
-__all__ = ["GraphedAttention", "RecordedStep", "BUCKETS"]
+__all__ = ["GraphedAttention", "RecordedStep", "BUCKETS", "capture_step", "refill"]
 
 
 
@@ -48,6 +48,37 @@ class RecordedStep:
             return
         for key, o in new.items():
             self.out[key].copy_(o)
+
+
+def capture_step(backend, bs: int, tokens: int, mode: ForwardMode,
+                 step: Callable[[], object], device: torch.device) -> tuple[object, object]:
+    """Plan bucket (``bs`` requests × ``tokens`` queries) for capture and capture ``step``
+    (which reads only static inputs and calls the backend's `forward` per layer): one warm-up
+    run on a side stream (kernel JIT and library set-up stay outside the graph), then the
+    capture. Returns (the graph, or a `RecordedStep` off CUDA, its static output). Both graph
+    drivers capture through here: `GraphedAttention` (attention only) and the engine's runner
+    (whole model calls)."""
+    backend.init_forward_metadata_capture(bs, tokens, mode)
+    if device.type != "cuda":  # emulated: the backend's graph_emulation (CPU)
+        rec = RecordedStep(step)
+        return rec, rec.out
+    cur = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        step()  # warm-up, not captured (its writes go to the dummy row)
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def refill(static: torch.Tensor, new: torch.Tensor, rows: int) -> None:
+    """Copy a replay's ``rows`` input rows into a graph's static input and zero the padding
+    rows: padding carries no request's data, not the rows of an earlier, larger batch."""
+    static[:rows].copy_(new)
+    static[rows:].zero_()
 
 
 @dataclass
@@ -120,15 +151,11 @@ class GraphedAttention:
             st = self._graphs[n] = self._capture(n, q, kv)  # stale: the scales it baked in
         self.backend.init_forward_metadata_replay(batch, n, self.tokens)
         rows = batch.total_q
-        # padding rows carry no request's data (an engine's padded tokens are not any request's
-        # tokens either): zeros, not the stale rows of an earlier, larger batch
         for layer, x in q.items():
-            st.q[layer][:rows].copy_(x)
-            st.q[layer][rows:].zero_()
+            refill(st.q[layer], x, rows)
         for layer, (k, v) in (kv or {}).items():
             for buf, new in zip(st.kv[layer], (k, v)):
-                buf[:rows].copy_(new)
-                buf[rows:].zero_()
+                refill(buf, new, rows)
         st.graph.replay()
         self.replays += 1
         return {layer: o[:rows] for layer, o in st.out.items()}
@@ -155,17 +182,7 @@ class GraphedAttention:
         kvs = {}
         for layer, (k, _) in (kv or {}).items():
             kvs[layer] = (k.new_zeros(rows, *k.shape[1:]), k.new_zeros(rows, *k.shape[1:]))
-        self.backend.init_forward_metadata_capture(n, self.tokens, self.mode)
         self.captures += 1
-        if dev.type != "cuda":  # emulated (the backend's graph_emulation)
-            rec = RecordedStep(lambda: self._attend(qs, kvs))
-            return _Captured(rec, qs, kvs, rec.out)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: kernel JIT, not captured (writes: dummy row)
-            self._attend(qs, kvs)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._attend(qs, kvs)
+        graph, out = capture_step(self.backend, n, self.tokens, self.mode,
+                                  lambda: self._attend(qs, kvs), dev)
         return _Captured(graph, qs, kvs, out)

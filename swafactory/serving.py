@@ -14,8 +14,10 @@ is built here, once:
   each draft forward and the dummy back after (sglang's runner does the same);
 * one backend per runner (`build_backend`).
 
-What stays each driver's own: the harness's oracle, layer specs and pool pressure; the engine's
-HF models, greedy sampling and graph capture of whole model calls.
+Graph capture and replay go through one pair of functions both drivers call
+(`swafactory.graphs.capture_step`, `refill`), over one list of buckets
+(`swafactory.graph_sizing.BUCKETS`). What stays each driver's own: the harness's oracle, layer
+specs and pool pressure; the engine's HF models and greedy sampling.
 """
 from __future__ import annotations
 

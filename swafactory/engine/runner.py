@@ -21,7 +21,7 @@ import torch
 from swafactory.engine.readback import pinned_ids
 from swafactory.errors import SpaceError
 from swafactory.graph_sizing import BUCKETS
-from swafactory.graphs import RecordedStep
+from swafactory.graphs import capture_step, refill
 from swafactory.integrations.transformers import ATTENTION, register, routing
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
 
@@ -146,8 +146,7 @@ class Runner:
         self.backend.init_forward_metadata_replay(batch, *bucket)
         # padding rows are token 0 at position 0: no request's token (not an earlier batch's)
         for static, new in ((s_ids, ids), (s_pos, pos)):
-            static[0, :rows].copy_(new[0])
-            static[0, rows:].zero_()
+            refill(static[0], new[0], rows)
         graph.replay()
         self.graph_use["replays"] += 1
         return s_logits[0, :rows].clone()  # the static buffer is the next replay's
@@ -155,23 +154,11 @@ class Runner:
     def _capture(self, mode: ForwardMode, bs: int, tokens: int) -> tuple:
         ids = torch.zeros(1, bs * tokens, dtype=torch.long, device=self.device)
         pos = torch.zeros_like(ids)
-        self.backend.init_forward_metadata_capture(bs, tokens, mode)
-        call = lambda: self.model(input_ids=ids, position_ids=pos,  # noqa: E731
-                                  use_cache=False).logits
+
+        def step():  # the whole model call, every layer's attention through the backend
+            with routing(self.backend, writes=self.writes):
+                return self.model(input_ids=ids, position_ids=pos, use_cache=False).logits
+
         self.graph_use["captures"] += 1
-        if self.device.type != "cuda":  # emulated: the backend's graph_emulation (CPU)
-            def step():
-                with routing(self.backend, writes=self.writes):
-                    return call()
-            rec = RecordedStep(step)
-            return rec, ids, pos, rec.out
-        cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side), routing(self.backend, writes=self.writes):
-            call()  # warm-up: kernel JIT and library set-up, outside the capture
-        cur.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), routing(self.backend, writes=self.writes):
-            logits = call()
+        graph, logits = capture_step(self.backend, bs, tokens, mode, step, self.device)
         return graph, ids, pos, logits
