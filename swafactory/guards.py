@@ -122,7 +122,10 @@ def forward_error(layer_id: int, mode: str, rows: int, q_heads: int, kv_heads: i
             tensor("k", k, kv_heads)
             tensor("v", v, kv_heads)
     if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q_heads,):
+        if not isinstance(sinks, torch.Tensor):
+            reasons.append((TypeError, f"sinks must be a tensor [{q_heads}] (one per q head), "
+                                       f"got {type(sinks).__name__}"))
+        elif tuple(sinks.shape) != (q_heads,):
             reasons.append((ValueError, f"sinks must be [{q_heads}] (one per q head), got "
                                         f"{_t(sinks)}"))
         elif sinks.dtype not in Q_DTYPES:

@@ -175,15 +175,20 @@ class LayerPath:
             if pair not in self._checked:
                 self._check_layer(layer_id, g, sub, pair)
             # metadata only (ints, dtypes, devices); `guards.forward_error` names what differs
-            qs, rows = q.shape, self._plan.total_q
-            if (len(qs) != 3 or qs[0] != rows or qs[1] != self.q_heads or qs[2] != d
-                    or q.dtype not in Q_DTYPES or q.device != dev
-                    or (save_kv and (k is None or v is None or k.device != dev
-                                     or v.device != dev or k.dtype not in Q_DTYPES
-                                     or v.dtype not in Q_DTYPES))
-                    or (sinks is not None and (sinks.shape != (self.q_heads,)
-                                               or sinks.device != dev
-                                               or sinks.dtype not in Q_DTYPES))):
+            rows = self._plan.total_q
+            try:
+                qs = q.shape
+                bad = (len(qs) != 3 or qs[0] != rows or qs[1] != self.q_heads or qs[2] != d
+                       or q.dtype not in Q_DTYPES or q.device != dev
+                       or (save_kv and (k is None or v is None or k.device != dev
+                                        or v.device != dev or k.dtype not in Q_DTYPES
+                                        or v.dtype not in Q_DTYPES))
+                       or (sinks is not None and (sinks.shape != (self.q_heads,)
+                                                  or sinks.device != dev
+                                                  or sinks.dtype not in Q_DTYPES)))
+            except AttributeError:  # not a tensor (a list, an array): named below
+                bad = True
+            if bad:
                 raise forward_error(layer_id, self._plan.mode, rows, self.q_heads, hkv, d, dev,
                                     q, k, v, save_kv, sinks) or AssertionError(
                                         f"layer {layer_id}: a guard disagrees with its message")

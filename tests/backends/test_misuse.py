@@ -124,6 +124,10 @@ CASES = {
     "sinks_int64": (lambda r: lambda: _plan_then_forward(
         r, _ok(r), sinks=torch.ones(8, dtype=torch.int64, device=r.device)), TypeError,
         "sinks are int64"),
+    "q_a_list": (lambda r: lambda: _plan_then_forward(r, _ok(r), q=[[0.0]]), TypeError,
+                 "q must be a tensor [10, 8, 32], got list"),
+    "sinks_a_list": (lambda r: lambda: _plan_then_forward(r, _ok(r), sinks=[0.0] * 8), TypeError,
+                     "sinks must be a tensor [8]"),
     "row_twice_in_batch": (lambda r: lambda: _plan_then_forward(
         r, [ReqForward("a", r.row, 0, 5), ReqForward("b", r.row, 5, 5)]), ValueError,
         "requests 'a' and 'b' both use req_to_token row"),
