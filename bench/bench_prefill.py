@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-LN2 = math.log(2.0)
+from common import LN2, host_ms
+
 LAYERS = {"gemma4": 6, "gpt_oss_20b": 2}
 """Layers benched per model: one period of its layer pattern (every group, few layers)."""
 TARGET = 0.95
@@ -237,18 +238,6 @@ def events_ms(fn, reps: int) -> list[float]:
         b.synchronize()
         ts.append(a.elapsed_time(b))
     return ts
-
-
-def host_ms(fn, n: int) -> float:
-    """Median wall ms of ``fn`` between two device synchronizations."""
-    ts = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 def one_row(world: World, chunk: int, rounds: int) -> dict:

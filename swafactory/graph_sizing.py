@@ -9,14 +9,11 @@ start-up capture of every bucket holds. No torch here: `run=plan` imports it.
 """
 from __future__ import annotations
 
-__all__ = ["bucket_keys", "graph_state_estimate", "BUCKETS", "GRAPH_BUCKETS",
-           "FLASHINFER_INT_WORKSPACE"]
+__all__ = ["bucket_keys", "graph_state_estimate", "BUCKETS", "FLASHINFER_INT_WORKSPACE"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Requests per captured graph: the one list both graph drivers use (the engine runner's start-up
 capture, `graphs.GraphedAttention`'s default); a larger batch runs eagerly."""
-GRAPH_BUCKETS = BUCKETS
-"""The same list under the name `run=plan`'s estimate has used."""
 FLASHINFER_INT_WORKSPACE = 8 * 1024 * 1024
 """Bytes of the int workspace each FlashInfer 0.6 wrapper allocates for itself."""
 
@@ -47,7 +44,7 @@ def _bucket_bytes(kernel: str, n: int, tokens: int, keys: int, page: int) -> int
     return 0
 
 
-def graph_state_estimate(cfg, *, buckets=GRAPH_BUCKETS, tokens=(1,),
+def graph_state_estimate(cfg, *, buckets=BUCKETS, tokens=(1,),
                          max_context: int | None = None) -> int:
     """Bytes of the target runner's graph state once every bucket in ``buckets`` is captured
     for each query count in ``tokens``: write slots (int64) and each group's kernel buffers, at

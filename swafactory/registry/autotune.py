@@ -31,6 +31,7 @@ from swafactory.config.schema import SwaFactoryConfig
 from swafactory.registry.check import check
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.kernel_choice import PASSES, resolve_passes
+from swafactory.registry.select import resolve_auto
 from swafactory.registry.suggest import AUTO_PREFERENCE
 
 __all__ = ["SCHEMA", "Choice", "Tuning", "tune_key", "library_versions", "TuneCache",
@@ -150,12 +151,12 @@ class TuneCache:
         tmp.replace(self.path)  # atomic: a concurrent reader sees the old file or the new one
 
 
-def _with(cfg: SwaFactoryConfig, group: str, family: str, kernels: Mapping[str, str] = {}
-          ) -> SwaFactoryConfig:
+def _with(cfg: SwaFactoryConfig, group: str, family: str,
+          kernels: Mapping[str, str] | None = None) -> SwaFactoryConfig:
     """``cfg`` with group ``group`` on ``family`` and its passes' `backend.kernels` choices."""
     b = cfg.backend
     groups = b.groups.model_copy(update={group: family})
-    kc = getattr(b.kernels, group).model_copy(update=dict(kernels))
+    kc = getattr(b.kernels, group).model_copy(update=dict(kernels or {}))
     kernels_all = b.kernels.model_copy(update={group: kc})
     name = b.name if b.name != "auto" else family
     return cfg.model_copy(update={"backend": b.model_copy(update={
@@ -252,8 +253,6 @@ def tune(cfg: SwaFactoryConfig, device: DeviceInfo, timer: Timer,
     """Resolve `backend=auto` by measurement on ``device``: the cached tuning of this run's key,
     else every candidate timed with ``timer`` (then cached). Returns the tuned config (checked
     by the registry) and the `Tuning`."""
-    from swafactory.registry.select import resolve_auto
-
     cache = cache or TuneCache()
     fields = tune_key(cfg, device, versions)
     got = cache.get(fields)
