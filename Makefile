@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(VENV)/bin/python -m swafactory $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n auto
+	$(VENV)/bin/python -m pytest -q -n auto --dist loadgroup
 
 matrix: $(STAMP)
 	$(VENV)/bin/python tools/gen_support_matrix.py

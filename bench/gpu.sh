@@ -24,6 +24,9 @@
 #   prefill      bench/bench_prefill.py          fp8    bench/bench_fp8.py (gemma4, bs 64)
 #   pages        bench/bench_pages.py (gpt_oss_20b, bs 64; flash_attn needs FA4)
 #   guards       bench/bench_guards.py           soak   bench/soak.py, 2000 steps
+#   acceptance   bench/bench_acceptance.py: distilled drafts on a pretrained target, every fault
+#                with the guards off (gemma4, gpt_oss_20b x flashinfer, triton x eagle, dflash,
+#                frozen_kv_mtp); needs MODELS=1 (transformers)
 #   tp           the tensor-parallel sweep on two GPUs, tp 1 then 2, one harness process per
 #                GPU (PHASE=tp1|tp2|all; WORK keeps the sweeps between calls: a later call
 #                skips what has a result.json, RESUME=0 none; MIN_LEFT; DRY=1 plans only).
@@ -203,6 +206,10 @@ suite_pages() {
         --commit "$COMMIT"
 }
 suite_guards() { warm 64 256 512; bench 300 python3 bench/bench_guards.py --commit "$COMMIT"; }
+suite_acceptance() {
+    bench 540 python3 bench/bench_acceptance.py --models gemma4,gpt_oss_20b \
+        --backends flashinfer,triton --families eagle,dflash,frozen_kv_mtp --commit "$COMMIT"
+}
 suite_soak() { limit 300 python3 bench/soak.py --out "$D" --steps 2000 > "$D/soak.txt" 2>&1; }
 suite_runahead() {
     gpu_tests 300 tests/backends/test_run_ahead_gpu.py tests/backends/test_planning_no_sync.py \

@@ -73,7 +73,8 @@ def _names(cfg: DictConfig) -> dict[str, str]:
 
 
 def _write_result(out: Path | None, cfg: DictConfig, overrides: list[str], status: str, *,
-                   reasons: list[str] = (), report=None, error: str | None = None) -> None:
+                   reasons: list[str] = (), report=None, error: str | None = None,
+                   accept: str | None = None) -> None:
     if out is None:
         return
     from swafactory.harness.callback import JobResult
@@ -81,7 +82,7 @@ def _write_result(out: Path | None, cfg: DictConfig, overrides: list[str], statu
     n = _names(cfg)
     res = JobResult(combination=f"backend={n['backend']} spec={n['spec']} model={n['model']}",
                     overrides=overrides, status=status, reasons=list(reasons), report=report,
-                    error=error, **n)
+                    error=error, accept=accept, **n)
     (out / "result.json").write_text(res.model_dump_json(indent=1))
 
 
@@ -178,7 +179,7 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
 
 
 def _generate(conf, device, cfg, output_dir, overrides, console, sweep, tuned=()) -> int:
-    from swafactory.engine.report import render_generate, write_generate
+    from swafactory.engine.report import accept_line, render_generate, write_generate
     from swafactory.engine.run import run_generate
 
     report = run_generate(conf, device, progress=console.file)
@@ -191,7 +192,8 @@ def _generate(conf, device, cfg, output_dir, overrides, console, sweep, tuned=()
         _write_result(output_dir, cfg, overrides, report.status,
                       error=None if report.status == "ok" else report.inert
                       if report.status == "inert" else f"caught by {report.caught_by}: "
-                      f"{next(c.detail for c in report.checks if c.name == report.caught_by)}")
+                      f"{next(c.detail for c in report.checks if c.name == report.caught_by)}",
+                      accept=accept_line(report))
     if report.status == "inert":
         _stderr(console, f"generate INERT: {report.inert}")
         return EXIT_OK if sweep else EXIT_INERT

@@ -16,6 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 if "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
+# trained targets and drafts (run.target_weights=pretrained, spec.draft_weights=distilled) are
+# cached by what their weights depend on: one cache for the suite, so each trains once per clone
+os.environ.setdefault("SWAFACTORY_CACHE_DIR", str(REPO / "build" / "test-cache"))
+
 # under pytest-xdist each worker is one process: one thread each keeps the cores from thrashing
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

@@ -295,6 +295,11 @@ class RunSpec(_Frozen):
     the token embedding alone, decides the next token."""
     max_position_embeddings: int = Field(default=8192, ge=16)
     """`generate`: RoPE table length; prompts and outputs must fit in it."""
+    target_weights: Literal["random", "pretrained"] = "random"
+    """`generate`: ``random``: the seeded random weights (their greedy continuations are close to
+    chaotic, so no draft can learn them). ``pretrained``: those weights trained first on the
+    built-in lag-copy language (`engine.language`), cached on disk: a target whose text has
+    structure a draft can learn, and which it can only predict by reading its K/V."""
     guards: bool = True
     """`generate`: false turns off the typed-space checks and the NaN poisoning of freed slots, as
     an engine that embedded only the kernels would run; faults must then show end to end."""
@@ -392,6 +397,11 @@ class SwaFactoryConfig(_Frozen):
         if self.run.mode == "generate" and n is not None and n > m.num_layers:
             raise FieldError("run.num_layers", f"{n} exceeds model.num_layers={m.num_layers} of "
                              f"model={m.name}; use run.num_layers≤{m.num_layers} or null (all)")
+        w = self.spec.draft_weights
+        if self.run.mode != "generate" and w != "target":
+            raise FieldError("spec.draft_weights", f"draft weights ({w!r}) exist only in "
+                             f"run=generate, which runs HF model code; run={self.run.mode} "
+                             "serves attention alone. Add run=generate, or drop the override")
         return self
 
     @property

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from swafactory.errors import FieldError
 
 __all__ = ["SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec", "FrozenKVMTPSpec",
-           "DFlashSpec", "StandaloneSpec", "SPEC_ALGORITHMS", "DraftKV"]
+           "DFlashSpec", "StandaloneSpec", "SPEC_ALGORITHMS", "DraftKV", "DRAFT_WEIGHTS"]
 
 
 class _Frozen(BaseModel):
@@ -19,6 +19,8 @@ class _Frozen(BaseModel):
 
 
 DraftKV = Literal["none", "own_pool", "target_pool"]
+DRAFT_WEIGHTS = ("target", "random", "distilled")
+"""The keywords of ``spec.draft_weights`` (anything else is a saved draft's directory)."""
 
 
 class _SpecBase(_Frozen):
@@ -32,6 +34,28 @@ class _SpecBase(_Frozen):
     """Tokens verified per request per step, the verified root included."""
     draft_num_layers: int = Field(default=1, ge=1)
     """Attention layers of the draft model."""
+    draft_weights: str = "target"
+    """`generate`: where the draft's weights come from. ``target``: the target's own (a copy of
+    every layer for eagle, eagle3, nextn, standalone and frozen_kv_mtp, which then self-speculate;
+    DFlash: ``draft_num_layers`` of its layers). ``random``: a draft of ``draft_num_layers``
+    full-attention layers of the target's architecture, freshly initialised. ``distilled``: that
+    draft, trained on the target's greedy continuations of random prompts (cached on disk).
+    Otherwise a directory holding a saved draft (``config.json`` and safetensors)."""
+
+    @model_validator(mode="after")
+    def _weights(self) -> _SpecBase:
+        w = self.draft_weights
+        if w in DRAFT_WEIGHTS:
+            if w != "target" and self.draft_kv == "target_pool":
+                raise FieldError("draft_weights", f"{self.algorithm} reads the target's K/V "
+                                 f"through the target's own layers, so its weights are the "
+                                 f"target's; got draft_weights={w!r}. Use draft_weights=target")
+            return self
+        if not w or "/" not in w and not w.startswith("."):
+            raise FieldError("draft_weights", f"{w!r} is neither one of {', '.join(DRAFT_WEIGHTS)} "
+                             "nor a directory path; pass one of those, or a saved draft's "
+                             "directory (e.g. ./drafts/eagle)")
+        return self
 
     @property
     def is_tree(self) -> bool:
@@ -81,6 +105,7 @@ class NoSpec(_Frozen):
     num_steps: ClassVar[int] = 0
     num_draft_tokens: ClassVar[int] = 0
     draft_num_layers: ClassVar[int] = 0
+    draft_weights: ClassVar[str] = "target"
 
 
 class EagleSpec(_SpecBase):

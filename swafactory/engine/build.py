@@ -22,7 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.engine.models import draft_copy, draft_from_layers, load_target, serving_model
+from swafactory.config.specs import DRAFT_WEIGHTS
+from swafactory.engine.distill import check_draft, distill, load_draft, make_draft, weights_key
+from swafactory.engine.models import (config_key, draft_copy, draft_from_layers, load_target,
+                                      serving_model)
+from swafactory.engine.train import Trained
 from swafactory.engine.runner import Runner
 from swafactory.kvcache.factory import compute_dtype
 from swafactory.kvcache.requests import RequestSlots
@@ -33,7 +37,7 @@ from swafactory.registry.device import DeviceInfo
 from swafactory.registry.select import validate
 from swafactory.serving import build_serving
 
-__all__ = ["Parts", "build", "serving_config", "model_dtype", "OWN_COPY"]
+__all__ = ["Parts", "build", "serving_config", "model_dtype", "OWN_COPY", "copies"]
 
 OWN_COPY = ("eagle", "eagle3", "nextn", "standalone")
 """Families whose draft is a copy of the target's weights with its own pool."""
@@ -53,6 +57,8 @@ class Parts:
     slots: RequestSlots
     hf_config: dict
     draft_desc: str
+    draft_training: Trained | None = None
+    """A distilled draft's training record (None: no training)."""
 
 
 def model_dtype(cfg: SwaFactoryConfig) -> torch.dtype:
@@ -60,33 +66,46 @@ def model_dtype(cfg: SwaFactoryConfig) -> torch.dtype:
     return compute_dtype(cfg.backend.kv_dtype)
 
 
-def serving_config(cfg: SwaFactoryConfig, model, device: DeviceInfo) -> SwaFactoryConfig:
-    """``cfg`` with the model spec the HF model really has and, for drafts that mirror every
-    target layer (own-pool copies, FROZEN_KV), ``spec.draft_num_layers`` = the layer count;
-    validated again by the registry for ``device``."""
+def serving_config(cfg: SwaFactoryConfig, model, device: DeviceInfo,
+                   draft=None) -> SwaFactoryConfig:
+    """``cfg`` with the model spec the HF model really has and ``spec.draft_num_layers`` = the
+    layer count of a draft that mirrors every target layer (own-pool copies, FROZEN_KV) or of a
+    loaded ``draft``; validated again by the registry for ``device``."""
     spec = serving_model(model, cfg.model)
     data = cfg.model_dump()
     data["model"] = spec.model_dump()
-    if cfg.spec.algorithm in OWN_COPY or cfg.spec.algorithm == "frozen_kv_mtp":
+    if draft is not None:
+        data["spec"]["draft_num_layers"] = len(draft.model.layers)
+    elif copies(cfg.spec) or cfg.spec.algorithm == "frozen_kv_mtp":
         data["spec"]["draft_num_layers"] = spec.num_layers
     return validate(SwaFactoryConfig.model_validate(data), device)
 
 
+def copies(spec) -> bool:
+    """True when the draft is a copy of every target layer in an own pool (the ``copy`` layout)."""
+    return spec.algorithm in OWN_COPY and spec.draft_weights == "target"
+
+
 def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: list[int],
-          *, model=None) -> Parts:
+          *, model=None, progress=None) -> Parts:
     """Everything for one generation run of ``cfg`` (validated). ``model``: reuse an already
-    loaded target (the reference runs share its weights)."""
+    loaded target (the reference runs share its weights). ``progress``: where a distillation's
+    progress lines go."""
     dev = "cuda" if device.kind == "cuda" else "cpu"
     guards = cfg.run.guards
     graphs = cfg.backend.cuda_graph  # every forward but a prefill replays a captured model call
     if model is None:
-        model, _ = load_target(cfg, model_dtype(cfg), dev)
-    scfg = serving_config(cfg, model, device)
+        model, _, _ = load_target(cfg, model_dtype(cfg), dev)
+    w = cfg.spec.draft_weights
+    loaded = load_draft(w, dev) if w not in DRAFT_WEIGHTS else None
+    scfg = serving_config(cfg, model, device, loaded)
     m, s, P = scfg.model, scfg.spec, scfg.backend.page_size
     longest = max(p + o for p, o in zip(prompts, outs)) + step_nodes(s) + P
     chunk = min(scfg.workload.chunk_size, max(prompts))
     sizes = size_pools(scfg, scfg.workload.max_running_requests, longest, chunk=chunk)
-    layout = "copy" if s.algorithm in OWN_COPY else "config"
+    if loaded is not None:  # refused before anything is allocated
+        check_draft(loaded, model, _draft_types(scfg), m.full or m.swa, w)
+    layout = "copy" if copies(s) else "config"
     sv = build_serving(scfg, sizes.full, sizes.swa, sizes.max_requests, sizes.full_per_request,
                        dev, check_mode=guards, guards=guards, draft_layout=layout,
                        gen=torch.Generator().manual_seed(scfg.workload.seed))
@@ -97,8 +116,13 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
                   model.config.to_dict(), "-")
     if s.algorithm == "none":
         return parts
-    n, types = m.num_layers, list(m.layer_types)
-    if s.algorithm in OWN_COPY:
+    n = m.num_layers
+    if s.draft_weights != "target" or s.algorithm == "dflash":
+        model_d, parts.draft_desc, parts.draft_training = _layered_draft(
+            scfg, model, sv.draft_pool, loaded, dev, progress)
+        parts.draft = Runner("draft", model_d, sv.draft, guards=guards, graphs=graphs,
+                             max_context=longest)
+    elif s.algorithm in OWN_COPY:
         parts.draft = Runner("draft", draft_copy(model), sv.draft, guards=guards, graphs=graphs,
                              max_context=longest)
         parts.draft_desc = (f"a copy of the target's {n} layers, own "
@@ -108,20 +132,50 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
                              guards=guards, graphs=graphs, max_context=longest)
         parts.draft_desc = (f"the target's {len(frozen_draft_binding(scfg))} layers reading its "
                             "frozen K/V (writes none); step k queries position L+k over keys < L")
-    else:  # dflash
-        dpool = sv.draft_pool
-        k = s.draft_num_layers
-        dtypes = list(m.layer_types[-k:]) if dpool.is_split else ["full_attention"] * k
-        sources = _sources(types, m, dtypes)
-        model_d = draft_from_layers(model, sources, dtypes,
-                                    m.sliding_window if dpool.is_split else None)
-        parts.draft = Runner("draft", model_d, sv.draft, guards=guards, graphs=graphs,
-                             max_context=longest)
-        parts.draft_desc = (f"{k} {'target-typed' if dpool.is_split else 'full-attention'} "
-                            f"layers (weights of target layers {sources}), own "
-                            f"{'split ' if dpool.is_split else ''}pool; a block of "
-                            f"{s.block_size} that sees itself")
     return parts
+
+
+def _draft_types(scfg: SwaFactoryConfig) -> list[str]:
+    """The draft pool's layer types in the ``config`` layout: the target's last ones for a split
+    DFlash pool, full attention otherwise."""
+    s, m = scfg.spec, scfg.model
+    split = getattr(s, "draft_pool_split", False) and m.hybrid_pool and m.swa_layers
+    return list(m.layer_types[-s.draft_num_layers:]) if split else \
+        ["full_attention"] * s.draft_num_layers
+
+
+def _layered_draft(scfg: SwaFactoryConfig, model, dpool, loaded, dev: str, progress):
+    """(model, description, training) of a draft in the ``config`` layout: loaded, or the
+    target's layers (DFlash's ``target`` weights), freshly initialised, or distilled."""
+    s, m = scfg.spec, scfg.model
+    k, dtypes = s.draft_num_layers, _draft_types(scfg)
+    window = m.sliding_window if dpool.is_split else None
+    where = f"own {'split ' if dpool.is_split else ''}pool"
+    block = f"; a block of {s.block_size} that sees itself" if s.algorithm == "dflash" else ""
+    dtype = next(model.parameters()).dtype
+    if loaded is not None:
+        return (loaded.to(dtype).eval(), f"{k} layers loaded from {s.draft_weights}, {where}"
+                f"{block}", None)
+    sources = _sources(list(m.layer_types), m, dtypes)
+    kind = "target-typed" if dpool.is_split else "full-attention"
+    if s.draft_weights == "target":
+        draft = draft_from_layers(model, sources, dtypes, window)
+        return draft, (f"{k} {kind} layers (weights of target layers {sources}), {where}"
+                       f"{block}"), None
+    draft = make_draft(model, sources, dtypes, window, s.draft_weights, scfg.workload.seed)
+    trained = None
+    if s.draft_weights == "distilled":
+        # chain and tree families of one architecture learn the same thing: they share a draft
+        fields = {"target": weights_key(model), "draft": config_key(draft),
+                  "objective": "block" if s.algorithm == "dflash" else "chain",
+                  "block": getattr(s, "block_size", 1), "seed": scfg.workload.seed, "device": dev}
+        trained = distill(model, draft, family=s.algorithm, block=getattr(s, "block_size", 1),
+                          window=m.sliding_window or 0, seed=scfg.workload.seed, fields=fields,
+                          progress=progress)
+    how = "distilled from the target" if trained else "random"
+    return (draft.to(dtype).eval(), f"{k} {kind} layers of the target's architecture, {how}, "
+            f"{where}{block}", trained)
+
 
 def _sources(types: list[str], m, dtypes: list[str]) -> list[int]:
     """For each draft layer type, a target layer with the same KV geometry: the target's last

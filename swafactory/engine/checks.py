@@ -19,8 +19,8 @@ from swafactory.engine.generator import logit_gap, tie_tolerance
 from swafactory.engine.report_model import CheckResult
 from swafactory.engine.runner import attn_implementation
 
-__all__ = ["NOISE_FACTOR", "logits_tolerance", "ideal_accept", "logits_check", "lossless_check",
-           "acceptance_check"]
+__all__ = ["NOISE_FACTOR", "ACCEPT_MARGIN", "logits_tolerance", "ideal_accept", "most_accept",
+           "mean_accept", "logits_check", "lossless_check", "acceptance_check"]
 
 
 def logits_tolerance(cfg: SwaFactoryConfig) -> float:
@@ -37,13 +37,25 @@ def logits_tolerance(cfg: SwaFactoryConfig) -> float:
 NOISE_FACTOR = 4.0
 """How many times transformers' own eager error (against fp64) the backend's may be: both sit
 about that far from the fp64 logits, in different directions."""
+ACCEPT_MARGIN = 0.1
+"""A draft of its own weights fails ``acceptance`` when its mean accept length falls more than this
+share below its clean twin's: a broken pool collapses it far more (the symptom users saw), while
+a correct run on another kernel or batch shape moves it only at argmax near-ties."""
 
 
 def ideal_accept(spec) -> int | None:
     """Tokens a perfect self-speculating draft commits per step: a chain's num_steps + 1; a
     tree's verified greedy depth + 1 (the greedy node of level l sits at BFS index
     1 + topk·(l-1) and is verified when that is < num_draft_tokens). None: no ideal."""
-    if spec.algorithm not in OWN_COPY:
+    if spec.algorithm not in OWN_COPY or spec.draft_weights != "target":
+        return None
+    return most_accept(spec)
+
+
+def most_accept(spec) -> int | None:
+    """The most tokens one step can commit (what a perfect draft would): a chain's
+    num_steps + 1, a tree's verified greedy depth + 1, a DFlash block. None without a draft."""
+    if spec.algorithm == "none":
         return None
     if not spec.is_tree:
         return spec.num_draft_tokens
@@ -149,8 +161,39 @@ def _excuse(r, step: int, ideal: int, tie: float, rounding: float) -> str | None
     return None
 
 
-def acceptance_check(cfg: SwaFactoryConfig, reqs, ref, rounding: float) -> CheckResult:
-    """A self-speculating copy (`OWN_COPY`) commits the ideal length every step; frozen_kv_mtp
+def mean_accept(reqs) -> float | None:
+    """The mean accept length over every spec step of ``reqs`` (`GenReq`s)."""
+    a = [x for r in reqs for x in r.accepts]
+    return sum(a) / len(a) if a else None
+
+
+def _against_clean(cfg: SwaFactoryConfig, reqs, clean) -> CheckResult:
+    """A draft of its own weights has no ideal: its mean accept length must stay within
+    `ACCEPT_MARGIN` of its clean twin's (``clean``: the same config with faults=none, an
+    `_Outcome`; None: this run has no fault and is that twin)."""
+    most = most_accept(cfg.spec)
+    mine = mean_accept(reqs)
+    if mine is None:
+        return CheckResult(name="acceptance", status="skipped", detail="no spec step ran")
+    if clean is None:
+        return CheckResult(name="acceptance", status="ok", detail=f"mean accept length "
+                           f"{mine:.2f} of at most {most}; no fault, so this run is the clean twin")
+    if clean.error is not None or clean.gen is None:
+        return CheckResult(name="acceptance", status="skipped",
+                           detail=f"the clean twin (faults=none) stopped: {clean.error}")
+    twin = mean_accept(clean.gen.done) or 0.0
+    drop = (twin - mine) / twin if twin else 0.0
+    detail = (f"mean accept length {mine:.2f} against the clean twin's {twin:.2f} (faults=none, "
+              f"at most {most}): a drop of {100 * drop:.0f}%, the margin is "
+              f"{100 * ACCEPT_MARGIN:.0f}%")
+    return CheckResult(name="acceptance", status="failed" if drop > ACCEPT_MARGIN else "ok",
+                       detail=("accept length collapsed: " if drop > ACCEPT_MARGIN else "") + detail)
+
+
+def acceptance_check(cfg: SwaFactoryConfig, reqs, ref, rounding: float, clean=None
+                     ) -> CheckResult:
+    """A draft of its own weights (``spec.draft_weights`` not ``target``) keeps its clean twin's
+    mean accept length (``clean``, see `_against_clean`). A self-speculating copy (`OWN_COPY`) commits the ideal length every step; frozen_kv_mtp
     and dflash commit what ``ref`` (the torch backend's fault-free `_Outcome`; None: this run
     is that reference) commits, step by step. reqs: `GenReq`s. ``rounding``: how far apart
     two correct runs' logits may put two tokens, relative to the largest |logit|: the
@@ -159,6 +202,8 @@ def acceptance_check(cfg: SwaFactoryConfig, reqs, ref, rounding: float) -> Check
     s = cfg.spec
     if s.algorithm == "none":
         return CheckResult(name="acceptance", status="skipped", detail="no speculative decoding")
+    if s.draft_weights != "target":
+        return _against_clean(cfg, reqs, clean)
     ideal = ideal_accept(s)
     if ideal is not None:
         tie = tie_tolerance(model_dtype(cfg))

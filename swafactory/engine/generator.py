@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swafactory.engine.build import Parts, model_dtype
+from swafactory.engine.distill import MASK_TOKEN
 from swafactory.engine.readback import Readback, pinned_ids
 from swafactory.engine.report_model import GenStep, Rejection
 from swafactory.engine.runner import NonFinite
@@ -40,8 +41,6 @@ from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, fault_
 
 __all__ = ["GenReq", "Generator", "MASK_TOKEN", "logit_gap", "rejection", "tie_tolerance"]
 
-MASK_TOKEN = 0
-"""The token id of a DFlash block's not-yet-drafted positions."""
 
 
 def tie_tolerance(dtype: torch.dtype) -> float:

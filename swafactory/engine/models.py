@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TextIO
 
 import torch
 
@@ -20,7 +21,7 @@ from swafactory.config.schema import Geometry, ModelSpec, SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["ARCHITECTURES", "require_transformers", "target_config", "post_init", "load_target",
-           "serving_model", "attention_modules", "draft_copy", "draft_from_layers"]
+           "serving_model", "attention_modules", "draft_copy", "draft_from_layers", "config_key"]
 
 ARCHITECTURES = {"gemma4": "Gemma4ForCausalLM", "gemma4_moe": "Gemma4ForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM",
@@ -123,11 +124,15 @@ def post_init(model, architecture: str | None) -> dict[str, float]:
     return out
 
 
-def load_target(cfg: SwaFactoryConfig, dtype: torch.dtype, device: str):
-    """(model, post_init): random weights from `target_config` under ``torch.manual_seed(seed)``
-    then `post_init`, or ``from_pretrained(model.checkpoint, local_files_only=True)`` (no
-    post_init: {}); eager attention."""
+def load_target(cfg: SwaFactoryConfig, dtype: torch.dtype, device: str,
+                progress: TextIO | None = None):
+    """(model, post_init, training): random weights from `target_config` under
+    ``torch.manual_seed(seed)`` then `post_init`, trained on the built-in language first with
+    ``run.target_weights=pretrained`` (`language.pretrain`; training: its `Trained` record, else
+    None); or ``from_pretrained(model.checkpoint, local_files_only=True)`` (no post_init: {}).
+    Eager attention."""
     tf = require_transformers()
+    trained = None
     if cfg.model.checkpoint:
         try:
             model = tf.AutoModelForCausalLM.from_pretrained(
@@ -139,13 +144,30 @@ def load_target(cfg: SwaFactoryConfig, dtype: torch.dtype, device: str):
     else:
         config = target_config(cfg)
         torch.manual_seed(cfg.workload.seed)
+        pre = cfg.run.target_weights == "pretrained"
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                    dtype=dtype)
+                                                    dtype=torch.float32 if pre else dtype)
     recipe = {} if cfg.model.checkpoint else post_init(model, cfg.model.architecture)
     with torch.no_grad():
         for name, value in recipe.items():
             model.get_parameter(name).fill_(value)
-    return model.to(device).eval(), recipe
+    model = model.to(device)
+    if not cfg.model.checkpoint and cfg.run.target_weights == "pretrained":
+        from swafactory.engine.language import pretrain
+
+        key = {"config": config_key(model), "post_init": recipe, "device": device}
+        trained = pretrain(model, cfg.model.sliding_window, cfg.workload.seed, key, progress)
+        model = model.to(dtype)
+    return model.eval(), recipe, trained
+
+
+def config_key(model) -> dict:
+    """The model config's fields that decide its weights (not transformers' bookkeeping)."""
+    d = model.config.to_dict()
+    for k in ("transformers_version", "_attn_implementation_autoset", "dtype", "torch_dtype",
+              "_name_or_path", "architectures"):
+        d.pop(k, None)
+    return d
 
 
 def attention_modules(model) -> list[torch.nn.Module]:

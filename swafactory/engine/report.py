@@ -13,7 +13,7 @@ from rich.table import Table
 from swafactory.engine.report_model import GenerateReport
 from swafactory.report_files import write_report_files
 
-__all__ = ["GenProgress", "render_generate", "write_generate", "figure"]
+__all__ = ["GenProgress", "render_generate", "write_generate", "figure", "accept_line"]
 
 
 class GenProgress:
@@ -48,6 +48,18 @@ class GenProgress:
               f"{100 * self.peak_swa:.1f}% · {now:.0f} s", file=self.file, flush=True)
 
 
+def accept_line(r: GenerateReport) -> str | None:
+    """``accept length 1.00 tok/step, clean twin 6.86 (at most 8)``: the run's mean accept length
+    beside its clean twin's when a fault was on, and the ideal or the most a step commits.
+    None without speculative decoding."""
+    if r.accept_len is None:
+        return None
+    twin = "" if r.accept_len_clean is None else f", clean twin {r.accept_len_clean:.2f}"
+    bound = f" (ideal {r.ideal_accept_len:g})" if r.ideal_accept_len is not None else \
+        f" (at most {r.max_accept_len})" if r.max_accept_len else ""
+    return f"accept length {r.accept_len:.2f} tok/step{twin}{bound}"
+
+
 def render_generate(r: GenerateReport, console: Console) -> None:
     """The end-of-run summary: header, the checks, the figures, the stop reason."""
     colour = {"ok": "green", "inert": "yellow"}.get(r.status, "red")
@@ -68,8 +80,7 @@ def render_generate(r: GenerateReport, console: Console) -> None:
     tokens = sum(len(q.generated_ids) for q in r.requests)
     logits = "-" if r.logits_max_rel_err is None else \
         f"{r.logits_max_rel_err:.2e} (tol {r.logits_tolerance:.1e}, {r.logits_positions} positions)"
-    acc = "-" if r.accept_len is None else f"{r.accept_len:.2f} tok/step" + (
-        "" if r.ideal_accept_len is None else f" (ideal {r.ideal_accept_len:g})")
+    acc = (accept_line(r) or "-").removeprefix("accept length ")
     pairs = [("requests / tokens", f"{len(r.requests)} / {tokens}"),
              ("wall", f"{r.wall_s:.1f} s, {r.tokens_per_s:.1f} tok/s (+{r.reference_s:.1f} s "
                       "references)"),
@@ -104,9 +115,9 @@ def figure(r: GenerateReport):
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(9, 6), layout="constrained")
+    fig = Figure(figsize=(9, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
-    ax, ax_pool = fig.subplots(2, 1, sharex=False)
+    ax, ax_pool, ax_hist = fig.subplots(3, 1, sharex=False)
     fig.suptitle(f"{r.combination} ({r.architecture}): {r.status}"
                  + (f", caught by {r.caught_by}" if r.caught_by else ""))
     for q in r.requests:
@@ -115,6 +126,9 @@ def figure(r: GenerateReport):
                     label=f"request {q.rid}")
     if r.ideal_accept_len is not None:
         ax.axhline(r.ideal_accept_len, color="grey", linestyle="--", linewidth=1, label="ideal")
+    if r.accept_len_clean is not None:
+        ax.axhline(r.accept_len_clean, color="green", linestyle=":", linewidth=1.2,
+                   label="clean twin (mean)")
     if not any(q.accept_lengths for q in r.requests):
         ax.text(0.5, 0.5, "no spec steps", ha="center", transform=ax.transAxes)
     else:
@@ -128,9 +142,26 @@ def figure(r: GenerateReport):
     ax_pool.set_xlabel("scheduler step")
     ax_pool.set_ylabel("used / total")
     ax_pool.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
-    for a in (ax, ax_pool):  # steps are whole numbers: no tick at 0.25
+    _histogram(ax_hist, r)
+    for a in (ax, ax_pool, ax_hist):  # steps and lengths are whole numbers: no tick at 0.25
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
     return fig
+
+
+def _histogram(ax, r: GenerateReport) -> None:
+    """Per request, how many spec steps committed each accept length (grouped bars)."""
+    reqs = [q for q in r.requests if q.accept_histogram]
+    if not reqs:
+        ax.text(0.5, 0.5, "no spec steps", ha="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    width = 0.8 / len(reqs)
+    for i, q in enumerate(reqs):
+        xs = [a + (i - (len(reqs) - 1) / 2) * width for a in range(len(q.accept_histogram))]
+        ax.bar(xs[1:], q.accept_histogram[1:], width=width, label=f"request {q.rid}")
+    ax.set_xlabel("accept length (tokens committed in one spec step)")
+    ax.set_ylabel("spec steps")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
 
 
 def _plot(r: GenerateReport, path: Path) -> None:

@@ -63,6 +63,9 @@ class RequestRecord(_Model):
     """Positions where the target's top two logits were within the tie tolerance."""
     rejections: list[Rejection] = []
     """Each chain step's first rejected draft (none where every draft was accepted)."""
+    accept_histogram: list[int] = []
+    """Spec steps that committed each length: entry a counts the steps that committed a tokens
+    (entry 0 stays 0: a step always commits its root)."""
 
 
 class GenStep(_Model):
@@ -138,6 +141,17 @@ class GenerateReport(_Model):
     """Greedy tokens equal spec=none's (None: spec=none itself, or the run stopped)."""
     accept_len: float | None
     """Mean accept length over every spec step."""
+    max_accept_len: int | None = None
+    """The most tokens one spec step can commit with this spec (chain length, verified tree
+    depth + 1, DFlash block): the ideal a perfect draft would reach."""
+    accept_len_clean: float | None = None
+    """A draft of its own weights, with a fault on: the clean twin's mean accept length (the same
+    config with faults=none, run in the same process), beside ``accept_len``."""
+    target_training: dict[str, Any] | None = None
+    """``run.target_weights=pretrained``: how the target was trained (`engine.train.Trained`)."""
+    draft_training: dict[str, Any] | None = None
+    """``spec.draft_weights=distilled``: the draft's training: steps, seconds, final loss, held-out
+    top-1 agreement with the target, whether it came from the cache, and its directory."""
     ideal_accept_len: float | None
     """num_steps + 1 (a chain), depth + 1 (a tree's verified greedy path); None where no ideal
     exists (frozen_kv_mtp, dflash: compared with the torch backend step by step)."""

@@ -38,7 +38,7 @@ import torch
 from swafactory.config.schema import FaultsSpec, NoSpec, SwaFactoryConfig
 from swafactory.engine.build import build, model_dtype
 from swafactory.engine.checks import (acceptance_check, ideal_accept, logits_check,
-                                      logits_tolerance, lossless_check)
+                                      logits_tolerance, lossless_check, mean_accept, most_accept)
 from swafactory.engine.generator import Generator
 from swafactory.engine.models import load_target, require_transformers
 from swafactory.guards import GuardError
@@ -46,7 +46,7 @@ from swafactory.engine.report import GenProgress
 from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateReport,
                                             RequestRecord)
 from swafactory.engine.runner import NonFinite
-from swafactory.errors import CapacityError, SpaceError
+from swafactory.errors import CapacityError, ConfigError, SpaceError
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.inert import inert_message
 from swafactory.registry.device import DeviceInfo, detect_device
@@ -100,13 +100,18 @@ class _Outcome:
 
 
 def _generate(cfg: SwaFactoryConfig, device: DeviceInfo, model, prompts, outs,
-              on_step: Callable[[Generator], None] | None = None) -> _Outcome:
-    t0 = time.perf_counter()
+              on_step: Callable[[Generator], None] | None = None,
+              progress: TextIO | None = None) -> _Outcome:
     parts = gen = None
+    t0 = time.perf_counter()
     try:
-        parts = build(cfg, device, [len(p) for p in prompts], outs, model=model)
+        parts = build(cfg, device, [len(p) for p in prompts], outs, model=model,
+                      progress=progress)
+        t0 = time.perf_counter()  # a draft's distillation is reported on its own
         gen = Generator(parts, prompts, outs, on_step)
         gen.run()
+    except ConfigError:
+        raise  # a refusal (a saved draft that does not fit): before anything was allocated
     except CapacityError as exc:
         if gen is None or gen.step == 0:
             raise  # nothing ran: the pools cannot hold this workload, a refusal
@@ -146,16 +151,16 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     dev = device or detect_device(cfg.workload.device)
     cfg = validate(cfg, dev)
     torch_dev = "cuda" if dev.kind == "cuda" else "cpu"
-    model, recipe = load_target(cfg, model_dtype(cfg), torch_dev)
+    model, recipe, target_training = load_target(cfg, model_dtype(cfg), torch_dev, progress)
     prompts, outs = draws(cfg, model.config.vocab_size)
     on_step = None if progress is None else GenProgress(
         progress, len(prompts), estimate_steps(cfg, [len(p) for p in prompts], outs))
     FAULT_COUNTS.clear()  # each fault branch counts the times it acted in the main run
-    main = _generate(cfg, dev, model, prompts, outs, on_step)
+    main = _generate(cfg, dev, model, prompts, outs, on_step, progress)
     acted = FAULT_COUNTS.of(cfg.faults.active)  # the reference runs below have no fault
     t_ref = time.perf_counter()
     s = cfg.spec
-    none_run = torch_run = twin = None
+    none_run = torch_run = twin = clean = None
     checks: dict[str, CheckResult] = {}
     tol = logits_tolerance(cfg)
     if main.error is not None:
@@ -186,13 +191,25 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
                                                             cfg.backend.name != "torch"):
             torch_run = _generate(_variant(cfg, dev, torch_backend=True), dev, model, prompts, outs)
             ref = torch_run
+        if s.draft_weights != "target" and cfg.faults.active:  # the clean twin: faults=none
+            clean = _generate(cfg.model_copy(update={"faults": FaultsSpec()}), dev, model,
+                              prompts, outs)
         sound = all(checks[c].status == "ok" for c in ("logits", "draft_logits") if c in checks)
-        checks["acceptance"] = acceptance_check(cfg, reqs, ref, err + derr if sound else 0.0)
+        checks["acceptance"] = acceptance_check(cfg, reqs, ref, err + derr if sound else 0.0,
+                                                clean)
     ref_s = time.perf_counter() - t_ref
     failed = [c for c in CHECK_ORDER if c in checks and checks[c].status == "failed"]
     return _report(cfg, dev, tf.__version__, model, main, checks, failed,
                    err if main.error is None else None, npos if main.error is None else 0,
-                   none_run, ref_s, tol, recipe, twin, acted)
+                   none_run, ref_s, tol, recipe, twin, acted, clean, target_training)
+
+
+def _histogram(accepts: list[int]) -> list[int]:
+    """Counts of each accept length (index = length)."""
+    out = [0] * (max(accepts, default=0) + 1)
+    for a in accepts:
+        out[a] += 1
+    return out
 
 
 def _tokens_per_s(run: _Outcome | None) -> float | None:
@@ -203,12 +220,14 @@ def _tokens_per_s(run: _Outcome | None) -> float | None:
 
 def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, npos, none_run,
             ref_s, tol, recipe, twin: _Outcome | None = None,
-            acted: dict[str, int] | None = None) -> GenerateReport:
+            acted: dict[str, int] | None = None, clean: _Outcome | None = None,
+            target_training=None) -> GenerateReport:
     gen = main.gen
     reqs = sorted([*(gen.done if gen else []), *(gen.running if gen else [])], key=lambda r: r.rid)
     records = [RequestRecord(rid=r.rid, prompt_ids=r.prompt, generated_ids=r.generated[:r.out],
                              max_new_tokens=r.out, accept_lengths=r.accepts,
-                             tie_positions=sorted(set(r.ties)), rejections=r.rejections)
+                             tie_positions=sorted(set(r.ties)), rejections=r.rejections,
+                             accept_histogram=_histogram(r.accepts))
                for r in reqs]
     accepts = [a for r in reqs for a in r.accepts]
     steps = gen.history if gen else []
@@ -236,7 +255,12 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
         steps=steps, logits_max_rel_err=err, logits_tolerance=tol,
         logits_positions=npos, lossless=lossless,
         accept_len=sum(accepts) / len(accepts) if accepts else None,
-        ideal_accept_len=ideal_accept(cfg.spec), checks=[checks[c] for c in CHECK_ORDER],
+        ideal_accept_len=ideal_accept(cfg.spec), max_accept_len=most_accept(cfg.spec),
+        accept_len_clean=None if clean is None or clean.gen is None else
+        mean_accept(clean.gen.done),
+        target_training=None if target_training is None else target_training.as_dict(),
+        draft_training=None if main.parts is None or main.parts.draft_training is None else
+        main.parts.draft_training.as_dict(), checks=[checks[c] for c in CHECK_ORDER],
         caught_by=failed[0] if failed else None, failed_checks=failed,
         error=None if main.error is None else f"{type(main.error).__name__}: {main.error} "
               f"(at step {gen.step if gen else 0}, {gen.current[0]} {gen.current[1]})"

@@ -50,6 +50,9 @@ class JobResult(BaseModel):
     """An exception that ended the job before a Report existed (`failed` only), or a
     `run=generate` job's verdict (`failed`: the check that caught it; `inert`: the fault that
     never acted), which has no conformance Report."""
+    accept: str | None = None
+    """A `run=generate` job with speculative decoding: its mean accept length, beside its clean
+    twin's where a fault was on (`engine.report.accept_line`)."""
 
     @model_validator(mode="after")
     def _status_has_its_evidence(self) -> JobResult:
@@ -117,6 +120,9 @@ def _row(res: JobResult, same: list[JobResult] = ()) -> str:
                    if res.report else _cell(res.error or ""))
     else:
         details = _failed_details(res)
+    if res.accept:
+        details = (_cell(res.accept) + ("<br>" + details if details else "")) if \
+            res.report is not None or res.status != "ok" else _cell(res.accept)
     apart = _distinct(res, same) if len(same) > 1 else ""
     if apart:
         details = _cell(apart) + "<br>" + details

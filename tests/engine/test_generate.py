@@ -92,7 +92,7 @@ def test_the_guards_catch_a_seed_fault_first() -> None:
 
 def test_a_saved_checkpoint_generates_the_tokens_of_its_weights(tmp_path) -> None:
     cfg = swafactory.compose([*SMALL, "model=tiny", "spec=eagle"])
-    model, _ = load_target(cfg, __import__("torch").float32, "cpu")
+    model, _, _ = load_target(cfg, __import__("torch").float32, "cpu")
     model.save_pretrained(tmp_path / "ckpt")
     fresh = run_generate(cfg)
     loaded = _gen("model=tiny", "spec=eagle", f"model.checkpoint={tmp_path / 'ckpt'}")
@@ -135,13 +135,15 @@ def test_the_report_plot_has_whole_step_ticks_and_legends_outside() -> None:
     r = _gen("model=tiny", "spec=eagle3")
     fig = figure(r)
     fig.canvas.draw()
-    ax, ax_pool = fig.axes
+    ax, ax_pool, ax_hist = fig.axes
     assert max(len(q.accept_lengths) for q in r.requests) < 8  # few steps: where 0.25 ticks came
-    for a in (ax, ax_pool):
+    for a in (ax, ax_pool, ax_hist):
         ticks = [t for t in a.get_xticks() if a.get_xlim()[0] <= t <= a.get_xlim()[1]]
         assert len(ticks) >= 2 and all(t == int(t) for t in ticks), ticks
         box = a.get_legend().get_window_extent(fig.canvas.get_renderer())
         assert box.x0 >= a.bbox.x1, (box, a.bbox)  # right of the axes, over none of the points
+    bars = sum(len(c) for c in ax_hist.containers)  # a bar per request and accept length seen
+    assert bars == sum(len(q.accept_histogram) - 1 for q in r.requests if q.accept_histogram)
 
 
 def test_generate_fields_are_validated() -> None:

@@ -1,0 +1,98 @@
+"""The built-in synthetic language a ``run.target_weights=pretrained`` target is trained on.
+
+Lag copy: a sequence's first ``lag`` tokens are random, and every later token repeats the one
+``lag`` positions back. A model that has learnt it predicts its next token by attending to
+one key ``lag - 1`` positions back: its greedy continuation of any prompt is the prompt's last
+``lag`` tokens, repeated. A draft can learn that exactly, but only by reading the right K/V.
+
+The lag is the model's sliding window plus 8 (`lag_for`): the key a token copies lies outside
+the window, so only full-attention layers reach it, in the target and in a full-attention
+draft. A draft whose out-of-window keys are lost (translated through the SWA mapping, evicted,
+read from the wrong pool) then loses its accept length at once: the symptom users saw.
+
+Token 0 never occurs: it is the models' padding id (a zero embedding) and DFlash's mask token.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TextIO
+
+import torch
+
+from swafactory.engine.train import (Batch, Recipe, Trained, cache_dir, load_cached, load_weights,
+                                     save_cached, train)
+
+__all__ = ["PRETRAIN", "lag_for", "lag_copy", "lag_copy_agreement", "greedy", "pretrain"]
+
+
+def lag_for(window: int | None) -> int:
+    """The language's lag for a model of sliding ``window`` (None: no sliding layers): 8 keys
+    beyond the window, so every workload's prompt (the window plus at least 8) holds a period."""
+    return (window or 0) + 8
+
+
+def lag_copy(batch: int, length: int, vocab: int, gen: torch.Generator, lag: int
+             ) -> torch.Tensor:
+    """[batch, length] int64 sequences of the language, ids in [1, vocab)."""
+    head = torch.randint(1, vocab, (batch, lag), generator=gen)
+    return head.repeat(1, length // lag + 1)[:, :length]
+
+
+def lag_copy_agreement(seqs: torch.Tensor, start: int, lag: int) -> float:
+    """The share of positions ≥ ``start`` of [batch, length] ``seqs`` that repeat the token
+    ``lag`` back: how well a model's greedy continuations (from ``start``) follow the language."""
+    return float((seqs[:, start:] == seqs[:, start - lag:seqs.shape[1] - lag]).float().mean())
+
+
+PRETRAIN = Recipe(steps=200, lr=1e-2, batch=32)
+"""The target's recipe: at the tiny geometry it learns the language to a loss near 0 in about
+130 steps (measured on the CPU machine), then decays."""
+PERIODS = 3
+"""A training sequence holds this many periods of the lag (the first one random)."""
+
+
+def greedy(model, prompts: torch.Tensor, new: int) -> torch.Tensor:
+    """[B, P + new] int64: ``prompts`` ([B, P] int64) and ``model``'s greedy continuation, by
+    transformers' own generate with eager attention (no swafactory in the loop)."""
+    from swafactory.engine.runner import attn_implementation
+
+    with torch.no_grad(), attn_implementation(model, "eager"):
+        return model.generate(prompts, attention_mask=torch.ones_like(prompts),
+                              max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+
+
+def pretrain(model, window: int | None, seed: int, key: dict,
+             progress: TextIO | None = None) -> Trained:
+    """Train ``model`` (fp32, eager, random weights) on the lag-copy language of its sliding
+    ``window``, or load the cached result for ``key`` (the fields its weights depend on:
+    config, seed, post_init)."""
+    lag = lag_for(window)
+    fields = {**key, "seed": seed, "recipe": asdict(PRETRAIN), "language": f"lag_copy/{lag}",
+              "periods": PERIODS}
+    path = cache_dir("targets", fields)
+    hit = load_cached(path, fields)
+    if hit is not None:
+        load_weights(model, path)
+        model.eval()
+        return Trained(**{**hit, "seconds": 0.0, "cached": True, "path": str(path)})
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch(step: int) -> Batch:
+        x = lag_copy(PRETRAIN.batch, PERIODS * lag + 1, vocab, gen, lag).to(model.device)
+        labels = x[:, 1:].clone()
+        labels[:, :lag - 1] = -100  # the random head cannot be predicted
+        return Batch(x[:, :-1], labels)
+
+    if progress is not None:
+        print(f"pretraining the target on the lag-{lag} copy language ({PRETRAIN.steps} steps)",
+              file=progress, flush=True)
+    seconds, loss = train(model, batch, PRETRAIN, label="target", progress=progress)
+    held = torch.Generator().manual_seed(seed + 1)
+    prompts = torch.randint(1, vocab, (16, lag + 8), generator=held).to(model.device)
+    agree = lag_copy_agreement(greedy(model, prompts, 16).cpu(), prompts.shape[1], lag)
+    trained = Trained("target", PRETRAIN.steps, seconds, seconds, loss, agree, False, str(path),
+                      asdict(PRETRAIN))
+    save_cached(model, path, fields, trained)
+    return trained

@@ -1,0 +1,169 @@
+"""Training the generator's models with their own HF model code: a recipe, one loop with
+progress lines, and an on-disk cache keyed by everything the weights depend on.
+
+Used twice: a ``run.target_weights=pretrained`` target learns the built-in language
+(`engine.language`), and a ``spec.draft_weights=distilled`` draft learns the target's greedy
+continuations (`engine.distill`). Both train in fp32 with eager attention (swafactory's backend
+serves; it does not train), then are cast to the run's dtype.
+
+The cache is ``$SWAFACTORY_CACHE_DIR`` (default ``~/.cache/swafactory``) / ``<kind>/<key>``: a
+directory written by ``save_pretrained`` (so ``spec.draft_weights=<that directory>`` loads a
+cached draft) plus ``swafactory.json`` with the key's fields and the training record.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+__all__ = ["Recipe", "Batch", "Trained", "cache_root", "cache_dir", "load_cached", "save_cached",
+           "load_weights", "train"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a model is trained: AdamW at ``lr`` (linear decay to a tenth over the last half),
+    gradients clipped to norm 1, ``steps`` batches of ``batch`` sequences."""
+
+    steps: int
+    lr: float
+    batch: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One training batch. ids, labels: [B, T] int64 (label -100: no loss there). masks:
+    attention masks by layer type, each [B, 1, T, T] fp32 (0 attends, -inf does not); None:
+    the model's own causal masks."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    masks: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What report.json says about a trained model."""
+
+    what: str
+    """``target`` or ``draft <family>``."""
+    steps: int
+    seconds: float
+    """Training time (0 when loaded from the cache; ``trained_s`` keeps the first run's)."""
+    trained_s: float
+    final_loss: float
+    heldout_top1: float | None
+    """Top-1 agreement with the target on held-out data (a draft) or with the language (a target)."""
+    cached: bool
+    path: str
+    recipe: dict
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def cache_root() -> Path:
+    """Where trained models are kept (``$SWAFACTORY_CACHE_DIR`` or ``~/.cache/swafactory``)."""
+    return Path(os.environ.get("SWAFACTORY_CACHE_DIR", Path.home() / ".cache" / "swafactory"))
+
+
+def cache_dir(kind: str, fields: dict) -> Path:
+    """The cache directory of ``kind`` (``targets`` or ``drafts``) for these key fields."""
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return cache_root() / kind / hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_cached(path: Path, fields: dict) -> dict | None:
+    """The training record cached at ``path`` for exactly these fields, or None."""
+    try:
+        meta = json.loads((path / "swafactory.json").read_text())
+    except (OSError, ValueError):
+        return None  # not trained yet, or a damaged entry: train again
+    same = json.loads(json.dumps(fields, sort_keys=True, default=str))
+    if meta.get("fields") != same or not (path / "model.safetensors").exists():
+        return None
+    return meta["trained"]
+
+
+def save_cached(model, path: Path, fields: dict, trained: Trained) -> None:
+    """Write ``model`` (``save_pretrained``) and its record to ``path``: into a fresh directory
+    beside it, renamed into place, so a reader (another test worker, another run) never sees a
+    half-written entry. When ``path`` appeared meanwhile, the first writer's entry stays."""
+    import shutil
+    import tempfile
+
+    from transformers.utils import logging as tf_logging
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    tf_logging.disable_progress_bar()  # the run prints its own progress
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        tf_logging.enable_progress_bar()
+    meta = {"fields": json.loads(json.dumps(fields, sort_keys=True, default=str)),
+            "trained": trained.as_dict()}
+    (tmp / "swafactory.json").write_text(json.dumps(meta, indent=1))
+    try:
+        tmp.rename(path)
+    except OSError:  # already there (a concurrent writer, or a damaged entry): keep it
+        if load_cached(path, fields) is None:
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_weights(model, path: Path) -> None:
+    """Load the safetensors weights saved at ``path`` into ``model`` (same architecture)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied heads are not saved
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}: weights do not match the model (missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]})")
+
+
+def _loss(model, b: Batch) -> torch.Tensor:
+    out = model(input_ids=b.ids, attention_mask=b.masks, use_cache=False)
+    logits = out.logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             b.labels.reshape(-1), ignore_index=-100)
+
+
+def train(model, batches: Callable[[int], Batch], recipe: Recipe, *, label: str,
+          progress: TextIO | None = None) -> tuple[float, float]:
+    """Train ``model`` (fp32, in place) on ``batches(step)``; returns (seconds, final loss: the
+    mean of the last tenth of the steps). Prints ``label`` with the step, loss and time ten
+    times to ``progress``."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    half = recipe.steps // 2
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: 1.0 if i < half else max(0.1, 1.0 - 0.9 * (i - half) / max(1, half)))
+    t0, tail = time.perf_counter(), []
+    every = max(1, recipe.steps // 10)
+    for step in range(recipe.steps):
+        loss = _loss(model, batches(step))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        value = float(loss.detach())
+        if step >= recipe.steps - max(1, recipe.steps // 10):
+            tail.append(value)
+        if progress is not None and (step % every == 0 or step == recipe.steps - 1):
+            print(f"  {label}: step {step + 1}/{recipe.steps}, loss {value:.3f}, "
+                  f"{time.perf_counter() - t0:.1f} s", file=progress, flush=True)
+    model.eval()
+    return time.perf_counter() - t0, sum(tail) / len(tail)
