@@ -83,19 +83,22 @@ def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    shown = [r for r in rows if r.get("accept") is not None]
+    shown = [r for r in rows if r.get("accept") is not None][::-1]  # the first row on top
+    clean = {(r["model"], r["backend"], r["family"]): r["accept"] for r in shown
+             if r["fault"] == "none"}  # the faults=none row of the same config: its clean twin
     fig = Figure(figsize=(10, 0.3 * len(shown) + 1.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     ys = range(len(shown))
     ax.barh([y + 0.2 for y in ys], [r["accept"] for r in shown], height=0.4, label="this run")
-    ax.barh([y - 0.2 for y in ys], [r["clean"] or r["accept"] if r["fault"] != "none" else
-                                    r["accept"] for r in shown], height=0.4, label="clean twin")
+    ax.barh([y - 0.2 for y in ys], [r["clean"] if r.get("clean") is not None else
+                                    clean.get((r["model"], r["backend"], r["family"]), 0)
+                                    for r in shown], height=0.4, label="clean twin (faults=none)")
     ax.set_yticks(list(ys), [f"{r['model']} {r['backend']} {r['family']} {r['fault']}"
                              for r in shown], fontsize="small")
     ax.set_xlabel("mean accept length (tokens per spec step)")
     ax.legend(loc="lower right")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from swafactory.engine.report_model import GenerateReport
+from swafactory.progress_lines import LineClock
 from swafactory.report_files import write_report_files
 
 __all__ = ["GenProgress", "render_generate", "write_generate", "figure", "accept_line"]
@@ -22,10 +23,9 @@ class GenProgress:
     The generator calls it after each step; the reference runs print nothing."""
 
     def __init__(self, file: TextIO, requests: int, est_steps: int, every_s: float = 10.0) -> None:
-        self.file, self.requests, self.est, self.every_s = file, requests, est_steps, every_s
+        self.file, self.requests, self.est = file, requests, est_steps
+        self.clock = LineClock(every_s)
         self.t0 = time.perf_counter()
-        self._step: int | None = None
-        self._at = 0.0
         self.peak_swa = 0.0
 
     def __call__(self, gen) -> None:
@@ -33,13 +33,11 @@ class GenProgress:
         self.peak_swa = max(self.peak_swa, h.swa_use)
         now = time.perf_counter() - self.t0
         done = len(gen.done) == self.requests
-        tenth = max(1, -(-self.est // 10))
-        if not (self._step is None or gen.step - self._step >= tenth
-                or now - self._at >= self.every_s or done):
+        first = self.clock.first
+        if not self.clock.due(gen.step, self.est, now, done):
             return
         est = gen.step if done else max(self.est, gen.step)
-        note = f" ({est} steps estimated)" if self._step is None else ""
-        self._step, self._at = gen.step, now
+        note = f" ({est} steps estimated)" if first else ""
         acc = [a for r in (*gen.done, *gen.running) for a in r.accepts]
         tokens = sum(len(r.generated) for r in (*gen.done, *gen.running))
         print(f"generating: step {gen.step}/{est}{note} · {len(gen.done)}/{self.requests} requests "

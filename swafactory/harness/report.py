@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from swafactory.harness.report_model import Report, Tick
+from swafactory.progress_lines import LineClock
 from swafactory.report_files import write_report_files
 
 __all__ = ["render_summary", "write_report", "figure", "progress", "RunProgress", "LogProgress",
@@ -234,9 +235,7 @@ class LogProgress:
     next. Each line is flushed, so `> log` shows it while the run goes on."""
 
     def __init__(self, file: TextIO, every_s: float = 10.0) -> None:
-        self.file, self.every_s = file, every_s
-        self._step: int | None = None
-        self._at = 0.0
+        self.file, self.clock = file, LineClock(every_s)
 
     def _print(self, line: str) -> None:
         print(line, file=self.file, flush=True)
@@ -247,13 +246,10 @@ class LogProgress:
             self._print(f"{head} · compiling kernels: first use of {t.compiling} (its time is "
                         "reported apart, as first use, not in the per-step times)")
             return
-        tenth = max(1, -(-t.est_steps // 10))
-        due = (self._step is None or t.step - self._step >= tenth
-               or t.elapsed_s - self._at >= self.every_s or t.finished == t.requests)
-        if not due:
+        first = self.clock.first
+        if not self.clock.due(t.step, t.est_steps, t.elapsed_s, t.finished == t.requests):
             return
-        note = f" ({t.est_steps} steps estimated from the workload)" if self._step is None else ""
-        self._step, self._at = t.step, t.elapsed_s
+        note = f" ({t.est_steps} steps estimated from the workload)" if first else ""
         self._print(f"{head}{note} · {t.finished}/{t.requests} requests done · "
                     f"{t.passed:,}/{t.checks:,} checks passed · peak pool use SWA "
                     f"{_pct(t.peak_swa_use)}, full {_pct(t.peak_full_use)} · {t.elapsed_s:.0f} s")
