@@ -1,9 +1,10 @@
 """Drafts that accept, and faults by their symptom: the accept length of distilled drafts on a
 pretrained target, clean and under every catalog fault, with the guards off.
 
-For each model × backend × draft family, `run=generate` runs with ``run.target_weights=pretrained``
-(the lag-copy language), ``spec.draft_weights=distilled`` (the frozen_kv_mtp family: the target's
-own weights), ``run.guards=false`` (an engine with bare kernels), and each fault of the catalog.
+For each model × backend × draft family, `run=generate` runs with
+``run.target_weights=pretrained`` (the lag-copy language), ``spec.draft_weights=distilled``
+(frozen_kv_mtp: the target's own weights), ``run.guards=false`` (an engine with bare kernels),
+and each fault of the catalog.
 A fault run's ``acceptance`` check compares its mean accept length with its clean twin's (the same
 config with faults=none, run in the same process). Each row says whether the fault acted, what
 caught it, and both accept lengths.

@@ -15,8 +15,8 @@ continuations of random prompts (`language.greedy`: transformers' generate, no s
 
 The result is cached (`train.cache_dir`) by the target's weights' key, the draft's
 architecture, the objective (chain or block: eagle, eagle3, nextn and standalone drafts of one
-architecture learn the same thing), the seed and the recipe, so a second run loads it; its directory is a
-``save_pretrained`` one, so ``spec.draft_weights=<that directory>`` loads it too.
+architecture learn the same thing), the seed and the recipe, so a second run loads it; its
+directory is a ``save_pretrained`` one, so ``spec.draft_weights=<that directory>`` loads it too.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import torch
 
 from swafactory.engine.language import greedy
 from swafactory.engine.models import attention_modules, draft_from_layers, require_transformers
-from swafactory.engine.train import (Batch, Recipe, Trained, cache_dir, load_cached, save_cached,
-                                     train)
+from swafactory.engine.train import (TOKENS_PER_BATCH, Batch, Recipe, Trained, batch_size,
+                                     cache_dir, load_cached, save_cached, train)
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["DISTILL", "MASK_TOKEN", "make_draft", "load_draft", "check_draft", "distill",
@@ -134,7 +134,8 @@ def _masks(types: set[str], T: int, block: tuple[int, int] | None, window: int |
     return out
 
 
-def _data(target, vocab: int, window: int, seed: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _data(target, vocab: int, window: int, seed: int, device
+          ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Training groups ([PROMPTS_PER_GROUP, P + NEW_TOKENS] each, one per prompt length) and a
     held-out group: random prompts (ids ≥ 1) and the target's greedy continuations."""
     gen = torch.Generator().manual_seed(seed)
@@ -151,7 +152,8 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
     """Train ``draft`` (fp32, in place) on ``target``'s greedy continuations, or load the cached
     result for ``fields`` (the key: the target's weights, the draft's config, family, seed)."""
     fields = {**fields, "recipe": asdict(DISTILL), "prompts": [GROUPS, PROMPTS_PER_GROUP,
-                                                                NEW_TOKENS]}
+                                                                NEW_TOKENS],
+              "tokens_per_batch": TOKENS_PER_BATCH.get(next(draft.parameters()).device.type)}
     path = cache_dir("drafts", fields)
     hit = load_cached(path, fields)
     if hit is not None:
@@ -185,10 +187,11 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
 
     def batch(step: int) -> Batch:
         seqs = groups[step % len(groups)]
-        rows = torch.randint(0, seqs.shape[0], (DISTILL.batch,), generator=gen).to(device)
+        n = batch_size(DISTILL, seqs.shape[1], device)
+        rows = torch.randint(0, seqs.shape[0], (n,), generator=gen).to(device)
         return make(seqs[rows], seqs.shape[1] - NEW_TOKENS, None)
 
-    _, loss = train(draft, batch, DISTILL, label=f"{family} draft", progress=progress)
+    _, loss, steps = train(draft, batch, DISTILL, label=f"{family} draft", progress=progress)
     start = held.shape[1] - NEW_TOKENS
     with torch.no_grad():
         b = make(held, start, start + (NEW_TOKENS - block) // 2)
@@ -196,7 +199,7 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
     keep = b.labels != -100
     agree = float((out.argmax(-1)[keep] == b.labels[keep]).float().mean())
     seconds = time.perf_counter() - t0  # the continuations, the training and the held-out test
-    trained = Trained(f"draft {family}", DISTILL.steps, seconds, seconds, loss, agree, False,
+    trained = Trained(f"draft {family}", steps, seconds, seconds, loss, agree, False,
                       str(path), asdict(DISTILL))
     save_cached(draft, path, fields, trained)
     return trained

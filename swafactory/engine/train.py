@@ -23,18 +23,20 @@ from typing import TextIO
 
 import torch
 
-__all__ = ["Recipe", "Batch", "Trained", "cache_root", "cache_dir", "load_cached", "save_cached",
-           "load_weights", "train"]
+__all__ = ["Recipe", "Batch", "Trained", "TOKENS_PER_BATCH", "batch_size", "cache_root",
+           "cache_dir", "load_cached", "save_cached", "load_weights", "train"]
 
 
 @dataclass(frozen=True)
 class Recipe:
     """How a model is trained: AdamW at ``lr`` (linear decay to a tenth over the last half),
-    gradients clipped to norm 1, ``steps`` batches of ``batch`` sequences."""
+    gradients clipped to norm 1, ``steps`` batches of ``batch`` sequences; with ``stop_loss``,
+    it stops early once the mean loss of the last 10 steps is below it."""
 
     steps: int
     lr: float
     batch: int
+    stop_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Trained:
     trained_s: float
     final_loss: float
     heldout_top1: float | None
-    """Top-1 agreement with the target on held-out data (a draft) or with the language (a target)."""
+    """Top-1 agreement on held-out data: with the target (a draft), the language (a target)."""
     cached: bool
     path: str
     recipe: dict
@@ -133,6 +135,17 @@ def load_weights(model, path: Path) -> None:
                          f"unexpected {sorted(unexpected)[:4]})")
 
 
+TOKENS_PER_BATCH = {"cpu": 4096, "cuda": 32768}
+"""At most this many tokens in one batch on each device kind: a long lag (Gemma 4's window is
+512) makes long sequences, and the recipe's batch of them would not fit."""
+
+
+def batch_size(recipe: Recipe, seq_len: int, device: torch.device | str) -> int:
+    """The recipe's batch, cut to `TOKENS_PER_BATCH` tokens of ``seq_len`` on ``device``."""
+    kind = torch.device(device).type
+    return max(1, min(recipe.batch, TOKENS_PER_BATCH.get(kind, 4096) // seq_len))
+
+
 def _loss(model, b: Batch) -> torch.Tensor:
     out = model(input_ids=b.ids, attention_mask=b.masks, use_cache=False)
     logits = out.logits.float()
@@ -141,17 +154,28 @@ def _loss(model, b: Batch) -> torch.Tensor:
 
 
 def train(model, batches: Callable[[int], Batch], recipe: Recipe, *, label: str,
-          progress: TextIO | None = None) -> tuple[float, float]:
+          progress: TextIO | None = None) -> tuple[float, float, int]:
     """Train ``model`` (fp32, in place) on ``batches(step)``; returns (seconds, final loss: the
-    mean of the last tenth of the steps). Prints ``label`` with the step, loss and time ten
-    times to ``progress``."""
+    mean of the last tenth of the steps run, steps run). Prints ``label`` with the step, loss and
+    time ten times to ``progress``."""
+    from swafactory.engine.runner import attn_implementation
+
+    # the same model code that serves, with transformers' SDPA attention where the model has it
+    # (eager keeps every score: O(T^2) memory per head); eager otherwise (GPT-OSS's sinks)
+    with attn_implementation(model, "sdpa" if getattr(model, "_supports_sdpa", False)
+                             else "eager"):
+        return _train(model, batches, recipe, label, progress)
+
+
+def _train(model, batches, recipe: Recipe, label: str, progress) -> tuple[float, float, int]:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     half = recipe.steps // 2
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: 1.0 if i < half else max(0.1, 1.0 - 0.9 * (i - half) / max(1, half)))
-    t0, tail = time.perf_counter(), []
-    every = max(1, recipe.steps // 10)
+    t0, losses = time.perf_counter(), []
+    every = max(1, min(recipe.steps // 10, 25))
+    step = 0
     for step in range(recipe.steps):
         loss = _loss(model, batches(step))
         opt.zero_grad(set_to_none=True)
@@ -160,10 +184,15 @@ def train(model, batches: Callable[[int], Batch], recipe: Recipe, *, label: str,
         opt.step()
         sched.step()
         value = float(loss.detach())
-        if step >= recipe.steps - max(1, recipe.steps // 10):
-            tail.append(value)
-        if progress is not None and (step % every == 0 or step == recipe.steps - 1):
+        losses.append(value)
+        done = recipe.stop_loss is not None and step >= 20 and \
+            sum(losses[-10:]) / 10 < recipe.stop_loss
+        if progress is not None and (step % every == 0 or step == recipe.steps - 1 or done):
             print(f"  {label}: step {step + 1}/{recipe.steps}, loss {value:.3f}, "
-                  f"{time.perf_counter() - t0:.1f} s", file=progress, flush=True)
+                  f"{time.perf_counter() - t0:.1f} s" + (" (converged)" if done else ""),
+                  file=progress, flush=True)
+        if done:
+            break
     model.eval()
-    return time.perf_counter() - t0, sum(tail) / len(tail)
+    tail = losses[-max(1, len(losses) // 10):]
+    return time.perf_counter() - t0, sum(tail) / len(tail), step + 1
