@@ -15,7 +15,7 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.engine.build import OWN_COPY, model_dtype
-from swafactory.engine.generator import logit_gap, tie_tolerance
+from swafactory.engine.requests import logit_gap, tie_tolerance
 from swafactory.engine.report_model import CheckResult
 from swafactory.engine.runner import attn_implementation
 

@@ -13,7 +13,7 @@ import torch
 
 import swafactory
 from swafactory.engine.checks import acceptance_check, ideal_accept
-from swafactory.engine.generator import GenReq, logit_gap, tie_tolerance
+from swafactory.engine.requests import GenReq, logit_gap, tie_tolerance
 from swafactory.engine.report_model import Rejection
 
 
