@@ -4,7 +4,8 @@ Both hand out whole pages internally (page_size 1 → a page is a slot) and slot
 Page 0 is the dummy page and is never handed out. `SWAAllocator` owns the full→SWA mapping and
 allocates an SWA page for every full page, keeping the in-page offset, so
 ``full_slot % page == swa_slot % page`` and ``mapping[full_page*P + o] = swa_page*P + o``.
-Mapping entries are set and zeroed a whole page at a time.
+Mapping entries are set and zeroed a whole page at a time. The slot-level operations both share
+(extend and decode allocation, slots from pages) are `paged_slots.PagedSlots`.
 
 All-SWA models (every layer slides): the full index space is *virtual*: a `TokenAllocator` with no
 buffers behind it. sglang's PureSWA allocator instead uses the SWA slots as full slots with an
@@ -19,129 +20,18 @@ device's queue).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from swafactory.kvcache.locs import SlotMapping
+from swafactory.kvcache.paged_slots import PagedSlots, host_ids, page_rows
 from swafactory.kvcache.pool import CapacityError, KVPool, host_to_device
 
 __all__ = ["TokenAllocator", "SWAAllocator", "page_rows", "pool_use"]
 
-_HOST = torch.device("cpu")
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """``[n]`` int64 on the host (a caller's device tensor is read back here, once)."""
-    return t.reshape(-1).to(_HOST, torch.int64)
-
-
-def page_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Every slot of ``pages`` (``[n]`` int64 page ids) → ``[n * page_size]`` int64 slot ids."""
-    if page_size == 1:
-        return pages
-    offs = torch.arange(page_size, device=pages.device, dtype=pages.dtype)
-    return (pages[:, None] * page_size + offs).reshape(-1)
-
-
-class _PagedSlots:
-    """Slot-level operations shared by both allocators, built on ``alloc_pages_host`` and
-    ``free_pages``: slots are planned on the host and copied to the device, never read back."""
-
-    page_size: int
-    device: torch.device
-
-    def available_pages(self) -> int:
-        raise NotImplementedError
-
-    def alloc_pages_host(self, n: int) -> torch.Tensor | None:
-        """``n`` page ids (``[n]`` int64, on the host) or None when fewer are free."""
-        raise NotImplementedError
-
-    def alloc_pages(self, n: int) -> torch.Tensor | None:
-        """``n`` page ids (``[n]`` int64 on the allocator's device) or None when fewer are free."""
-        pages = self.alloc_pages_host(n)
-        return None if pages is None else host_to_device(pages, self.device)
-
-    def free_pages(self, pages: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` slots (``[n]`` int64), page_size 1 only; None when the pool is short."""
-        if self.page_size != 1:
-            raise ValueError(f"alloc(n) needs page_size 1 (got {self.page_size}); use "
-                             "alloc_extend, which continues each request's last page")
-        return self.alloc_pages(n)
-
-    def free(self, slots: torch.Tensor) -> None:
-        """Free the pages holding ``slots`` (``[n]`` int64 full slots; 0 entries are ignored).
-
-        With page_size > 1 a whole page is freed even if only one of its slots is given.
-        """
-        slots = _host(slots)
-        self.free_pages(torch.unique(slots[slots > 0] // self.page_size))
-
-    def _extend_plan(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
-                     ) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Per request: last slot, new tokens, slots taken from its last page, new pages."""
-        P = self.page_size
-        lasts = [int(x) for x in last_loc.reshape(-1).tolist()]
-        lens = [int(x) for x in (extend_lens.tolist() if torch.is_tensor(extend_lens)
-                                 else extend_lens)]
-        if len(lasts) != len(lens) or any(n < 0 for n in lens):
-            raise ValueError(f"last_loc and extend_lens must pair up with lens >= 0, got "
-                             f"{len(lasts)} and {lens}")
-        # Slots left in each request's last page, then whole new pages for the rest.
-        take = [min(P - 1 - last % P, n) if last > 0 else 0 for last, n in zip(lasts, lens)]
-        need = [math.ceil((n - t) / P) for n, t in zip(lens, take)]
-        return lasts, lens, take, need
-
-    def pages_needed(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]) -> int:
-        """New pages `alloc_extend` would take for the same arguments."""
-        return sum(self._extend_plan(last_loc, extend_lens)[3])
-
-    def alloc_extend(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
-                     ) -> torch.Tensor | None:
-        """New slots for a batch of requests, each continuing its own last page.
-
-        ``last_loc``: ``[bs]`` int64, the full slot of each request's last token (``<= 0``: the
-        request has none, start a fresh page). ``extend_lens``: ``[bs]`` new tokens per request.
-        Returns ``[sum(extend_lens)]`` int64 slots on the allocator's device, request-major; or
-        None (nothing allocated) when the pool lacks the pages. A ``last_loc`` on the device is
-        read back; `alloc_extend_host` with host arguments reads nothing back.
-        """
-        slots = self.alloc_extend_host(last_loc, extend_lens)
-        return None if slots is None else host_to_device(slots, self.device)
-
-    def alloc_extend_host(self, last_loc: torch.Tensor, extend_lens: torch.Tensor | list[int]
-                          ) -> torch.Tensor | None:
-        """`alloc_extend` with the slots on the host: ``[sum(extend_lens)]`` int64, or None."""
-        P = self.page_size
-        lasts, lens, take, need = self._extend_plan(last_loc, extend_lens)
-        total = sum(need)
-        if total > self.available_pages():
-            return None
-        pages = (self.alloc_pages_host(total) if total else torch.zeros(1, dtype=torch.int64))
-        assert pages is not None  # admission checked above
-        # Token j of request i: slot last+1+j while it fits the last page (j < take), else slot
-        # u % P of the request's new page u // P (u = j - take); one vector op for the batch.
-        n, t, k = (np.asarray(v, dtype=np.int64) for v in (lens, take, need))
-        last = np.asarray(lasts, dtype=np.int64)
-        req = np.repeat(np.arange(n.size), n)
-        j = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
-        u = j - t[req]
-        cursor = np.cumsum(k) - k
-        page = pages.numpy()[np.where(u < 0, 0, cursor[req] + np.maximum(u, 0) // P)]
-        return torch.from_numpy(np.where(u < 0, last[req] + 1 + j, page * P + u % P))
-
-    def alloc_decode(self, last_loc: torch.Tensor) -> torch.Tensor | None:
-        """One slot per request after ``last_loc`` (``[bs]`` int64); ``[bs]`` int64 or None."""
-        return self.alloc_extend(last_loc, [1] * last_loc.numel())
-
-
-class TokenAllocator(_PagedSlots):
+class TokenAllocator(PagedSlots):
     """A free list of pages over one index space of ``size`` slots (``size % page_size == 0``).
 
     ``space_id`` names the index space (the pool_id of its owner, e.g. ``target.full``). Pools
@@ -225,7 +115,7 @@ class TokenAllocator(_PagedSlots):
         pages = (held or {}).get(self.space_id)
         kept = 0
         if pages is not None and pages.numel():
-            pages = torch.unique(_host(pages))
+            pages = torch.unique(host_ids(pages))
             pages = pages[(pages >= 1) & (pages <= self.num_pages)]
             kept = int(self._owned[pages].sum())
         return {self.space_id: (self.num_pages - self._free.numel() - kept) * self.page_size}
@@ -259,7 +149,7 @@ class TokenAllocator(_PagedSlots):
         """Return ``pages`` (``[n]`` int64 page ids, each owned, no repeats) to the free list.
 
         Host ``pages`` are checked on the host; pages on the device are read back first."""
-        pages = _host(pages)
+        pages = host_ids(pages)
         if pages.numel() == 0:
             return
         srt = pages.sort().values
@@ -277,7 +167,7 @@ class TokenAllocator(_PagedSlots):
             self._each_pool("poison", pages)
 
 
-class SWAAllocator(_PagedSlots):
+class SWAAllocator(PagedSlots):
     """Full and SWA slots in lock-step, and the full→SWA mapping that links them.
 
     ``mapping.table``: int64 ``[size_full + page_size + 1]``, 0 = absent. sglang stores -1 in the
@@ -404,21 +294,21 @@ class SWAAllocator(_PagedSlots):
         stale_rows: the fault switch of sglang #27779: only these full slots' mapping entries
         are zeroed, so the rest of each freed page stays mapped to a free SWA page.
         """
-        pages = _host(pages)
+        pages = host_ids(pages)
         if pages.numel() == 0:
             return
         first = self._map_host[pages * self.page_size]
         live = first > 0
         self.swa.free_pages(first[live] // self.page_size)
         rows = (page_rows(pages, self.page_size) if stale_rows is None
-                else _host(stale_rows))  # FAULT
+                else host_ids(stale_rows))  # FAULT
         self._map_host[rows] = 0
         if rows.numel():
             self.full_to_swa.index_fill_(0, host_to_device(rows, self.device), 0)
 
     def free_swa(self, slots: torch.Tensor) -> None:
         """Free the SWA pages behind the full ``slots`` (``[n]`` int64); whole pages when P > 1."""
-        slots = _host(slots)
+        slots = host_ids(slots)
         self.free_swa_pages(torch.unique(slots[slots > 0] // self.page_size))
 
 
