@@ -397,6 +397,10 @@ class SwaFactoryConfig(_Frozen):
         if self.run.mode == "generate" and n is not None and n > m.num_layers:
             raise FieldError("run.num_layers", f"{n} exceeds model.num_layers={m.num_layers} of "
                              f"model={m.name}; use run.num_layers≤{m.num_layers} or null (all)")
+        if self.model.checkpoint and self.run.target_weights == "pretrained":
+            raise FieldError("run.target_weights", "model.checkpoint loads trained weights; "
+                             "run.target_weights=pretrained would train random ones. Drop one "
+                             "of the two")
         w = self.spec.draft_weights
         if self.run.mode != "generate" and w != "target":
             raise FieldError("spec.draft_weights", f"draft weights ({w!r}) exist only in "

@@ -154,6 +154,12 @@ def test_a_draft_that_does_not_fit_is_refused_before_allocation(tmp_path, monkey
     assert "KV heads" in text and "layer types" in text
 
 
+def test_a_checkpoint_is_not_pretrained_again() -> None:
+    with pytest.raises(ConfigError) as e:
+        swafactory.compose([*BASE, "model.checkpoint=/some/dir"])
+    assert "run.target_weights" in str(e.value) and "model.checkpoint" in str(e.value)
+
+
 @pytest.mark.parametrize(("value", "spec", "run", "fragment"), [
     ("distiled", "eagle", "generate", "neither one of target, random, distilled"),
     ("distilled", "frozen_kv_mtp", "generate", "reads the target's K/V"),
