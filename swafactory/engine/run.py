@@ -22,7 +22,10 @@ Checks (`report_model.CHECK_ORDER`):
   frozen_kv_mtp and dflash commit, step by step, what the torch backend commits with no fault
   on the same seeds (the run is its own reference on torch without a fault). A step below the
   ideal is excused only at a near tie: the target's own, or one the fp64 forward shows, within
-  the rounding the logits checks measured (`checks.acceptance_check`); the detail names it.
+  the rounding the logits checks measured (`checks.acceptance_check`); the detail names it. A
+  draft of its own weights (``spec.draft_weights``: random, distilled or a saved one) has no
+  ideal: with a fault on, its mean accept length must stay within `checks.ACCEPT_MARGIN` of its
+  clean twin's (the same config with faults=none, run here after the main run).
 
 The checks themselves live in `checks`.
 """
