@@ -18,13 +18,13 @@
 #                (bench/gpu_rows.py missing), one per backend and model, in parallel
 #   faults       each planted fault on a flashinfer smoke run; every one must exit 1
 #   generate     run=generate over MODELS x SPECS, one lane per LANES backend, eager and
-#                through CUDA graphs, DEADLINE s a pass (bench/gpu_generate.py run; render
+#                through CUDA graphs, DEADLINE s a pass (bench/bench_generate.py run; render
 #                its rows back here)
 #   factory      bench/bench_factory.py: decode, chain and tree verify, bs 8 and 64, --triton
 #   prefill      bench/bench_prefill.py          fp8    bench/bench_fp8.py (gemma4, bs 64)
 #   pages        bench/bench_pages.py (gpt_oss_20b, bs 64; flash_attn needs FA4)
 #   guards       bench/bench_guards.py           soak   bench/soak.py, 2000 steps
-#   acceptance   bench/bench_acceptance.py: distilled drafts on a pretrained target, every fault
+#   acceptance   bench/bench_generate.py acceptance: distilled drafts on a pretrained target, every fault
 #                with the guards off (gemma4, gpt_oss_20b x flashinfer, triton x eagle, dflash,
 #                frozen_kv_mtp); needs MODELS=1 (transformers)
 #   tp           the tensor-parallel sweep on two GPUs, tp 1 then 2, one harness process per
@@ -176,7 +176,7 @@ suite_generate() {  # one lane per backend (one process, jobs one after another)
             b=${lane%%:*} gpu=${lane#*:}
             left=$(( ${DEADLINE:-200} - ($(date +%s) - t0) ))
             # shellcheck disable=SC2086  # OVERRIDES: one override a word
-            ( CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 $((left + 60)) python3 bench/gpu_generate.py \
+            ( CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 $((left + 60)) python3 bench/bench_generate.py \
                   run --backend "$b" --rows "$dir/rows_$b.jsonl" --reports "$dir/reports_$b" \
                   --deadline "$left" ${MODELS:+--models "$MODELS"} ${SPECS:+--specs "$SPECS"} \
                   "backend.cuda_graph=$g" ${OVERRIDES:-} > "$dir/lane_$b.txt" 2>&1
@@ -207,7 +207,7 @@ suite_pages() {
 }
 suite_guards() { warm 64 256 512; bench 300 python3 bench/bench_guards.py --commit "$COMMIT"; }
 suite_acceptance() {
-    bench 540 python3 bench/bench_acceptance.py --models gemma4,gpt_oss_20b \
+    bench 540 python3 bench/bench_generate.py acceptance --models gemma4,gpt_oss_20b \
         --backends flashinfer,triton --families eagle,dflash,frozen_kv_mtp --commit "$COMMIT"
 }
 suite_soak() { limit 300 python3 bench/soak.py --out "$D" --steps 2000 > "$D/soak.txt" 2>&1; }
