@@ -319,28 +319,32 @@ def acceptance(a: argparse.Namespace) -> int:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     faults = sorted(p.stem for p in (conf_dir() / "faults").glob("*.yaml") if p.stem != "none") \
         if a.faults == "all" else a.faults.split(",")
-    rows = []
+    dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    meta = {"device": dev, "commit": a.commit, "date": datetime.date.today().isoformat(),
+            "argv": " ".join(sys.argv[1:])}
+    stem = a.out / f"acceptance-{'h200' if 'H200' in dev else 'cpu' if dev == 'cpu' else 'gpu'}"
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
     for model in a.models.split(","):
         for backend in a.backends.split(","):
             for family in a.families.split(","):
                 for fault in ["none", *faults]:
-                    rows.append(_one(model, backend, family, fault, a))
+                    try:
+                        rows.append(_one(model, backend, family, fault, a))
+                    except Exception as exc:  # noqa: BLE001 - one row's crash is its result
+                        rows.append({"model": model, "backend": backend, "family": family,
+                                     "fault": fault, "status": "error",
+                                     "detail": f"{type(exc).__name__}: {exc}"[:160]})
                     r = rows[-1]
                     print(f"{model} {backend} {family} {fault}: {r['status']} "
                           f"{r.get('caught_by') or ''} accept {_f(r.get('accept'))} "
                           f"clean {_f(r.get('clean'))}", flush=True)
-    dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
-    meta = {"device": dev, "commit": a.commit, "date": datetime.date.today().isoformat(),
-            "argv": " ".join(sys.argv[1:])}
-    tag = "h200" if "H200" in dev else "cpu" if dev == "cpu" else "gpu"
-    a.out.mkdir(parents=True, exist_ok=True)
-    text = _render_acceptance(rows, meta)
-    (a.out / f"acceptance-{tag}.md").write_text(text)
-    (a.out / f"acceptance-{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                             indent=1))
-    plot_acceptance(rows, a.out / f"acceptance-{tag}.png")
-    print(text)
-
+                    # written after every row: a run stopped at its deadline keeps what ran
+                    stem.with_suffix(".md").write_text(_render_acceptance(rows, meta))
+                    stem.with_suffix(".json").write_text(json.dumps(
+                        {"meta": meta, "rows": rows}, indent=1))
+    plot_acceptance(rows, stem.with_suffix(".png"))
+    print(stem.with_suffix(".md").read_text())
     return 0
 
 

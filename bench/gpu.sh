@@ -24,9 +24,9 @@
 #   prefill      bench/bench_prefill.py          fp8    bench/bench_fp8.py (gemma4, bs 64)
 #   pages        bench/bench_pages.py (gpt_oss_20b, bs 64; flash_attn needs FA4)
 #   guards       bench/bench_guards.py           soak   bench/soak.py, 2000 steps
-#   acceptance   bench/bench_generate.py acceptance: distilled drafts on a pretrained target, every fault
-#                with the guards off (gemma4, gpt_oss_20b x flashinfer, triton x eagle, dflash,
-#                frozen_kv_mtp); needs MODELS=1 (transformers)
+#   acceptance   bench/bench_generate.py acceptance: distilled drafts on a pretrained target, the
+#                seed faults 2 and 3 with the guards off beside their clean twins (gemma4,
+#                gpt_oss_20b x flashinfer, triton x eagle, dflash, frozen_kv_mtp); MODELS=1
 #   tp           the tensor-parallel sweep on two GPUs, tp 1 then 2, one harness process per
 #                GPU (PHASE=tp1|tp2|all; WORK keeps the sweeps between calls: a later call
 #                skips what has a result.json, RESUME=0 none; MIN_LEFT; DRY=1 plans only).
@@ -208,7 +208,8 @@ suite_pages() {
 suite_guards() { warm 64 256 512; bench 300 python3 bench/bench_guards.py --commit "$COMMIT"; }
 suite_acceptance() {
     bench 540 python3 bench/bench_generate.py acceptance --models gemma4,gpt_oss_20b \
-        --backends flashinfer,triton --families eagle,dflash,frozen_kv_mtp --commit "$COMMIT"
+        --backends flashinfer,triton --families eagle,dflash,frozen_kv_mtp \
+        --faults allocator_pool_for_own_pool_draft,pool_cached_at_init --commit "$COMMIT"
 }
 suite_soak() { limit 300 python3 bench/soak.py --out "$D" --steps 2000 > "$D/soak.txt" 2>&1; }
 suite_runahead() {
