@@ -91,7 +91,11 @@ def test_triton_runs_on_cpu_only_under_the_interpreter() -> None:
     cfg = shipped_config("triton", "none", "tiny")
     assert rules(cfg, CPU) == {"device@backend.name", "packages@backend.name"}
     interp = DeviceInfo("cpu", packages=frozenset({"triton"}), triton_interpret=True)
-    assert rules(cfg, interp) == set()
+    assert rules(cfg.model_copy(update={"backend": cfg.backend.model_copy(
+        update={"kv_dtype": "float16"})}), interp) == set()
+    # the interpreter's bf16 tl.dot is off by ~1e10: triton's default kv_dtype is refused there
+    assert cfg.backend.kv_dtype == "bfloat16"
+    assert rules(cfg, interp) == {"device@backend.kv_dtype"}
 
 
 @pytest.mark.parametrize("spec", ["eagle", "eagle3", "nextn", "dflash", "standalone"])
@@ -218,3 +222,36 @@ def test_flashinfer_fp8_is_refused_for_the_512_layers_on_sm90_only() -> None:
     assert "up to head_dim 256 on SM90" in str(err) and "triton" in err.alternatives
     assert rules(gemma, B200) == set()
     assert rules(swafactory.compose([*fp8, "model=gpt_oss_20b"]), H200) == set()
+
+
+def test_the_triton_interpreter_still_gets_bf16_dots_wrong(tmp_path) -> None:
+    """Why the rule above exists. When a Triton release fixes its interpreter's bf16 tl.dot, this
+    fails: then lift the kv_dtype rule in `registry.check._device`."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    script = tmp_path / "dot.py"
+    script.write_text('''import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton, triton.language as tl
+
+@triton.jit
+def dot(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    a = tl.load(a_ptr + i[:, None] * N + i[None, :])
+    b = tl.load(b_ptr + i[:, None] * N + i[None, :])
+    tl.store(c_ptr + i[:, None] * N + i[None, :], tl.dot(a, b))
+
+for dt in (torch.float16, torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(16, 16, generator=g).to(dt) for _ in range(2))
+    c = torch.empty(16, 16)
+    dot[(1,)](a, b, c, N=16)
+    print(dt, float((c - a.float() @ b.float()).abs().max()))
+''')
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    errs = dict(line.split() for line in out.stdout.splitlines())
+    assert float(errs["torch.float16"]) < 1e-3, out.stdout + out.stderr
+    assert float(errs["torch.bfloat16"]) > 1.0, out.stdout

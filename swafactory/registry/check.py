@@ -95,6 +95,13 @@ def _device(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
         if "cpu" in caps.devices:
             return
         if caps.cpu_needs_interpreter and dev.triton_interpret:
+            if cfg.backend.kv_dtype in ("bfloat16", "fp8_e4m3"):  # fp8 K/V compute in bf16
+                # measured: the interpreter's tl.dot of two bf16 tiles is off by ~1e10 (its numpy
+                # emulation has no bfloat16); fp16 and fp32 match torch exactly
+                yield _r("backend.kv_dtype", f"the Triton interpreter (TRITON_INTERPRET=1) "
+                         f"computes bfloat16 dot products wrongly, and kv_dtype="
+                         f"{cfg.backend.kv_dtype} computes in bfloat16",
+                         "backend.kv_dtype=float16 (or float32)")
             return
         archs = "" if caps.cuda_archs is None else " of " + "/".join(f"SM{a}" for a in sorted(caps.cuda_archs))
         extra = " (or set TRITON_INTERPRET=1 to run its kernels on CPU tensors, slowly)" \
