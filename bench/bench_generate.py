@@ -274,7 +274,7 @@ def _f(x) -> str:
 
 def _render_acceptance(rows: list[dict], meta: dict) -> str:
     lines = [f"# Drafts that accept: accept length under every fault ({meta['device']})", "",
-             f"Commit `{meta['commit']}`, {meta['date']}. `python3 bench/bench_generate.py acceptance "
+             f"Commit `{meta['commit']}`, {meta['date']}. `python3 bench/bench_generate.py "
              f"{meta['argv']}`. Pretrained target (lag-copy language), distilled drafts "
              "(frozen_kv_mtp: the target's own weights), guards off. *clean twin*: the same "
              "config with faults=none, in the same process.", "",
@@ -307,7 +307,7 @@ def plot_acceptance(rows: list[dict], path: Path) -> None:
                              for r in shown], fontsize="small")
     ax.set_xlabel("mean accept length (tokens per spec step)")
     ax.legend(loc="lower right")
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=60)
 
 
 def acceptance(a: argparse.Namespace) -> int:

@@ -86,3 +86,9 @@ def test_bench_guards_help_makes_nothing_and_out_is_required(tmp_path: Path) -> 
                        text=True, timeout=120)
     assert r.returncode == 2 and "--out" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_records_stay_small() -> None:
+    """bench/results holds the current records only (git history keeps the old ones): ≤ 1.5 MB."""
+    size = sum(p.stat().st_size for p in (ROOT / "bench" / "results").rglob("*") if p.is_file())
+    assert size <= 1_500_000, f"bench/results is {size:,} bytes; move superseded records out"
