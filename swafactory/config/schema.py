@@ -11,13 +11,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from swafactory.config.faults import FaultsSpec
 from swafactory.config.specs import (SPEC_ALGORITHMS, DFlashSpec, Eagle3Spec, EagleSpec,
                                      FrozenKVMTPSpec, NextNSpec, NoSpec, SpecConfig, StandaloneSpec)
 from swafactory.errors import FieldError
 
 __all__ = ["Geometry", "ModelSpec", "SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec",
            "FrozenKVMTPSpec", "DFlashSpec", "StandaloneSpec", "BackendSpec", "WorkloadSpec",
-           "GroupKernels", "PassKernels", "KernelChoice", "PassKernel", "RunSpec", "FaultsSpec", "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
+           "GroupKernels", "PassKernels", "KernelChoice", "PassKernel", "RunSpec", "FaultsSpec",
+           "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
 
 LayerType = Literal["sliding_attention", "full_attention"]
 _PATTERN_CODES = {"S": "sliding_attention", "F": "full_attention"}
@@ -315,54 +317,6 @@ class RunSpec(_Frozen):
             raise FieldError("experts_per_token", f"{self.experts_per_token} exceeds "
                              f"num_experts={self.num_experts}")
         return self
-
-
-class FaultsSpec(_Frozen):
-    """Fault-injection switches inside the shared parts; each reproduces a known engine bug."""
-
-    name: str = "none"
-    """Config-group key (the YAML file's stem)."""
-    skip_spec_translation: bool = False
-    """Spec/tree tables of SWA groups stay in full space (FA3 + EAGLE3 topk > 1, sglang #24402)."""
-    allocator_pool_for_own_pool_draft: bool = False
-    """An own-pool draft resolves the allocator's SWA pool (FlashInfer + DFlash, sglang #27737)."""
-    pool_cached_at_init: bool = False
-    """The backend keeps the pool it saw at construction (trtllm_mha + FROZEN_KV, sglang #26957)."""
-    window_off_by_one: bool = False
-    """Sliding layers see W + 1 keys."""
-    no_swa_eviction: bool = False
-    """Out-of-window SWA slots are never freed (sglang #33805)."""
-    no_draft_headroom: bool = False
-    """The own draft pool gets half the target's full capacity (sglang #17630)."""
-    leak_rejected_draft_slots: bool = False
-    """Rejected draft slots are freed in the full pool but not in the SWA pool (spec-decoding
-    leak; sglang's "SWA Pool Mem Leak", #27789)."""
-    plan_without_window: bool = False
-    """SWA groups are planned without their window: the key lists are still trimmed, but no
-    kernel masks the window (FlashInfer planned without window_left, sglang #31501, #35208)."""
-    sink_dropped: bool = False
-    """Kernels accept the attention sinks and ignore them (FlashInfer 0.6/0.7 FA2/FA3 paged runs
-    on SM90; vLLM #49795, #52148, sglang #11634)."""
-    fp8_descale_dropped: bool = False
-    """The full-attention layers read fp8 K/V without their scales (one path drops the descale;
-    vLLM #42580, #41651)."""
-    tree_mask_not_rebased: bool = False
-    """Tree verify trims the prefix by depth, but nodes' positions (so the window bound) come from
-    their flat slot index, not their depth (sglang #39160, #39287, #9279, #32269)."""
-    paged_free_stale_mapping: bool = False
-    """With pages > 1, SWA eviction frees whole pages but zeroes the full→SWA mapping per token:
-    the page's other positions stay mapped to a free SWA page (sglang #27779)."""
-    premature_free_on_reject: bool = False
-    """SWA slots are evicted against the step's speculative length before rejected drafts move
-    the boundary back, so slots still in the window are freed (vLLM #47728, #47282)."""
-    graph_pad_stale_swa_loc: bool = False
-    """On CUDA-graph replay, the SWA groups' padding rows keep the write slots of an earlier,
-    larger replay: padding K/V lands in live SWA slots of other requests (sglang #24743)."""
-
-    @property
-    def active(self) -> list[str]:
-        """Names of the switches that are on."""
-        return [k for k, v in self.model_dump().items() if v is True]
 
 
 class ParallelSpec(_Frozen):

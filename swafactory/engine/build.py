@@ -28,6 +28,7 @@ from swafactory.engine.models import (config_key, draft_copy, draft_from_layers,
                                       serving_model)
 from swafactory.engine.train import Trained
 from swafactory.engine.runner import Runner
+from swafactory.kvcache.draft import draft_layer_types
 from swafactory.kvcache.factory import compute_dtype
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import size_pools
@@ -104,7 +105,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     chunk = min(scfg.workload.chunk_size, max(prompts))
     sizes = size_pools(scfg, scfg.workload.max_running_requests, longest, chunk=chunk)
     if loaded is not None:  # refused before anything is allocated
-        check_draft(loaded, model, _draft_types(scfg), m.full or m.swa, w)
+        check_draft(loaded, model, draft_layer_types(scfg), m.full or m.swa, w)
     layout = "copy" if copies(s) else "config"
     sv = build_serving(scfg, sizes.full, sizes.swa, sizes.max_requests, sizes.full_per_request,
                        dev, check_mode=guards, guards=guards, draft_layout=layout,
@@ -135,20 +136,11 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     return parts
 
 
-def _draft_types(scfg: SwaFactoryConfig) -> list[str]:
-    """The draft pool's layer types in the ``config`` layout: the target's last ones for a split
-    DFlash pool, full attention otherwise."""
-    s, m = scfg.spec, scfg.model
-    split = getattr(s, "draft_pool_split", False) and m.hybrid_pool and m.swa_layers
-    return list(m.layer_types[-s.draft_num_layers:]) if split else \
-        ["full_attention"] * s.draft_num_layers
-
-
 def _layered_draft(scfg: SwaFactoryConfig, model, dpool, loaded, dev: str, progress):
     """(model, description, training) of a draft in the ``config`` layout: loaded, or the
     target's layers (DFlash's ``target`` weights), freshly initialised, or distilled."""
     s, m = scfg.spec, scfg.model
-    k, dtypes = s.draft_num_layers, _draft_types(scfg)
+    k, dtypes = s.draft_num_layers, draft_layer_types(scfg)
     window = m.sliding_window if dpool.is_split else None
     where = f"own {'split ' if dpool.is_split else ''}pool"
     block = f"; a block of {s.block_size} that sees itself" if s.algorithm == "dflash" else ""

@@ -31,7 +31,7 @@ import torch
 from swafactory.engine.language import greedy
 from swafactory.engine.models import attention_modules, draft_from_layers, require_transformers
 from swafactory.engine.train import (TOKENS_PER_BATCH, Batch, Recipe, Trained, batch_size,
-                                     cache_dir, load_cached, save_cached, train)
+                                     cache_dir, load_cached, load_weights, save_cached, train)
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["DISTILL", "MASK_TOKEN", "make_draft", "load_draft", "check_draft", "distill",
@@ -157,8 +157,6 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
     path = cache_dir("drafts", fields)
     hit = load_cached(path, fields)
     if hit is not None:
-        from swafactory.engine.train import load_weights
-
         load_weights(draft, path)
         return Trained(**{**hit, "what": f"draft {family}", "seconds": 0.0, "cached": True,
                           "path": str(path)})

@@ -19,6 +19,7 @@ from typing import TextIO
 
 import torch
 
+from swafactory.engine.runner import attn_implementation
 from swafactory.engine.train import (Batch, Recipe, Trained, batch_size, cache_dir, load_cached,
                                      load_weights, save_cached, train)
 
@@ -55,8 +56,6 @@ PERIODS = 3
 def greedy(model, prompts: torch.Tensor, new: int) -> torch.Tensor:
     """[B, P + new] int64: ``prompts`` ([B, P] int64) and ``model``'s greedy continuation, by
     transformers' own generate with eager attention (no swafactory in the loop)."""
-    from swafactory.engine.runner import attn_implementation
-
     with torch.no_grad(), attn_implementation(model, "eager"):
         return model.generate(prompts, attention_mask=torch.ones_like(prompts),
                               max_new_tokens=new, min_new_tokens=new, do_sample=False,

@@ -232,7 +232,6 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
                              tie_positions=sorted(set(r.ties)), rejections=r.rejections,
                              accept_histogram=_histogram(r.accepts))
                for r in reqs]
-    accepts = [a for r in reqs for a in r.accepts]
     steps = gen.history if gen else []
     scfg = main.parts.cfg if main.parts else cfg
     tokens = sum(len(r.tokens) - len(r.prompt) for r in reqs)
@@ -257,7 +256,7 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
         dtype=str(model_dtype(cfg)).removeprefix("torch."), requests=records,
         steps=steps, logits_max_rel_err=err, logits_tolerance=tol,
         logits_positions=npos, lossless=lossless,
-        accept_len=sum(accepts) / len(accepts) if accepts else None,
+        accept_len=mean_accept(reqs),
         ideal_accept_len=ideal_accept(cfg.spec), max_accept_len=most_accept(cfg.spec),
         accept_len_clean=None if clean is None or clean.gen is None else
         mean_accept(clean.gen.done),

@@ -23,6 +23,8 @@ from typing import TextIO
 
 import torch
 
+from swafactory.engine.runner import attn_implementation
+
 __all__ = ["Recipe", "Batch", "Trained", "TOKENS_PER_BATCH", "batch_size", "cache_root",
            "cache_dir", "load_cached", "save_cached", "load_weights", "train"]
 
@@ -158,8 +160,6 @@ def train(model, batches: Callable[[int], Batch], recipe: Recipe, *, label: str,
     """Train ``model`` (fp32, in place) on ``batches(step)``; returns (seconds, final loss: the
     mean of the last tenth of the steps run, steps run). Prints ``label`` with the step, loss and
     time ten times to ``progress``."""
-    from swafactory.engine.runner import attn_implementation
-
     # the same model code that serves, with transformers' SDPA attention where the model has it
     # (eager keeps every score: O(T^2) memory per head); eager otherwise (GPT-OSS's sinks)
     with attn_implementation(model, "sdpa" if getattr(model, "_supports_sdpa", False)

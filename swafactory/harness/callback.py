@@ -120,9 +120,8 @@ def _row(res: JobResult, same: list[JobResult] = ()) -> str:
                    if res.report else _cell(res.error or ""))
     else:
         details = _failed_details(res)
-    if res.accept:
-        details = (_cell(res.accept) + ("<br>" + details if details else "")) if \
-            res.report is not None or res.status != "ok" else _cell(res.accept)
+    if res.accept:  # a generate job (no conformance report): its accept length leads the row
+        details = _cell(res.accept) + ("" if res.status == "ok" else "<br>" + details)
     apart = _distinct(res, same) if len(same) > 1 else ""
     if apart:
         details = _cell(apart) + "<br>" + details

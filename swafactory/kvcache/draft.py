@@ -13,7 +13,8 @@ import torch
 from swafactory.kvcache.allocator import SWAAllocator, TokenAllocator
 from swafactory.kvcache.pool import CapacityError, HybridSWAPool, KVPool, layers_mapping_for
 
-__all__ = ["own_draft_pool", "frozen_draft_view", "split_draft_pool", "build_draft_pool"]
+__all__ = ["own_draft_pool", "frozen_draft_view", "split_draft_pool", "build_draft_pool",
+           "draft_layer_types"]
 
 Allocator = TokenAllocator | SWAAllocator
 
@@ -111,6 +112,18 @@ class _Types:
         self.layer_types = layer_types
 
 
+def draft_layer_types(cfg: object) -> list[str]:
+    """The layer types of an own draft pool that `build_draft_pool` builds: the target's last
+    ``draft_num_layers`` types for DFlash's ``draft_pool_split`` on a split target (sliding
+    layers and ``hybrid_pool``, as `factory.build_pools` splits it), full attention otherwise.
+    A draft model built for the pool takes these types."""
+    spec, m = cfg.spec, cfg.model  # type: ignore[attr-defined]
+    k = spec.draft_num_layers
+    if getattr(spec, "draft_pool_split", False) and m.swa_layers and m.hybrid_pool:
+        return list(m.layer_types[-k:])
+    return ["full_attention"] * k
+
+
 def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *,
                      device: torch.device | str = "cpu", check_mode: bool = False,
                      headroom: float = 1.0, unsafe_undersized: bool = False
@@ -138,7 +151,7 @@ def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *
     if spec.draft_kv == "target_pool":
         return frozen_draft_view(target, frozen_draft_binding(cfg))  # type: ignore[arg-type]
     if getattr(spec, "draft_pool_split", False) and target.is_split:
-        pool = split_draft_pool(target, model.layer_types[-spec.draft_num_layers:], dtype, device,
+        pool = split_draft_pool(target, draft_layer_types(cfg), dtype, device,
                                 headroom=headroom, unsafe_undersized=unsafe_undersized,
                                 check_mode=check_mode)
     else:
