@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.backend import build_backend, model_windows
-from swafactory.config.schema import SwaFactoryConfig
+from swafactory.config.schema import ModelSpec, SwaFactoryConfig
 from swafactory.kvcache.draft import (build_draft_pool, frozen_draft_view, own_draft_pool,
                                       split_draft_pool)
 from swafactory.kvcache.factory import build_pools
@@ -83,7 +83,8 @@ def build_serving(cfg: SwaFactoryConfig, full: int, swa: int, max_requests: int,
                   max_context: int, device: str, *, check_mode: bool, guards: bool = True,
                   draft_layout: str = "config", gen: torch.Generator | None = None,
                   headroom: float = 1.0, unsafe_undersized: bool = False,
-                  on_pool: Callable[[object], None] | None = None) -> Serving:
+                  on_pool: Callable[[object], None] | None = None,
+                  draft_model: ModelSpec | None = None) -> Serving:
     """Pools, slot books and backends for a validated ``cfg`` (a tensor-parallel rank's: the
     pools hold its heads).
 
@@ -92,6 +93,8 @@ def build_serving(cfg: SwaFactoryConfig, full: int, swa: int, max_requests: int,
     (`build_backend`). draft_layout: ``config`` or ``copy`` (see the module doc). gen: shuffles
     the allocator's pages (None: in order). headroom, unsafe_undersized: a draft pool built
     short (fault injection). on_pool: called with each pool built (the harness's fp8 scales).
+    draft_model: the attention an own-pool draft's layers do when it is not the target's (an
+    EAGLE-3 head is a Llama layer: its own scale, no sinks); None: the target's.
     """
     s, m = cfg.spec, cfg.model
     P = cfg.backend.page_size
@@ -137,5 +140,6 @@ def build_serving(cfg: SwaFactoryConfig, full: int, swa: int, max_requests: int,
         on_pool(dpool)
     view = DraftView(dpool, pool, "draft_own_pool", s.algorithm)
     out.draft_pool, out.draft_view = dpool, view
-    out.draft = build_backend(cfg, view=view, windows=windows, guards=guards)
+    dcfg = cfg if draft_model is None else cfg.model_copy(update={"model": draft_model})
+    out.draft = build_backend(dcfg, view=view, windows=windows, guards=guards)
     return out

@@ -24,6 +24,11 @@ import torch
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.config.specs import DRAFT_WEIGHTS
 from swafactory.engine.distill import check_draft, distill, load_draft, make_draft, weights_key
+from swafactory.engine.distill_features import distill_features
+from swafactory.engine.drafters import (FEATURE_FAMILIES, EagleDraft, Eagle3Draft,
+                                        is_feature_draft, make_feature_draft)
+from swafactory.engine.formats import load_feature_draft
+from swafactory.errors import ConfigError, Reason
 from swafactory.engine.models import (config_key, draft_copy, draft_from_layers, load_target,
                                       serving_model)
 from swafactory.engine.train import Trained
@@ -98,18 +103,29 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     if model is None:
         model, _, _ = load_target(cfg, model_dtype(cfg), dev)
     w = cfg.spec.draft_weights
-    loaded = load_draft(w, dev) if w not in DRAFT_WEIGHTS else None
+    loaded = None
+    if w not in DRAFT_WEIGHTS:  # a saved draft: sglang's EAGLE-3 or MTP format, or an HF model
+        loaded = load_feature_draft(w, model, dev) or load_draft(w, dev)
     scfg = serving_config(cfg, model, device, loaded)
     m, s, P = scfg.model, scfg.spec, scfg.backend.page_size
     longest = max(p + o for p, o in zip(prompts, outs)) + step_nodes(s) + P
     chunk = min(scfg.workload.chunk_size, max(prompts))
     sizes = size_pools(scfg, scfg.workload.max_running_requests, longest, chunk=chunk)
-    if loaded is not None:  # refused before anything is allocated
+    if loaded is not None and not is_feature_draft(loaded):  # refused before allocation
         check_draft(loaded, model, draft_layer_types(scfg), m.full or m.swa, w)
+    feature = FEATURE_FAMILIES.get(s.algorithm) if (
+        s.draft_weights != "target" and (loaded is None or is_feature_draft(loaded))) else None
+    if loaded is not None and is_feature_draft(loaded) and feature != _kind(loaded):
+        raise ConfigError([Reason("spec", "spec.draft_weights", f"{w} holds an "
+                                  f"{_kind(loaded)} draft; spec={s.algorithm} runs "
+                                  f"{feature or 'a draft model of the target architecture'}",
+                                  f"spec={_FAMILY_OF[_kind(loaded)]}", rule="draft weights")])
     layout = "copy" if copies(s) else "config"
+    # an EAGLE or EAGLE-3 head is made of Llama layers: the draft's backend serves its scale, not the target's
+    dmodel = _llama_spec(scfg.model) if feature in ("eagle", "eagle3") else None
     sv = build_serving(scfg, sizes.full, sizes.swa, sizes.max_requests, sizes.full_per_request,
                        dev, check_mode=guards, guards=guards, draft_layout=layout,
-                       gen=torch.Generator().manual_seed(scfg.workload.seed))
+                       gen=torch.Generator().manual_seed(scfg.workload.seed), draft_model=dmodel)
     pool, alloc = sv.pool, sv.alloc
     target = Runner("target", model, sv.target, guards=guards, graphs=graphs,
                     max_context=longest)
@@ -118,7 +134,13 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     if s.algorithm == "none":
         return parts
     n = m.num_layers
-    if s.draft_weights != "target" or s.algorithm == "dflash":
+    if feature is not None:
+        model_d, parts.draft_desc, parts.draft_training = _feature_draft(
+            scfg, feature, model, loaded, dev, progress)
+        parts.draft = Runner("draft", model_d, sv.draft, guards=guards, graphs=graphs,
+                             max_context=longest)
+        target.tap = model_d.target_tap(model)  # the hidden states the draft reads
+    elif s.draft_weights != "target" or s.algorithm == "dflash":
         model_d, parts.draft_desc, parts.draft_training = _layered_draft(
             scfg, model, sv.draft_pool, loaded, dev, progress)
         parts.draft = Runner("draft", model_d, sv.draft, guards=guards, graphs=graphs,
@@ -167,6 +189,46 @@ def _layered_draft(scfg: SwaFactoryConfig, model, dpool, loaded, dev: str, progr
     how = "distilled from the target" if trained else "random"
     return (draft.to(dtype).eval(), f"{k} {kind} layers of the target's architecture, {how}, "
             f"{where}{block}", trained)
+
+
+_FAMILY_OF = {"eagle": "eagle", "eagle3": "eagle3", "mtp": "nextn"}
+
+
+def _kind(draft) -> str:
+    return {EagleDraft: "eagle", Eagle3Draft: "eagle3"}.get(type(draft), "mtp")
+
+
+def _llama_spec(m):
+    """The target's spec with a Llama layer's attention: head_dim^-0.5, no sinks, no soft-cap."""
+    return m.model_copy(update={"softmax_scale": None, "attention_sinks": False,
+                                "logit_softcap": None})
+
+
+def _feature_draft(scfg: SwaFactoryConfig, kind: str, model, loaded, dev: str, progress):
+    """(model, description, training) of an EAGLE-3 or MTP draft: loaded, random or
+    distilled on the target's hidden states (`distill_features`)."""
+    s, m = scfg.spec, scfg.model
+    dtype = next(model.parameters()).dtype
+    what = {"eagle": f"an EAGLE head ({s.draft_num_layers} Llama layer(s) over fc of the "
+                     "embedding and the target's last hidden state)",
+            "eagle3": "an EAGLE-3 head (Llama midlayer over the target's aux hidden states "
+                      "fused by fc)", "mtp": "an MTP layer of the target's architecture (enorm, "
+                      "hnorm, eh_proj over the target's last hidden state)"}[kind]
+    if loaded is not None:
+        return loaded.to(dtype).eval(), f"{what}, loaded from {s.draft_weights}, own pool", None
+    full = [i for i, t in enumerate(m.layer_types) if t == "full_attention"] or [m.num_layers - 1]
+    draft = make_feature_draft(kind, model, full[-1], scfg.workload.seed,
+                               random=s.draft_weights == "random", layers=s.draft_num_layers)
+    trained = None
+    if s.draft_weights == "distilled":
+        fields = {"target": weights_key(model), "draft": kind, "config": config_key(draft),
+                  "seed": scfg.workload.seed, "device": dev}
+        draft, trained = distill_features(model, draft, family=s.algorithm,
+                                          window=m.sliding_window or 0,
+                                          seed=scfg.workload.seed, fields=fields,
+                                          progress=progress)
+    how = "distilled from the target" if trained else "random"
+    return draft.to(dtype).eval(), f"{what}, {how}, own pool", trained
 
 
 def _sources(types: list[str], m, dtypes: list[str]) -> list[int]:

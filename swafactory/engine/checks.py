@@ -64,7 +64,19 @@ def most_accept(spec) -> int | None:
 
 
 
-def logits_check(cfg: SwaFactoryConfig, model, reqs, name: str
+def _eager(model, target, ids: torch.Tensor) -> torch.Tensor:
+    """[T, V] logits of ``model``'s own forward of ids [1, T]; a feature draft (``target``
+    given) reads the target's hidden states of the same tokens, each row its position - 1's."""
+    if target is None:
+        return model(input_ids=ids, use_cache=False).logits[0]
+    from swafactory.engine.distill_features import _shift, target_features
+
+    feats = _shift(model.fuse(target_features(target, model, ids)))
+    pos = torch.arange(ids.shape[1], device=ids.device)[None]
+    return model(ids, pos, feats.to(next(model.parameters()).dtype)).logits[0]
+
+
+def logits_check(cfg: SwaFactoryConfig, model, reqs, name: str, target=None
                  ) -> tuple[CheckResult, float, int, float]:
     """``logits``: the target's logits at every generated position; ``draft_logits``: a writing
     draft's logits over the committed tokens (its ``draft_extend`` rows), each against the
@@ -72,21 +84,21 @@ def logits_check(cfg: SwaFactoryConfig, model, reqs, name: str
     is the dtype's floor or `NOISE_FACTOR` × that eager forward's own error against the same
     weights in fp64, the larger. ``logits`` also gives each `Rejection` at a checked position
     its ``exact_gap`` from that fp64 forward. reqs: `GenReq`s. Returns (check, max error,
-    positions, tolerance)."""
+    positions, tolerance). target: a feature draft's target (its eager forward gives the
+    features; in fp64 beside the draft's fp64 copy)."""
     worst, noise, where, n = 0.0, 0.0, "-", 0
-    exact = None
+    exact = exact_t = None
     with attn_implementation(model, "eager"), torch.no_grad():
         for r in reqs:
             mine = r.logits if name == "logits" else r.draft_logits
             if not mine:
                 continue
             if exact is None:  # the same weights in fp64: the truth both are measured against
-                exact = copy.deepcopy(model).double()
-                if hasattr(exact, "set_experts_implementation"):  # grouped_mm has no fp64
-                    exact.set_experts_implementation("eager")
+                exact = _double(model)
+                exact_t = None if target is None else _double(target)
             ids = torch.tensor([r.tokens[:max(mine) + 1]], device=next(model.parameters()).device)
-            ref = model(input_ids=ids, use_cache=False).logits[0].float().cpu()
-            ref64 = exact(input_ids=ids, use_cache=False).logits[0].cpu()
+            ref = _eager(model, target, ids).float().cpu()
+            ref64 = _eager(exact, exact_t, ids).cpu()
             for pos, row in mine.items():
                 scale = ref64[pos].abs().max().clamp_min(1e-6)
                 e = float((row - ref[pos]).abs().max() / ref[pos].abs().max().clamp_min(1e-6))
@@ -98,13 +110,20 @@ def logits_check(cfg: SwaFactoryConfig, model, reqs, name: str
             for j in r.rejections if name == "logits" else ():
                 if j.position in mine:
                     j.exact_gap = logit_gap(ref64[j.position], j.target_token, j.draft_token)
-    del exact
+    del exact, exact_t
     tol = max(logits_tolerance(cfg), NOISE_FACTOR * noise)
     ok = worst <= tol
     return (CheckResult(name=name, status="ok" if ok else "failed",
                         detail=f"max rel err {worst:.2e} (tol {tol:.1e}: transformers' eager is "
                                f"{noise:.1e} off fp64) over {n} positions"
                                + ("" if ok else f", worst at {where}")), worst, n, tol)
+
+
+def _double(model):
+    exact = copy.deepcopy(model).double()
+    if hasattr(exact, "set_experts_implementation"):  # grouped_mm has no fp64
+        exact.set_experts_implementation("eager")
+    return exact
 
 
 def lossless_check(reqs, none_run, name: str = "lossless", what: str = "spec=none"

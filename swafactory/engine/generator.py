@@ -30,6 +30,7 @@ import torch
 
 from swafactory.engine.build import Parts, model_dtype
 from swafactory.engine.distill import MASK_TOKEN
+from swafactory.engine.features import FeatureBook
 from swafactory.engine.readback import Readback, pinned_ids
 from swafactory.engine.report_model import GenStep
 from swafactory.engine.requests import (GenReq, argmax_tie, logit_gap, pack_ids, rejection,
@@ -85,6 +86,9 @@ class Generator:
         self.masks = torch.full((max(0, s.block_size - 1) if s.algorithm == "dflash" else 0,),
                                 MASK_TOKEN, dtype=torch.long, device=dev)
         self.proposals: dict[Hashable, dict[int, torch.Tensor]] = {}  # node → the draft's row
+        d = parts.draft  # a feature draft (EAGLE-3, MTP) reads hidden states: kept on the device
+        self.fb = None if d is None or not d.reads_features else FeatureBook(
+            d.model.config.hidden_size, d.device, next(d.model.parameters()).dtype)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -119,6 +123,8 @@ class Generator:
         for r in list(self.running):
             if len(r.generated) + r.pending >= r.out:  # host counts, no token values
                 self.p.slots.finish(r.rid)
+                if self.fb is not None:
+                    self.fb.drop(r.rid)
                 self.running.remove(r)
                 self.done.append(r)
         self._evict()
@@ -205,8 +211,14 @@ class Generator:
                 keep += range(row, row + f.q_len)
             row += f.q_len
         ids = pack_ids(pieces, runner.device)
+        feats = self.fb.inputs(mode, reqs, early) if self.fb and worker == "draft" else None
         logits = runner.forward(mode, reqs, ids, positions, self.p.slots.req_to_token.table,
-                                self.p.alloc.full_id, check=False)
+                                self.p.alloc.full_id, check=False, features=feats)
+        if self.fb is not None:  # the rows' features, for the draft forwards after this one
+            if worker == "target" and mode in ("extend", "target_verify"):
+                self.fb.target_rows(mode, reqs, self.p.draft.model.fuse(runner.features))
+            elif mode == "draft_decode":
+                self.fb.draft_rows(reqs, runner.features)
         every = keep == list(range(row))
         rb = Readback(f"{runner.name} {mode}", logits,
                       None if every else pinned_ids(keep, runner.device),
@@ -341,6 +353,8 @@ class Generator:
         rows, best = self.hrows[verify.rid], self.hbest[verify.rid]
         nodes = self.nodes[verify.rid][:verify.nodes]
         path = greedy_path(verify.parents, nodes, best)
+        if self.fb is not None:
+            self.fb.accepted(r.rid, path)
         depth = verify.node_positions() - verify.prefix_len
         for i in path[1:]:  # the accepted drafts are the target's argmax at their parents
             parent = verify.parents[i] if verify.parents is not None else i - 1

@@ -121,6 +121,9 @@ def _generate(cfg: SwaFactoryConfig, device: DeviceInfo, model, prompts, outs,
         return _Outcome(gen, parts, exc, time.perf_counter() - t0)
     except (SpaceError, RuntimeError, IndexError, ValueError) as exc:
         return _Outcome(gen, parts, exc, time.perf_counter() - t0)
+    finally:  # the target is shared with the reference runs: its feature hooks go
+        if parts is not None and parts.target.tap is not None:
+            parts.target.tap.remove()
     return _Outcome(gen, parts, None, time.perf_counter() - t0)
 
 
@@ -179,8 +182,9 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
         checks["logits"], err, npos, tol = logits_check(cfg, model, reqs, "logits")
         derr = err  # a draft that reads the target's pool is checked through the target's
         if main.parts.draft is not None and main.parts.draft.writes:
-            checks["draft_logits"], derr, _, _ = logits_check(cfg, main.parts.draft.model, reqs,
-                                                              "draft_logits")
+            checks["draft_logits"], derr, _, _ = logits_check(
+                cfg, main.parts.draft.model, reqs, "draft_logits",
+                target=model if main.parts.draft.reads_features else None)
         if cfg.run.overlap:  # the same run without overlap: its tokens, and tokens/s to compare
             twin = _generate(cfg.model_copy(update={"run": cfg.run.model_copy(
                 update={"overlap": False})}), dev, model, prompts, outs)

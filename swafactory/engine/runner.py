@@ -18,6 +18,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from swafactory.engine.drafters import is_feature_draft
 from swafactory.engine.readback import pinned_ids
 from swafactory.errors import SpaceError
 from swafactory.graph_sizing import BUCKETS
@@ -55,15 +56,21 @@ class Runner:
     capture (sglang's runner does the same). max_context: the
     most keys a request reads (sizes the graph state; None: `init_cuda_graph_state`'s default).
     guards: check every forward's logits for NaN/inf (the NaN guard; the pools are poisoned in
-    check mode).
+    check mode). tap: a target's `FeatureTap` (the hidden states a feature draft reads).
+
+    After each forward, ``features`` holds its rows' features ([T, F], on the device): the tap's
+    (a target), or a feature draft's own output (`drafters.DraftOut.hidden`); else None.
     """
 
     def __init__(self, name: str, model, backend, *, writes: bool = True, swap=None,
                  guards: bool = True, graphs: bool = False,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, tap=None) -> None:
         register()
         self.name, self.model, self.backend = name, model, backend
         self.writes, self.swap, self.guards = writes, swap, guards
+        self.tap = tap
+        self.reads_features = is_feature_draft(model)
+        self.features: torch.Tensor | None = None
         self.model.set_attn_implementation(ATTENTION)
         self.device = next(model.parameters()).device
         self.forwards = 0
@@ -77,14 +84,19 @@ class Runner:
     @torch.no_grad()
     def forward(self, mode: ForwardMode, reqs: Sequence[ReqForward],
                 tokens: Sequence[int] | torch.Tensor, positions: Sequence[int],
-                req_to_token: torch.Tensor, full_id: str, *, check: bool = True) -> torch.Tensor:
+                req_to_token: torch.Tensor, full_id: str, *, check: bool = True,
+                features: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, positions: [T] of the batch's query rows, request by request (tokens may be
         a [T] int64 tensor on the device: an overlap driver's inputs never visit the host).
+        features: [T, F] in the model's dtype, on the device (a feature draft's inputs).
         Returns the logits [T, vocab] fp32. check=False leaves the NaN guard to the caller,
         which reads a finite flag back with the tokens instead of syncing here."""
         batch = ForwardBatch.of(mode, reqs, req_to_token, full_id)
         if batch.total_q != len(tokens):
             raise ValueError(f"{self.name} {mode}: {len(tokens)} tokens for {batch.total_q} queries")
+        if self.reads_features and (features is None or len(features) != batch.total_q):
+            raise ValueError(f"{self.name} {mode}: a feature draft needs features [{batch.total_q}, "
+                             f"F], got {None if features is None else tuple(features.shape)}")
         with self._swapped():  # a FROZEN_KV draft: the target's frozen view in, then out
             ids = (tokens.to(self.device).view(1, -1) if isinstance(tokens, torch.Tensor)
                    else pinned_ids(list(tokens), self.device).view(1, -1))
@@ -92,12 +104,14 @@ class Runner:
             bucket = self._bucket(batch)
             if bucket is None:
                 self.backend.init_forward_metadata(batch)
+                kw = {} if features is None else {"features": features.view(1, len(features), -1)}
                 with routing(self.backend, writes=self.writes):
-                    logits = self.model(input_ids=ids, position_ids=pos,
-                                        use_cache=False).logits[0]
+                    out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **kw)
+                logits = out.logits[0]
+                self.features = self._features_of(out)
                 self.graph_use["eager"] += 1
             else:
-                logits = self._replay(batch, bucket, ids, pos)
+                logits = self._replay(batch, bucket, ids, pos, features)
         self.forwards += 1
         logits = logits.float()
         if check:  # this read back is a sync point: the guards' deferred checks report first
@@ -106,6 +120,12 @@ class Runner:
             raise NonFinite(f"{self.name} {mode}: non-finite logits (a poisoned, freed or dummy "
                             "slot was read)")
         return logits
+
+    def _features_of(self, out) -> torch.Tensor | None:
+        """[T, F] features of a model call's rows (see the class doc)."""
+        if self.reads_features:
+            return out.hidden[0]
+        return None if self.tap is None else self.tap.take()
 
     def _bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
         """(requests, queries per request) of the graph that serves ``batch``, or None (eager)."""
@@ -135,30 +155,46 @@ class Runner:
         return nullcontext() if self.swap is None else self.swap.active()
 
     def _replay(self, batch: ForwardBatch, bucket: tuple[int, int], ids: torch.Tensor,
-                pos: torch.Tensor) -> torch.Tensor:
+                pos: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """Capture ``bucket``'s graph on first use, then plan, copy the inputs and replay;
-        returns the batch's logits rows [T, vocab]."""
+        returns the batch's logits rows [T, vocab] (and sets ``features``)."""
         st = self._graphs.get(bucket)
         if st is None or self.backend.graph_stale(*bucket) is not None:  # stale: fp8 scales
             st = self._graphs[bucket] = self._capture(batch.mode, *bucket)
-        graph, s_ids, s_pos, s_logits = st
+        graph, s_ids, s_pos, s_feat, out = st
         rows = batch.total_q
         self.backend.init_forward_metadata_replay(batch, *bucket)
         # padding rows are token 0 at position 0: no request's token (not an earlier batch's)
         for static, new in ((s_ids, ids), (s_pos, pos)):
             refill(static[0], new[0], rows)
+        if s_feat is not None:
+            refill(s_feat[0], features, rows)
         graph.replay()
         self.graph_use["replays"] += 1
-        return s_logits[0, :rows].clone()  # the static buffer is the next replay's
+        feats = out.get("features")
+        self.features = None if feats is None else feats[0, :rows].clone()
+        return out["logits"][0, :rows].clone()  # the static buffers are the next replay's
 
     def _capture(self, mode: ForwardMode, bs: int, tokens: int) -> tuple:
         ids = torch.zeros(1, bs * tokens, dtype=torch.long, device=self.device)
         pos = torch.zeros_like(ids)
+        feat = None
+        if self.reads_features:
+            width = self.model.config.hidden_size
+            feat = torch.zeros(1, bs * tokens, width, device=self.device,
+                               dtype=next(self.model.parameters()).dtype)
 
         def step():  # the whole model call, every layer's attention through the backend
+            kw = {} if feat is None else {"features": feat}
             with routing(self.backend, writes=self.writes):
-                return self.model(input_ids=ids, position_ids=pos, use_cache=False).logits
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **kw)
+            got = {"logits": out.logits}
+            if self.reads_features:
+                got["features"] = out.hidden
+            elif self.tap is not None:
+                got["features"] = self.tap.take()[None]
+            return got
 
         self.graph_use["captures"] += 1
-        graph, logits = capture_step(self.backend, bs, tokens, mode, step, self.device)
-        return graph, ids, pos, logits
+        graph, out = capture_step(self.backend, bs, tokens, mode, step, self.device)
+        return graph, ids, pos, feat, out

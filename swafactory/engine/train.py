@@ -50,6 +50,8 @@ class Batch:
     ids: torch.Tensor
     labels: torch.Tensor
     masks: dict[str, torch.Tensor] | None = None
+    features: torch.Tensor | None = None
+    """[B, T, F] fp32: the target's hidden states at each position (a feature draft's)."""
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,12 @@ def load_cached(path: Path, fields: dict) -> dict | None:
     return meta["trained"]
 
 
-def save_cached(model, path: Path, fields: dict, trained: Trained) -> None:
-    """Write ``model`` (``save_pretrained``) and its record to ``path``: into a fresh directory
-    beside it, renamed into place, so a reader (another test worker, another run) never sees a
-    half-written entry. When ``path`` appeared meanwhile, the first writer's entry stays."""
+def save_cached(model, path: Path, fields: dict, trained: Trained,
+                save: Callable[[Path], None] | None = None) -> None:
+    """Write ``model`` (``save_pretrained``, or ``save(directory)``) and its record to ``path``:
+    into a fresh directory beside it, renamed into place, so a reader (another test worker,
+    another run) never sees a half-written entry. When ``path`` appeared meanwhile, the first
+    writer's entry stays."""
     import shutil
     import tempfile
 
@@ -109,7 +113,10 @@ def save_cached(model, path: Path, fields: dict, trained: Trained) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     tf_logging.disable_progress_bar()  # the run prints its own progress
     try:
-        model.save_pretrained(tmp)
+        if save is None:
+            model.save_pretrained(tmp)
+        else:
+            save(tmp)
     finally:
         tf_logging.enable_progress_bar()
     meta = {"fields": json.loads(json.dumps(fields, sort_keys=True, default=str)),
@@ -156,18 +163,22 @@ def _loss(model, b: Batch) -> torch.Tensor:
 
 
 def train(model, batches: Callable[[int], Batch], recipe: Recipe, *, label: str,
-          progress: TextIO | None = None) -> tuple[float, float, int]:
+          progress: TextIO | None = None,
+          loss: Callable[[object, Batch], torch.Tensor] | None = None
+          ) -> tuple[float, float, int]:
     """Train ``model`` (fp32, in place) on ``batches(step)``; returns (seconds, final loss: the
     mean of the last tenth of the steps run, steps run). Prints ``label`` with the step, loss and
-    time ten times to ``progress``."""
+    time ten times to ``progress``. loss: (model, batch) → scalar (default: a causal LM's
+    cross-entropy on the labels)."""
     # the same model code that serves, with transformers' SDPA attention where the model has it
     # (eager keeps every score: O(T^2) memory per head); eager otherwise (GPT-OSS's sinks)
     with attn_implementation(model, "sdpa" if getattr(model, "_supports_sdpa", False)
                              else "eager"):
-        return _train(model, batches, recipe, label, progress)
+        return _train(model, batches, recipe, label, progress, loss or _loss)
 
 
-def _train(model, batches, recipe: Recipe, label: str, progress) -> tuple[float, float, int]:
+def _train(model, batches, recipe: Recipe, label: str, progress, loss_fn
+           ) -> tuple[float, float, int]:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     half = recipe.steps // 2
@@ -177,7 +188,7 @@ def _train(model, batches, recipe: Recipe, label: str, progress) -> tuple[float,
     every = max(1, min(recipe.steps // 10, 25))
     step = 0
     for step in range(recipe.steps):
-        loss = _loss(model, batches(step))
+        loss = loss_fn(model, batches(step))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
