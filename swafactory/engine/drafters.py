@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
 
 
 def is_feature_draft(model) -> bool:
-    return isinstance(model, (EagleDraft, Eagle3Draft, MtpDraft))
+    return bool(getattr(model, "reads_features", False))
 
 
 class _Layers(nn.Module):
@@ -83,6 +83,7 @@ class Eagle3Draft(nn.Module):
     the target's."""
 
     _supports_sdpa = True
+    reads_features = True
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -155,6 +156,7 @@ class EagleDraft(nn.Module):
     ``lm_head`` is the target's (sglang serves it with the target's head)."""
 
     _supports_sdpa = True
+    reads_features = True
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -197,6 +199,8 @@ class EagleDraft(nn.Module):
 class MtpDraft(nn.Module):
     """A NEXTN/MTP layer over a one-layer model of the target's architecture (``inner``: its
     decoder layer, final norm = ``shared_head.norm`` and LM head = ``shared_head.head``)."""
+
+    reads_features = True
 
     def __init__(self, inner, embed_weight: torch.Tensor) -> None:
         super().__init__()

@@ -18,7 +18,6 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from swafactory.engine.drafters import is_feature_draft
 from swafactory.engine.readback import pinned_ids
 from swafactory.errors import SpaceError
 from swafactory.graph_sizing import BUCKETS
@@ -69,7 +68,8 @@ class Runner:
         self.name, self.model, self.backend = name, model, backend
         self.writes, self.swap, self.guards = writes, swap, guards
         self.tap = tap
-        self.reads_features = is_feature_draft(model)
+        # a feature draft (`drafters`) says so; imports point down, so no isinstance here
+        self.reads_features = bool(getattr(model, "reads_features", False))
         self.features: torch.Tensor | None = None
         self.model.set_attn_implementation(ATTENTION)
         self.device = next(model.parameters()).device
