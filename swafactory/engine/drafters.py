@@ -63,6 +63,26 @@ def is_feature_draft(model) -> bool:
     return bool(getattr(model, "reads_features", False))
 
 
+class _FeatureDraft(nn.Module):
+    """What every feature draft shares: the flag runners read, the target's hidden states it
+    reads (its `FeatureTap`; the final normed one unless overridden) and their cast."""
+
+    reads_features = True
+
+    def taps(self) -> list[int | str]:
+        return ["norm"]
+
+    def target_tap(self, target) -> FeatureTap:
+        return FeatureTap(target, self.taps())
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """[T, F] target features → [T, hidden] draft inputs."""
+        return feats.to(next(self.parameters()).dtype)
+
+    def set_attn_implementation(self, name: str) -> None:
+        self.config._attn_implementation = name
+
+
 class _Layers(nn.Module):
     """``.layers`` for `models.attention_modules` (the draft's attention geometry)."""
 
@@ -77,13 +97,12 @@ def _causal(T: int, like: torch.Tensor) -> torch.Tensor:
     return m.triu(1)[None, None]
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(_FeatureDraft):
     """sglang's EAGLE-3 draft. config: a transformers ``LlamaConfig`` with ``draft_vocab_size``,
     ``target_hidden_size`` and ``eagle_config.eagle_aux_hidden_state_layer_ids``; vocab_size is
     the target's."""
 
     _supports_sdpa = True
-    reads_features = True
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -111,14 +130,8 @@ class Eagle3Draft(nn.Module):
     def midlayer(self) -> nn.Module:
         return self.model.layers[0]
 
-    def set_attn_implementation(self, name: str) -> None:
-        self.config._attn_implementation = name
-
-    def capture_ids(self) -> list[int]:
+    def taps(self) -> list[int | str]:
         return list(self.config.eagle_config["eagle_aux_hidden_state_layer_ids"])
-
-    def target_tap(self, target) -> FeatureTap:
-        return FeatureTap(target, self.capture_ids())
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[T, 3 · target hidden] aux hidden states → [T, hidden] features."""
@@ -151,12 +164,11 @@ class Eagle3Draft(nn.Module):
         return out.index_copy_(-1, self.d2t + torch.arange(Vd, device=self.d2t.device), logits)
 
 
-class EagleDraft(nn.Module):
+class EagleDraft(_FeatureDraft):
     """sglang's EAGLE draft. config: a transformers ``LlamaConfig`` (num_hidden_layers layers);
     ``lm_head`` is the target's (sglang serves it with the target's head)."""
 
     _supports_sdpa = True
-    reads_features = True
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -174,15 +186,6 @@ class EagleDraft(nn.Module):
         self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
         self.rotary = llama.LlamaRotaryEmbedding(config)
 
-    def set_attn_implementation(self, name: str) -> None:
-        self.config._attn_implementation = name
-
-    def target_tap(self, target) -> FeatureTap:
-        return FeatureTap(target, ["norm"])
-
-    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
-        return feats.to(self.fc.weight.dtype)
-
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 features: torch.Tensor, attention_mask=None, use_cache: bool = False) -> DraftOut:
         """input_ids, position_ids: [B, T] int64; features: [B, T, hidden]."""
@@ -196,11 +199,9 @@ class EagleDraft(nn.Module):
         return DraftOut(self.lm_head(h), h)
 
 
-class MtpDraft(nn.Module):
+class MtpDraft(_FeatureDraft):
     """A NEXTN/MTP layer over a one-layer model of the target's architecture (``inner``: its
     decoder layer, final norm = ``shared_head.norm`` and LM head = ``shared_head.head``)."""
-
-    reads_features = True
 
     def __init__(self, inner, embed_weight: torch.Tensor) -> None:
         super().__init__()
@@ -222,12 +223,6 @@ class MtpDraft(nn.Module):
 
     def set_attn_implementation(self, name: str) -> None:
         self.inner.set_attn_implementation(name)
-
-    def target_tap(self, target) -> FeatureTap:
-        return FeatureTap(target, ["norm"])
-
-    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
-        return feats.to(self.eh_proj.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 features: torch.Tensor, attention_mask=None, use_cache: bool = False) -> DraftOut:
