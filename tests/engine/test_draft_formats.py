@@ -38,12 +38,17 @@ def _keys(path) -> set[str]:
     return set(load_file(str(path / "model.safetensors")))
 
 
-def test_an_eagle3_draft_is_saved_as_sglang_loads_it(tmp_path) -> None:
-    r = _gen(*SPECS["eagle3"], "spec.draft_weights=distilled")
+def _saved(family: str, tmp_path):
+    """A distilled draft of ``family``: a copy of its directory, and its config.json."""
+    r = _gen(*SPECS[family], "spec.draft_weights=distilled")
     assert r.status == "ok", r.checks
-    path = tmp_path / "e3"
+    path = tmp_path / family
     shutil.copytree(r.draft_training["path"], path)
-    config = json.loads((path / "config.json").read_text())
+    return path, json.loads((path / "config.json").read_text())
+
+
+def test_an_eagle3_draft_is_saved_as_sglang_loads_it(tmp_path) -> None:
+    path, config = _saved("eagle3", tmp_path)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 256
     assert config["target_hidden_size"] == config["hidden_size"] == 64
@@ -66,11 +71,7 @@ def test_an_eagle3_draft_is_saved_as_sglang_loads_it(tmp_path) -> None:
 
 
 def test_an_eagle_draft_is_saved_as_sglang_loads_it(tmp_path) -> None:
-    r = _gen(*SPECS["eagle"], "spec.draft_weights=distilled")
-    assert r.status == "ok", r.checks
-    path = tmp_path / "e1"
-    shutil.copytree(r.draft_training["path"], path)
-    config = json.loads((path / "config.json").read_text())
+    path, config = _saved("eagle", tmp_path)
     assert config["architectures"] == ["LlamaForCausalLMEagle"]
     keys = _keys(path)
     assert {"fc.weight", "fc.bias", "embed_tokens.weight", "layers.0.self_attn.q_proj.weight",
@@ -81,11 +82,7 @@ def test_an_eagle_draft_is_saved_as_sglang_loads_it(tmp_path) -> None:
 
 
 def test_an_mtp_layer_is_saved_at_layer_index_num_hidden_layers(tmp_path) -> None:
-    r = _gen(*SPECS["nextn"], "spec.draft_weights=distilled")
-    assert r.status == "ok", r.checks
-    path = tmp_path / "mtp"
-    shutil.copytree(r.draft_training["path"], path)
-    config = json.loads((path / "config.json").read_text())
+    path, config = _saved("nextn", tmp_path)
     assert config["num_nextn_predict_layers"] == 1 and config["model_type"] == "gemma4_text"
     assert config["num_hidden_layers"] == TINY_LAYERS
     pre = f"model.layers.{TINY_LAYERS}."
