@@ -18,15 +18,18 @@ Drafts, per family (what each one is, and the pool it owns or reads):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.config.specs import DRAFT_WEIGHTS
-from swafactory.engine.distill import check_draft, distill, load_draft, make_draft, weights_key
+from swafactory.engine.distill import (MASK_TOKEN, check_draft, distill, load_draft, make_draft,
+                                       weights_key)
 from swafactory.engine.distill_features import distill_features
 from swafactory.engine.drafters import (FEATURE_FAMILIES, EagleDraft, Eagle3Draft,
                                         is_feature_draft, make_feature_draft)
+from swafactory.engine.dflash_draft import DFlashDraft, make_dflash_draft
 from swafactory.engine.formats import load_feature_draft
 from swafactory.errors import ConfigError, Reason
 from swafactory.engine.models import (config_key, draft_copy, draft_from_layers, load_target,
@@ -104,8 +107,8 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         model, _, _ = load_target(cfg, model_dtype(cfg), dev)
     w = cfg.spec.draft_weights
     loaded = None
-    if w not in DRAFT_WEIGHTS:  # a saved draft: sglang's EAGLE-3 or MTP format, or an HF model
-        loaded = load_feature_draft(w, model, dev) or load_draft(w, dev)
+    if w not in DRAFT_WEIGHTS:  # a saved draft: one of sglang's feature formats, or an HF model
+        loaded = load_feature_draft(w, model, dev, _expect(cfg, model)) or load_draft(w, dev)
     scfg = serving_config(cfg, model, device, loaded)
     m, s, P = scfg.model, scfg.spec, scfg.backend.page_size
     longest = max(p + o for p, o in zip(prompts, outs)) + step_nodes(s) + P
@@ -121,8 +124,8 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
                                   f"{feature or 'a draft model of the target architecture'}",
                                   f"spec={_FAMILY_OF[_kind(loaded)]}", rule="draft weights")])
     layout = "copy" if copies(s) else "config"
-    # an EAGLE or EAGLE-3 head is made of Llama layers: the draft's backend serves its scale, not the target's
-    dmodel = _llama_spec(scfg.model) if feature in ("eagle", "eagle3") else None
+    # EAGLE heads are Llama layers, DFlash's Qwen3 ones: the draft's backend serves their scale
+    dmodel = _llama_spec(scfg.model) if feature in ("eagle", "eagle3", "dflash") else None
     sv = build_serving(scfg, sizes.full, sizes.swa, sizes.max_requests, sizes.full_per_request,
                        dev, check_mode=guards, guards=guards, draft_layout=layout,
                        gen=torch.Generator().manual_seed(scfg.workload.seed), draft_model=dmodel)
@@ -191,11 +194,25 @@ def _layered_draft(scfg: SwaFactoryConfig, model, dpool, loaded, dev: str, progr
             f"{where}{block}", trained)
 
 
-_FAMILY_OF = {"eagle": "eagle", "eagle3": "eagle3", "mtp": "nextn"}
+_FAMILY_OF = {"eagle": "eagle", "eagle3": "eagle3", "mtp": "nextn", "dflash": "dflash"}
 
 
 def _kind(draft) -> str:
-    return {EagleDraft: "eagle", Eagle3Draft: "eagle3"}.get(type(draft), "mtp")
+    return {EagleDraft: "eagle", Eagle3Draft: "eagle3", DFlashDraft: "dflash"}.get(
+        type(draft), "mtp")
+
+
+def _expect(cfg: SwaFactoryConfig, model):
+    """What a saved DFlash drafter must match, by its layer count: the spec's block size and
+    the layer types of the draft pool the spec builds for it."""
+    m = serving_model(model, cfg.model)
+
+    def of(n: int) -> dict:
+        spec = SimpleNamespace(draft_num_layers=n,
+                               draft_pool_split=getattr(cfg.spec, "draft_pool_split", False))
+        return {"block_size": getattr(cfg.spec, "block_size", None),
+                "layer_types": draft_layer_types(SimpleNamespace(spec=spec, model=m))}
+    return of
 
 
 def _llama_spec(m):
@@ -212,13 +229,20 @@ def _feature_draft(scfg: SwaFactoryConfig, kind: str, model, loaded, dev: str, p
     what = {"eagle": f"an EAGLE head ({s.draft_num_layers} Llama layer(s) over fc of the "
                      "embedding and the target's last hidden state)",
             "eagle3": "an EAGLE-3 head (Llama midlayer over the target's aux hidden states "
-                      "fused by fc)", "mtp": "an MTP layer of the target's architecture (enorm, "
+                      "fused by fc)",
+            "dflash": f"a DFlash drafter ({s.draft_num_layers} Qwen3 layers; context K/V "
+                      "projected from the target's hidden states; a block of "
+                      f"{getattr(s, 'block_size', 0)} that sees itself)", "mtp": "an MTP layer of the target's architecture (enorm, "
                       "hnorm, eh_proj over the target's last hidden state)"}[kind]
     if loaded is not None:
         return loaded.to(dtype).eval(), f"{what}, loaded from {s.draft_weights}, own pool", None
     full = [i for i, t in enumerate(m.layer_types) if t == "full_attention"] or [m.num_layers - 1]
-    draft = make_feature_draft(kind, model, full[-1], scfg.workload.seed,
-                               random=s.draft_weights == "random", layers=s.draft_num_layers)
+    if kind == "dflash":
+        draft = make_dflash_draft(model, s.draft_num_layers, draft_layer_types(scfg),
+                                  m.sliding_window, s.block_size, MASK_TOKEN, scfg.workload.seed)
+    else:
+        draft = make_feature_draft(kind, model, full[-1], scfg.workload.seed,
+                                   random=s.draft_weights == "random", layers=s.draft_num_layers)
     trained = None
     if s.draft_weights == "distilled":
         fields = {"target": weights_key(model), "draft": kind, "config": config_key(draft),

@@ -71,7 +71,8 @@ def _eager(model, target, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits[0]
     from swafactory.engine.distill_features import _shift, target_features
 
-    feats = _shift(model.fuse(target_features(target, model, ids)))
+    feats = model.fuse(target_features(target, model, ids))
+    feats = _shift(feats) if model.shifted else feats
     pos = torch.arange(ids.shape[1], device=ids.device)[None]
     return model(ids, pos, feats.to(next(model.parameters()).dtype)).logits[0]
 

@@ -18,7 +18,8 @@ from typing import TextIO
 
 import torch
 
-from swafactory.engine.distill import NEW_TOKENS, _data
+from swafactory.engine.dflash_draft import DFlashDraft
+from swafactory.engine.distill import NEW_TOKENS, _data, _masks
 from swafactory.engine.drafters import EagleDraft, MtpDraft
 from swafactory.engine.formats import load_feature_draft, save_feature_draft
 from swafactory.engine.runner import attn_implementation
@@ -28,6 +29,8 @@ from swafactory.engine.train import (TOKENS_PER_BATCH, Batch, Recipe, Trained, b
 __all__ = ["FEATURE_DISTILL", "UNROLL", "distill_features", "target_features"]
 
 FEATURE_DISTILL = Recipe(steps=200, lr=1e-2, batch=16)
+BLOCK_DISTILL = Recipe(steps=320, lr=1e-2, batch=16)
+"""DFlash's: a block row learns a token up to a block ahead, from fresh Qwen3 layers."""
 UNROLL = 2
 """Passes per batch: the target's features, then the draft's own (one draft step ahead)."""
 
@@ -55,6 +58,26 @@ def _shift(f: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
 
 
+def _block_batch(draft, seqs: torch.Tensor, f: torch.Tensor, start: int, at: int | None,
+                 gen: torch.Generator) -> Batch:
+    """A DFlash batch: the root at L (random in the continuation, or ``at``), mask tokens after
+    it; features = the context's aux hidden states plus a context-row column; masks by layer
+    type (the block sees the context and itself, a sliding type only its window)."""
+    B = draft.config.block_size
+    L = at if at is not None else int(torch.randint(start, seqs.shape[1] - B + 1, (1,),
+                                                     generator=gen))
+    ids = seqs[:, :L + B].clone()
+    ids[:, L + 1:] = draft.mask_token_id
+    labels = torch.full_like(ids, -100)
+    labels[:, L:L + B - 1] = seqs[:, L + 1:L + B]
+    ctx = torch.zeros_like(ids, dtype=f.dtype)[..., None]
+    ctx[:, :L] = 1.0
+    feats = torch.cat([f[:, :L + B], ctx], dim=-1)
+    types = set(draft.config.layer_types)
+    return Batch(ids, labels, _masks(types, L + B, (L, L + B), draft.config.sliding_window,
+                                     ids.shape[0], ids.device), features=feats)
+
+
 def _passes(draft, b: Batch, unroll: int) -> list:
     """Each pass's `DraftOut`: the target's features, then the draft's own."""
     pos = torch.arange(b.ids.shape[1], device=b.ids.device).expand_as(b.ids)
@@ -65,6 +88,17 @@ def _passes(draft, b: Batch, unroll: int) -> list:
         out.append(o)
         feats = _shift(o.hidden)
     return out
+
+
+def _block_loss(draft, b: Batch) -> torch.Tensor:
+    """DFlash: one pass over the context rows (features' last column 1: their ctx) and the
+    block rows (0), cross-entropy on the block rows' predictions."""
+    rows = b.features[..., -1:]
+    feats = draft.fuse(b.features[..., :-1]) * rows
+    pos = torch.arange(b.ids.shape[1], device=b.ids.device).expand_as(b.ids)
+    lg = draft(b.ids, pos, feats, attention_mask=b.masks).logits.float()
+    return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), b.labels.reshape(-1),
+                                             ignore_index=-100)
 
 
 def _loss(draft, b: Batch) -> torch.Tensor:
@@ -88,10 +122,14 @@ def _loss(draft, b: Batch) -> torch.Tensor:
 def distill_features(target, draft, *, family: str, window: int, seed: int, fields: dict,
                      progress: TextIO | None = None):
     """Train ``draft`` (fp32, in place) on ``target``'s continuations, or load the cached one;
-    returns (the draft, `Trained`). fields: the cache key (target weights, draft config, seed)."""
+    returns (the draft, `Trained`). fields: the cache key (target weights, draft config, seed).
+    A DFlash drafter learns blocks: the root at a random L, then mask tokens, over the
+    context's features (rows < L); block row i learns the target's token at L + i + 1."""
     device = next(draft.parameters()).device
-    fields = {**fields, "recipe": asdict(FEATURE_DISTILL), "unroll": UNROLL,
-              "objective": "ce+feature" if isinstance(draft, EagleDraft) else "ce",
+    recipe = BLOCK_DISTILL if isinstance(draft, DFlashDraft) else FEATURE_DISTILL
+    fields = {**fields, "recipe": asdict(recipe), "unroll": UNROLL,
+              "objective": "ce+feature" if isinstance(draft, EagleDraft) else
+              "block" if isinstance(draft, DFlashDraft) else "ce",
               "tokens_per_batch": TOKENS_PER_BATCH.get(device.type)}
     path = cache_dir("drafts", fields)
     hit = load_cached(path, fields)
@@ -101,21 +139,25 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
                                   "cached": True, "path": str(path)})
     t0 = time.perf_counter()
     if progress is not None:
-        print(f"distilling the {family} draft ({FEATURE_DISTILL.steps} steps) on the target's "
+        print(f"distilling the {family} draft ({recipe.steps} steps) on the target's "
               "hidden states and greedy continuations", file=progress, flush=True)
     groups, held = _data(target, target.config.vocab_size, window, seed, device)
     feats = [target_features(target, draft, g) for g in groups]
     hfeat = target_features(target, draft, held)
-    frozen = [draft.embed_tokens.weight]  # sglang serves EAGLE and MTP with the target's head
+    frozen = [draft.embed_tokens.weight]  # sglang serves EAGLE, MTP, DFlash with the target's head
     if isinstance(draft, MtpDraft):
         frozen.append(draft.inner.lm_head.weight)
-    elif isinstance(draft, EagleDraft):
+    elif isinstance(draft, (EagleDraft, DFlashDraft)):
         frozen.append(draft.lm_head.weight)
     for p in frozen:
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
 
-    def make(seqs: torch.Tensor, f: torch.Tensor, start: int) -> Batch:
+    block = isinstance(draft, DFlashDraft)
+
+    def make(seqs: torch.Tensor, f: torch.Tensor, start: int, at: int | None = None) -> Batch:
+        if block:
+            return _block_batch(draft, seqs, f, start, at, gen)
         labels = seqs[:, 1:].clone()
         labels[:, :start - 1] = -100  # the random prompt cannot be predicted
         return Batch(seqs[:, :-1], labels, features=f[:, :-1])
@@ -123,20 +165,28 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
     def batch(step: int) -> Batch:
         i = step % len(groups)
         seqs, f = groups[i], feats[i]
-        n = batch_size(FEATURE_DISTILL, seqs.shape[1], device)
+        n = batch_size(recipe, seqs.shape[1], device)
         rows = torch.randint(0, seqs.shape[0], (n,), generator=gen).to(device)
         return make(seqs[rows], f[rows], seqs.shape[1] - NEW_TOKENS)
 
-    _, loss, steps = train(draft, batch, FEATURE_DISTILL, label=f"{family} draft",
-                           progress=progress, loss=_loss)
-    b = make(held, hfeat, held.shape[1] - NEW_TOKENS)
+    _, loss, steps = train(draft, batch, recipe, label=f"{family} draft",
+                           progress=progress, loss=_block_loss if block else _loss)
+    start = held.shape[1] - NEW_TOKENS
+    b = make(held, hfeat, start, start + NEW_TOKENS // 2 - draft.config.block_size // 2
+             if block else None)
     with torch.no_grad():
-        first = _passes(draft, b, 1)[0].logits
+        if block:
+            rows = b.features[..., -1:]
+            pos = torch.arange(b.ids.shape[1], device=device).expand_as(b.ids)
+            first = draft(b.ids, pos, draft.fuse(b.features[..., :-1]) * rows,
+                          attention_mask=b.masks).logits
+        else:
+            first = _passes(draft, b, 1)[0].logits
     keep = b.labels != -100
     agree = float((first.argmax(-1)[keep] == b.labels[keep]).float().mean())
     seconds = time.perf_counter() - t0
     trained = Trained(f"draft {family}", steps, seconds, seconds, loss, agree, False,
-                      str(path), asdict(FEATURE_DISTILL))
+                      str(path), asdict(recipe))
     save_cached(draft, path, fields, trained,
                 save=lambda d: save_feature_draft(draft, d, target.config))
     return draft, trained

@@ -32,7 +32,7 @@ from swafactory.engine.models import draft_from_layers, require_transformers
 __all__ = ["DraftOut", "RMSNorm", "EagleDraft", "Eagle3Draft", "MtpDraft", "is_feature_draft",
            "make_feature_draft", "FEATURE_FAMILIES"]
 
-FEATURE_FAMILIES = {"eagle": "eagle", "eagle3": "eagle3", "nextn": "mtp"}
+FEATURE_FAMILIES = {"eagle": "eagle", "eagle3": "eagle3", "nextn": "mtp", "dflash": "dflash"}
 """spec.algorithm → the feature draft it takes with ``draft_weights`` random, distilled or a
 saved directory."""
 
@@ -68,6 +68,14 @@ class _FeatureDraft(nn.Module):
     reads (its `FeatureTap`; the final normed one unless overridden) and their cast."""
 
     reads_features = True
+    shifted = True
+    """A row reads the feature of the position before it (EAGLE, EAGLE-3, MTP); False: its own
+    position's (DFlash's context rows)."""
+
+    @property
+    def feature_width(self) -> int:
+        """The width of a forward's ``features`` rows."""
+        return self.config.hidden_size
 
     def taps(self) -> list[int | str]:
         return ["norm"]

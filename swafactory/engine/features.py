@@ -69,8 +69,10 @@ class FeatureBook:
     by node; own: the draft's own output rows of this step by node; extend: the inputs of the
     ``draft_extend`` over the accepted path."""
 
-    def __init__(self, width: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, width: int, device: torch.device, dtype: torch.dtype,
+                 shifted: bool = True) -> None:
         self.width, self.device, self.dtype = width, device, dtype
+        self.shifted = shifted  # False: a row reads its own position's features (DFlash)
         self.last: dict[Hashable, torch.Tensor] = {}    # [1, F]
         self.chunk: dict[Hashable, torch.Tensor] = {}   # [n, F]
         self.verify: dict[Hashable, torch.Tensor] = {}  # [nodes, F]
@@ -87,7 +89,9 @@ class FeatureBook:
 
     def _prefix(self, rid: Hashable, rows: torch.Tensor, n: int) -> torch.Tensor:
         """Inputs of ``n`` positions p … p + n - 1 whose target features are ``rows`` ([n, F]):
-        the feature before p, then rows[:n - 1]."""
+        the feature before p, then rows[:n - 1] (unshifted: rows[:n])."""
+        if not self.shifted:
+            return rows[:n]
         return torch.cat([self._before(rid), rows[:n - 1]])
 
     def target_rows(self, mode: str, reqs, fused: torch.Tensor) -> None:
@@ -115,7 +119,10 @@ class FeatureBook:
         out = []
         for f in reqs:
             rid = f.rid
-            if mode == "draft_decode":
+            if mode == "draft_decode" and f.block:  # DFlash's block rows read no features
+                out.append(torch.zeros(f.q_len, self.width, device=self.device,
+                                       dtype=self.dtype))
+            elif mode == "draft_decode":
                 nodes = range(f.query_from, f.nodes)
                 par = [i - 1 if f.parents is None else f.parents[i] for i in nodes]
                 if par[0] < 0:  # the root (a chain's step 0, a tree's level 0)

@@ -10,6 +10,10 @@
 * EAGLE (``LlamaForCausalLMEagle``): a Llama config; ``fc.weight`` [H, 2·H] and ``fc.bias``,
   ``layers.{i}.*`` (no ``input_layernorm`` on layer 0), ``embed_tokens.weight``; no final norm
   and no LM head (sglang serves it with the target's).
+* DFlash (``DFlashDraftModel``, z-lab's published layout): a Qwen3 config with
+  ``block_size``, ``num_target_layers`` and ``dflash_config`` (``target_layer_ids``,
+  ``mask_token_id``); ``fc.weight`` [H, K·Ht], ``hidden_norm``, ``layers.{i}.*`` (with
+  ``q_norm``/``k_norm``), ``norm``; no embedding and no LM head (the target's).
 * NEXTN/MTP (DeepSeek's layout): ``config.json`` is the target's config with
   ``num_nextn_predict_layers: 1``; the layer's weights sit at ``model.layers.{N}.*`` with N the
   target's layer count: ``enorm``, ``hnorm``, ``eh_proj`` [H, 2·H], ``shared_head.norm``,
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from swafactory.engine.dflash_draft import DFlashDraft
 from swafactory.engine.drafters import EagleDraft, Eagle3Draft, MtpDraft
 from swafactory.engine.models import attention_modules, draft_from_layers, require_transformers
 from swafactory.errors import ConfigError, Reason
@@ -34,6 +39,7 @@ __all__ = ["save_feature_draft", "load_feature_draft", "check_feature_draft", "f
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 EAGLE_ARCH = "LlamaForCausalLMEagle"
+DFLASH_ARCH = "DFlashDraftModel"
 
 
 def _nextn_index(config: dict) -> int:
@@ -52,6 +58,8 @@ def format_of(path: str | Path) -> str | None:
         return "eagle3"
     if EAGLE_ARCH in (config.get("architectures") or []):
         return "eagle"
+    if DFLASH_ARCH in (config.get("architectures") or []):
+        return "dflash"
     if config.get("num_nextn_predict_layers"):
         return "mtp"
     return None
@@ -65,12 +73,13 @@ def save_feature_draft(draft, path: str | Path, target_config=None) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    if isinstance(draft, EagleDraft):
+    if isinstance(draft, (EagleDraft, DFlashDraft)):
         config = draft.config.to_dict()
         config.pop("_attn_implementation_autoset", None)
-        config["architectures"] = [EAGLE_ARCH]
-        out = {k.removeprefix("model."): v for k, v in state.items()
-               if not k.startswith(("rotary.", "lm_head."))}
+        config["architectures"] = [EAGLE_ARCH if isinstance(draft, EagleDraft) else DFLASH_ARCH]
+        skip = ("rotary.", "lm_head.") + (("embed_tokens.",) if isinstance(draft, DFlashDraft)
+                                          else ())
+        out = {k.removeprefix("model."): v for k, v in state.items() if not k.startswith(skip)}
     elif isinstance(draft, Eagle3Draft):
         config = draft.config.to_dict()
         config.pop("_attn_implementation_autoset", None)
@@ -106,9 +115,12 @@ def _refuse(path, reasons: list[tuple[str, str]]) -> ConfigError:
                        headline="swafactory cannot serve this draft:")
 
 
-def load_feature_draft(path: str | Path, target, device) -> torch.nn.Module | None:
+def load_feature_draft(path: str | Path, target, device, expect=None
+                       ) -> torch.nn.Module | None:
     """The feature draft saved at ``path`` (fp32, on ``device``), or None when ``path`` holds
-    no feature-draft format. Raises ConfigError for a draft that does not fit ``target``."""
+    no feature-draft format. Raises ConfigError for a draft that does not fit ``target`` or
+    ``expect`` (a DFlash drafter's ``block_size`` and ``layer_types``, the spec's: a dict, or
+    a function of the drafter's layer count that gives one)."""
     from safetensors.torch import load_file
 
     kind = format_of(path)
@@ -117,7 +129,22 @@ def load_feature_draft(path: str | Path, target, device) -> torch.nn.Module | No
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     state = load_file(str(path / "model.safetensors"))
-    check_feature_draft(kind, config, state, target, path)
+    if callable(expect):  # by the drafter's layer count
+        expect = expect(int(config.get("num_hidden_layers") or 0))
+    check_feature_draft(kind, config, state, target, path, expect or {})
+    if kind == "dflash":
+        tf = require_transformers()
+        cfg = tf.Qwen3Config.from_dict({k: v for k, v in config.items() if k != "dtype"})
+        K = len(cfg.dflash_config["target_layer_ids"])
+        cfg.num_target_hidden = state["fc.weight"].shape[1] // K
+        draft = DFlashDraft(cfg, target.get_input_embeddings().weight.float(),
+                            target.get_output_embeddings().weight.float())
+        mine = {("" if k.startswith(("fc.", "hidden_norm.", "norm.")) else "model.") +
+                k.removeprefix("model."): v.float() for k, v in state.items()}
+        ours = draft.state_dict()
+        mine.update({k: ours[k] for k in ("embed_tokens.weight", "lm_head.weight")})
+        draft.load_state_dict(mine, strict=True)
+        return draft.to(device).eval()
     if kind == "eagle":
         tf = require_transformers()
         draft = EagleDraft(tf.LlamaConfig.from_dict({k: v for k, v in config.items()
@@ -183,10 +210,13 @@ def _last_full(target) -> int:
     return full[-1] if full else len(attention_modules(target)) - 1
 
 
-def check_feature_draft(kind: str, config: dict, state: dict, target, path) -> None:
+def check_feature_draft(kind: str, config: dict, state: dict, target, path,
+                        expect: dict | None = None) -> None:
     """Refuse a saved feature draft that ``target`` cannot feed or the draft pool cannot hold,
     every reason at once: vocabulary, hidden size, aux layers, KV geometry (the target's
-    full-attention geometry: the draft pool's)."""
+    full-attention geometry: the draft pool's); a DFlash drafter's block size and layer types
+    against ``expect`` (the spec's)."""
+    expect = expect or {}
     tc = target.config
     full = attention_modules(target)[_last_full(target)]
     kv = (full.k_proj.out_features // full.head_dim, full.head_dim)
@@ -194,7 +224,7 @@ def check_feature_draft(kind: str, config: dict, state: dict, target, path) -> N
     if config.get("vocab_size") != tc.vocab_size:
         reasons.append((f"vocabulary {config.get('vocab_size')}, the target's {tc.vocab_size}",
                         f"a draft with vocab_size={tc.vocab_size}"))
-    if kind in ("eagle", "eagle3"):
+    if kind in ("eagle", "eagle3", "dflash"):
         if config.get("num_attention_heads") != tc.num_attention_heads:
             reasons.append((f"{config.get('num_attention_heads')} query heads; the target's "
                             f"{tc.num_attention_heads} (the draft's backend plans the target's)",
@@ -205,6 +235,23 @@ def check_feature_draft(kind: str, config: dict, state: dict, target, path) -> N
         if config.get("hidden_size") != tc.hidden_size:
             reasons.append((f"hidden size {config.get('hidden_size')}; its fc reads the target's "
                             f"{tc.hidden_size}-wide hidden state", f"hidden_size={tc.hidden_size}"))
+    elif kind == "dflash":
+        ids = (config.get("dflash_config") or {}).get("target_layer_ids") or []
+        fc = state.get("fc.weight")
+        if not ids or not all(0 <= i < tc.num_hidden_layers for i in ids):
+            reasons.append((f"dflash_config.target_layer_ids is {ids or None}; the target has "
+                            f"{tc.num_hidden_layers} layers", "layer ids of the target"))
+        elif fc is None or fc.shape[1] != len(ids) * tc.hidden_size:
+            reasons.append((f"its fc reads {None if fc is None else fc.shape[1]} features; "
+                            f"{len(ids)} target layers of hidden size {tc.hidden_size} give "
+                            f"{len(ids) * tc.hidden_size}", "a drafter for this target"))
+        if "mask_token_id" not in (config.get("dflash_config") or {}):
+            reasons.append(("dflash_config has no mask_token_id", "write the mask token's id"))
+        for key in ("block_size", "layer_types"):
+            if key in expect and config.get(key) != expect[key]:
+                field = "spec.block_size" if key == "block_size" else "spec.draft_pool_split"
+                reasons.append((f"{key} {config.get(key)}; the spec's is {expect[key]}",
+                                f"{field} to match the drafter ({config.get(key)})"))
     elif kind == "eagle3":
         th = config.get("target_hidden_size") or config.get("hidden_size")
         if th != tc.hidden_size:

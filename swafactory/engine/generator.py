@@ -82,13 +82,16 @@ class Generator:
         self.resolved_at: list[tuple[int, int, str]] = []  # (forward waited for, launched, why)
         self.verified = 0  # the last target_verify's forward number
         self.extending = self.extended = False  # the early draft_extend (overlap, chains)
-        dev = parts.target.device
+        dev, d = parts.target.device, parts.draft
+        # a DFlash block's mask token: the draft's own (a saved drafter names it), else ours
+        self.mask = getattr(d.model, "mask_token_id", MASK_TOKEN) if d else MASK_TOKEN
         self.masks = torch.full((max(0, s.block_size - 1) if s.algorithm == "dflash" else 0,),
-                                MASK_TOKEN, dtype=torch.long, device=dev)
+                                self.mask, dtype=torch.long, device=dev)
         self.proposals: dict[Hashable, dict[int, torch.Tensor]] = {}  # node → the draft's row
-        d = parts.draft  # a feature draft (EAGLE-3, MTP) reads hidden states: kept on the device
+        # a feature draft (EAGLE, EAGLE-3, MTP, DFlash) reads hidden states, kept on the device
         self.fb = None if d is None or not d.reads_features else FeatureBook(
-            d.model.config.hidden_size, d.device, next(d.model.parameters()).dtype)
+            d.model.feature_width, d.device, next(d.model.parameters()).dtype,
+            shifted=d.model.shifted)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -382,7 +385,7 @@ class Generator:
         dflash = self.cfg.spec.algorithm == "dflash"
         for r in self.running:
             # the root's host value may still be in flight: no host decision compares it
-            self.nodes[r.rid] = [-1] + [MASK_TOKEN] * len(self.masks)
+            self.nodes[r.rid] = [-1] + [self.mask] * len(self.masks)
             self.dnodes[r.rid] = self.roots[r.rid]
             self.proposals.pop(r.rid, None)
             if dflash:

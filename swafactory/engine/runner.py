@@ -180,7 +180,7 @@ class Runner:
         pos = torch.zeros_like(ids)
         feat = None
         if self.reads_features:
-            width = self.model.config.hidden_size
+            width = self.model.feature_width
             feat = torch.zeros(1, bs * tokens, width, device=self.device,
                                dtype=next(self.model.parameters()).dtype)
 

@@ -1,5 +1,5 @@
 """Feature drafts in sglang's formats: an EAGLE head (``LlamaForCausalLMEagle``), an EAGLE-3
-head (``LlamaForCausalLMEagle3``) and a NEXTN/MTP layer, distilled on the target's hidden states, saved in the format sglang loads, and
+head (``LlamaForCausalLMEagle3``), a NEXTN/MTP layer and a DFlash drafter (``DFlashDraftModel``), distilled on the target's hidden states, saved in the format sglang loads, and
 loaded back through ``spec.draft_weights=<directory>`` with the same tokens and accept lengths.
 
 Shares the suite's model cache and the "distill" worker with test_distill.py (each model trains
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.xdist_group("distill")
 BASE = ["run=generate", "model=tiny", "backend=torch", "run.target_weights=pretrained"]
 CHAIN4 = ["spec.num_steps=4", "spec.num_draft_tokens=5"]
 SPECS = {"eagle": ["spec=eagle", *CHAIN4], "eagle3": ["spec=eagle3", "spec.topk=1", *CHAIN4],
-         "nextn": ["spec=nextn", *CHAIN4]}
+         "nextn": ["spec=nextn", *CHAIN4], "dflash": ["spec=dflash"]}
 TINY_LAYERS = 6  # run=generate's num_layers
 
 
@@ -79,6 +79,28 @@ def test_an_eagle_draft_is_saved_as_sglang_loads_it(tmp_path) -> None:
     # no final norm, no LM head (the target's serves), no input norm on the first layer
     assert not any(k.startswith(("norm.", "lm_head.", "layers.0.input_layernorm"))
                    for k in keys), sorted(keys)
+
+
+def test_a_dflash_drafter_is_saved_in_its_published_layout(tmp_path) -> None:
+    path, config = _saved("dflash", tmp_path)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+    assert config["num_target_layers"] == TINY_LAYERS and config["num_hidden_layers"] == 5
+    ids = config["dflash_config"]["target_layer_ids"]
+    assert config["dflash_config"]["mask_token_id"] == 0 and len(ids) == 5
+    keys = _keys(path)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight",
+            "layers.4.self_attn.k_norm.weight", "layers.0.input_layernorm.weight",
+            "layers.4.mlp.down_proj.weight"} <= keys
+    # no embedding, no LM head: the target's serve
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys), sorted(keys)
+
+
+def test_a_dflash_drafter_of_another_block_size_is_refused() -> None:
+    made = _gen(*SPECS["dflash"], "spec.draft_weights=distilled")
+    with pytest.raises(ConfigError) as e:
+        _gen("spec=dflash", "spec.block_size=4", "spec.num_draft_tokens=4",
+             f"spec.draft_weights={made.draft_training['path']}")
+    assert "block_size 8; the spec's is 4" in str(e.value), str(e.value)
 
 
 def test_an_mtp_layer_is_saved_at_layer_index_num_hidden_layers(tmp_path) -> None:
