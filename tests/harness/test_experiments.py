@@ -75,7 +75,9 @@ def test_preset_sweeps_the_fault_and_the_fix(preset: str, tmp_path) -> None:
     assert good.accept.startswith("accept length ") and "clean twin" not in good.accept
     if fault == "allocator_pool_for_own_pool_draft":  # the users' symptom: the accept length
         mine, twin = [float(x) for x in re.findall(r"(\d+\.\d+)", bad.accept)[:2]]
-        assert "clean twin" in bad.accept and mine <= twin / 2, bad.accept
+        # DFlash's context K/V carry the target's hidden states, so some blocks still land:
+        # a drop of about half, far past the acceptance check's 10 % margin
+        assert "clean twin" in bad.accept and mine < 0.6 * twin, bad.accept
 
     md = (sweep / "matrix.md").read_text()
     assert "2 combinations" in md and "1 ok, 0 refused, 1 failed" in md
