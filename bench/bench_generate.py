@@ -264,6 +264,7 @@ def _one(model: str, backend: str, family: str, fault: str, a) -> dict:
             "lossless": r.lossless, "acceptance": acc.status,
             "draft_top1": (r.draft_training or {}).get("heldout_top1"),
             "draft_s": (r.draft_training or {}).get("trained_s"),
+            "target_s": (r.target_training or {}).get("trained_s"),
             "detail": "" if r.status == "ok" else (r.inert or next(
                 c.detail for c in r.checks if c.name == r.caught_by))[:160]}
 
@@ -272,19 +273,26 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def _render_acceptance(rows: list[dict], meta: dict) -> str:
     lines = [f"# Drafts that accept: accept length under every fault ({meta['device']})", "",
              f"Commit `{meta['commit']}`, {meta['date']}. `python3 bench/bench_generate.py "
              f"{meta['argv']}`. Pretrained target (lag-copy language), distilled drafts "
              "(frozen_kv_mtp: the target's own weights), guards off. *clean twin*: the same "
-             "config with faults=none, in the same process.", "",
-             "| model | backend | family | fault | status | caught by | accept | clean twin | "
-             "at most | draft top-1 | detail |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "config with faults=none, in the same process. *trained s*: the target's and the "
+             "draft's training time when they were trained (a cached model keeps its first).",
+             "", "| model | backend | family | fault | status | caught by | accept | clean twin | "
+             "at most | draft top-1 | trained s (target, draft) | detail |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['backend']} | {r['family']} | `{r['fault']}` | "
                      f"{r['status']} | {r.get('caught_by') or '-'} | {_f(r.get('accept'))} | "
                      f"{_f(r.get('clean'))} | {r.get('most') or '-'} | "
-                     f"{_f(r.get('draft_top1'))} | {r.get('detail', '').replace('|', '/')} |")
+                     f"{_f(r.get('draft_top1'))} | {_s(r.get('target_s'))}, "
+                     f"{_s(r.get('draft_s'))} | {r.get('detail', '').replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
