@@ -318,6 +318,35 @@ def plot_acceptance(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=60)
 
 
+def _isolated(model: str, backend: str, family: str, fault: str, a) -> dict:
+    """One row in its own process: a fault that trips a device-side assert (an out-of-bounds
+    index, as a real engine's illegal memory access) ends that process, not the sweep."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "acceptance-row", "--model", model, "--backend", backend,
+           "--family", family, "--fault", fault, "--device", a.device,
+           *[x for o in a.override for x in ("--override", o)]]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+    last = done.stdout.strip().splitlines()[-1:] if done.stdout else []
+    try:
+        return json.loads(last[0])
+    except (IndexError, ValueError):
+        return {"model": model, "backend": backend, "family": family, "fault": fault,
+                "status": "crashed", "detail": f"the row's process exited {done.returncode} "
+                "(a device-side assert or a kill: its log is above)"}
+
+
+def acceptance_row(a: argparse.Namespace) -> int:
+    """The ``acceptance-row`` subcommand: one row, its JSON as the last stdout line."""
+    try:
+        row = _one(a.model, a.backend, a.family, a.fault, a)
+    except Exception as exc:  # noqa: BLE001 - one row's crash is its result
+        row = {"model": a.model, "backend": a.backend, "family": a.family, "fault": a.fault,
+               "status": "error", "detail": f"{type(exc).__name__}: {exc}"[:160]}
+    print(json.dumps(row), flush=True)
+    return 0
+
+
 def acceptance(a: argparse.Namespace) -> int:
     import torch
 
@@ -337,12 +366,7 @@ def acceptance(a: argparse.Namespace) -> int:
         for backend in a.backends.split(","):
             for family in a.families.split(","):
                 for fault in ["none", *faults]:
-                    try:
-                        rows.append(_one(model, backend, family, fault, a))
-                    except Exception as exc:  # noqa: BLE001 - one row's crash is its result
-                        rows.append({"model": model, "backend": backend, "family": family,
-                                     "fault": fault, "status": "error",
-                                     "detail": f"{type(exc).__name__}: {exc}"[:160]})
+                    rows.append(_isolated(model, backend, family, fault, a))
                     r = rows[-1]
                     print(f"{model} {backend} {family} {fault}: {r['status']} "
                           f"{r.get('caught_by') or ''} accept {_f(r.get('accept'))} "
@@ -383,8 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--device", default="auto", help="workload.device: auto, cpu or cuda")
     c.add_argument("--commit", default="unknown", help="the commit the record names")
     c.add_argument("--override", action="append", default=[], help="one more override")
+    o = sub.add_parser("acceptance-row", help="one acceptance row (acceptance runs each so)")
+    for k in ("model", "backend", "family", "fault", "device"):
+        o.add_argument(f"--{k}", required=True)
+    o.add_argument("--override", action="append", default=[])
     args = ap.parse_args(argv)
-    return {"run": run_lane, "render": render, "acceptance": acceptance}[args.cmd](args)
+    return {"run": run_lane, "render": render, "acceptance": acceptance,
+            "acceptance-row": acceptance_row}[args.cmd](args)
 
 
 if __name__ == "__main__":
