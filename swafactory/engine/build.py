@@ -32,8 +32,8 @@ from swafactory.engine.drafters import (FEATURE_FAMILIES, EagleDraft, Eagle3Draf
 from swafactory.engine.dflash_draft import DFlashDraft, make_dflash_draft
 from swafactory.engine.formats import load_feature_draft
 from swafactory.errors import ConfigError, Reason
-from swafactory.engine.models import (config_key, draft_copy, draft_from_layers, load_target,
-                                      serving_model)
+from swafactory.engine.models import (config_key, draft_copy, draft_from_layers,
+                                      last_full_layer, load_target, serving_model)
 from swafactory.engine.train import Trained
 from swafactory.engine.runner import Runner
 from swafactory.kvcache.draft import draft_layer_types
@@ -236,12 +236,11 @@ def _feature_draft(scfg: SwaFactoryConfig, kind: str, model, loaded, dev: str, p
                       "hnorm, eh_proj over the target's last hidden state)"}[kind]
     if loaded is not None:
         return loaded.to(dtype).eval(), f"{what}, loaded from {s.draft_weights}, own pool", None
-    full = [i for i, t in enumerate(m.layer_types) if t == "full_attention"] or [m.num_layers - 1]
     if kind == "dflash":
         draft = make_dflash_draft(model, s.draft_num_layers, draft_layer_types(scfg),
                                   m.sliding_window, s.block_size, MASK_TOKEN, scfg.workload.seed)
     else:
-        draft = make_feature_draft(kind, model, full[-1], scfg.workload.seed,
+        draft = make_feature_draft(kind, model, last_full_layer(model), scfg.workload.seed,
                                    random=s.draft_weights == "random", layers=s.draft_num_layers)
     trained = None
     if s.draft_weights == "distilled":

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from swafactory.engine.drafters import DraftOut, _FeatureDraft, _Layers
-from swafactory.engine.models import attention_modules, require_transformers
+from swafactory.engine.models import attention_modules, last_full_layer, require_transformers
 
 __all__ = ["DFlashDraft", "dflash_target_layers", "make_dflash_draft"]
 
@@ -123,8 +123,7 @@ def make_dflash_draft(target, layers: int, types: list[str], window: int | None,
     tf = require_transformers()
     torch.manual_seed(seed)
     tc = target.config
-    full = [a for a in attention_modules(target) if not getattr(a, "sliding_window", None)]
-    full = full[-1] if full else attention_modules(target)[-1]
+    full = attention_modules(target)[last_full_layer(target)]
     config = tf.Qwen3Config(
         vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
         intermediate_size=tc.intermediate_size, num_hidden_layers=layers,

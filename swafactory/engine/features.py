@@ -18,6 +18,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from swafactory.engine.readback import pinned_ids
+
 __all__ = ["FeatureTap", "FeatureBook", "eagle3_capture_ids"]
 
 
@@ -58,6 +60,15 @@ class FeatureTap:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _take(rows: torch.Tensor, idx: Sequence[int]) -> torch.Tensor:
+    """rows[idx] (host node ids) without a blocking host-to-device copy: a slice where the ids
+    are consecutive (chains, a prefix path), else a pinned index copy (trees)."""
+    idx = list(idx)
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return rows[idx[0]:idx[0] + len(idx)]
+    return rows.index_select(0, pinned_ids(idx, rows.device))
 
 
 class FeatureBook:
@@ -129,7 +140,7 @@ class FeatureBook:
                     out.append(self._before(rid))
                     par = par[1:]
                 if par:
-                    out.append(self.own[rid][par])
+                    out.append(_take(self.own[rid], par))
             elif rid in self.chunk:  # a prefill chunk's draft extend
                 rows = self.chunk.pop(rid)
                 out.append(self._prefix(rid, rows, f.q_len))
@@ -143,7 +154,7 @@ class FeatureBook:
     def accepted(self, rid: Hashable, path: Sequence[int]) -> None:
         """After a verify's accept (``path``: node ids, host): the inputs of the draft_extend
         over the accepted positions, and ``last`` = the feature of the newest one."""
-        rows = self.verify[rid][list(path)]
+        rows = _take(self.verify[rid], path)
         self.extend[rid] = self._prefix(rid, rows, len(path))
         self.last[rid] = rows[-1:]
 

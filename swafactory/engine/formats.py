@@ -32,7 +32,8 @@ import torch
 
 from swafactory.engine.dflash_draft import DFlashDraft
 from swafactory.engine.drafters import EagleDraft, Eagle3Draft, MtpDraft
-from swafactory.engine.models import attention_modules, draft_from_layers, require_transformers
+from swafactory.engine.models import (attention_modules, draft_from_layers, last_full_layer,
+                                      require_transformers)
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["save_feature_draft", "load_feature_draft", "check_feature_draft", "format_of"]
@@ -172,7 +173,7 @@ def load_feature_draft(path: str | Path, target, device, expect=None
                                for k, v in mine.items()}, strict=True)
         return draft.to(device).eval()
     pre = f"model.layers.{_nextn_index(config)}."
-    inner = draft_from_layers(target, [_last_full(target)], ["full_attention"], None).float()
+    inner = draft_from_layers(target, [last_full_layer(target)], ["full_attention"], None).float()
     mine = {}
     for k, v in state.items():
         if not k.startswith(pre):
@@ -203,13 +204,6 @@ def load_feature_draft(path: str | Path, target, device, expect=None
     return draft.to(device).eval()
 
 
-def _last_full(target) -> int:
-    """The last target layer of full attention (an MTP layer's geometry and weights' shapes)."""
-    full = [i for i, a in enumerate(attention_modules(target))
-            if not getattr(a, "sliding_window", None)]
-    return full[-1] if full else len(attention_modules(target)) - 1
-
-
 def check_feature_draft(kind: str, config: dict, state: dict, target, path,
                         expect: dict | None = None) -> None:
     """Refuse a saved feature draft that ``target`` cannot feed or the draft pool cannot hold,
@@ -218,7 +212,7 @@ def check_feature_draft(kind: str, config: dict, state: dict, target, path,
     against ``expect`` (the spec's)."""
     expect = expect or {}
     tc = target.config
-    full = attention_modules(target)[_last_full(target)]
+    full = attention_modules(target)[last_full_layer(target)]
     kv = (full.k_proj.out_features // full.head_dim, full.head_dim)
     reasons = []
     if config.get("vocab_size") != tc.vocab_size:

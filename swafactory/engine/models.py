@@ -21,7 +21,8 @@ from swafactory.config.schema import Geometry, ModelSpec, SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["ARCHITECTURES", "require_transformers", "target_config", "post_init", "load_target",
-           "serving_model", "attention_modules", "draft_copy", "draft_from_layers", "config_key"]
+           "serving_model", "attention_modules", "last_full_layer", "draft_copy",
+           "draft_from_layers", "config_key"]
 
 ARCHITECTURES = {"gemma4": "Gemma4ForCausalLM", "gemma4_moe": "Gemma4ForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "mistral": "MistralForCausalLM",
@@ -179,6 +180,14 @@ def _window(attn, config) -> int | None:
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
     return getattr(config, "sliding_window", None)  # Mistral: every layer slides (or none)
+
+
+def last_full_layer(model) -> int:
+    """The last decoder layer of full attention (the last layer if every one slides): the
+    geometry a draft's own full-attention pool holds."""
+    mods = attention_modules(model)
+    full = [i for i, a in enumerate(mods) if not _window(a, model.config)]
+    return full[-1] if full else len(mods) - 1
 
 
 def serving_model(model, base: ModelSpec) -> ModelSpec:
