@@ -30,7 +30,6 @@ constants is recorded at capture: fp8 K/V scales (`GraphState.record_scales`); a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 import torch
 
@@ -88,7 +87,12 @@ class GraphState:
     """The most nodes one request adds in a step (`kvcache.sizing.step_nodes` of the spec)."""
     writes: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     """(group key, bs, tokens) → ``[bs · tokens]`` int64 write slots of that bucket's graph;
-    rows past a batch's hold 0, the dummy row."""
+    rows past a batch's hold 0, the dummy row. The groups of one bucket are rows of one block
+    (`blocks`)."""
+    blocks: dict[tuple[int, int], tuple[torch.Tensor, tuple[str, ...]]] = \
+        field(default_factory=dict)
+    """(bs, tokens) → (``[groups, bs · tokens]`` int64, the groups' keys in row order): every
+    writing group's slots of a bucket in one tensor, so the padding guard is one reduction."""
     filled: dict[tuple[str, int, int], int] = field(default_factory=dict)
     """Same keys → rows of the buffer that hold slots a replay wrote (fault accounting: the
     rows past a batch that ``stale_swa`` leaves unpadded)."""
@@ -153,12 +157,23 @@ class GraphState:
                              f"max_tokens={self.max_tokens})")
 
     def write_buffer(self, key: str, bs: int, tokens: int) -> torch.Tensor:
-        """The static write slots of group ``key`` in bucket (bs, tokens)."""
+        """The static write slots of group ``key`` in bucket (bs, tokens) (a row of the
+        bucket's block when `write_block` made one)."""
         buf = self.writes.get((key, bs, tokens))
         if buf is None:
             buf = self.writes[(key, bs, tokens)] = torch.zeros(bs * tokens, dtype=torch.int64,
                                                                device=self.device)
         return buf
+
+    def write_block(self, keys: tuple[str, ...], bs: int, tokens: int) -> None:
+        """Make bucket (bs, tokens)'s write buffers for groups ``keys`` rows of one block
+        (once: a captured graph holds their addresses)."""
+        if (bs, tokens) in self.blocks or not keys:
+            return
+        block = torch.zeros(len(keys), bs * tokens, dtype=torch.int64, device=self.device)
+        self.blocks[(bs, tokens)] = (block, keys)
+        for key, row in zip(keys, block.unbind(0)):
+            self.writes[(key, bs, tokens)] = row
 
 
 def capture_plan(state: GraphState, pool, layers_mapping, windows, *, bs: int, tokens: int,
@@ -174,6 +189,9 @@ def capture_plan(state: GraphState, pool, layers_mapping, windows, *, bs: int, t
     kv_host = torch.arange(bs + 1, **i32)
     groups: dict[str, GroupPlan] = {}
     layer_groups: dict[int, str] = {}
+    if writes:
+        state.write_block(tuple(dict.fromkeys(group_key(sub, windows[l]) for l, (sub, _)
+                                              in sorted(layers_mapping.items()))), bs, tokens)
     for layer, (sub_name, _) in sorted(layers_mapping.items()):
         key = group_key(sub_name, windows[layer])
         layer_groups[layer] = key
@@ -215,52 +233,31 @@ def bucket_writes(state: GraphState, plan: ForwardPlan, bs: int, tokens: int, *,
     return replace(plan, groups=groups, total_q=rows)
 
 
-def check_padding(plan: ForwardPlan, rows: int) -> DeviceCheck | None:
+def check_padding(state: GraphState, plan: ForwardPlan, bs: int, tokens: int,
+                  rows: int) -> DeviceCheck | None:
     """The padding guard as a `guards.DeviceCheck` (None: the bucket has no padding writes): a
     SpaceError when a group's write slots past the batch's ``rows`` are not the dummy row 0. The
     captured step writes every row of the bucket, so a padding row holding a real slot
     overwrites live K/V. ``plan`` is `bucket_writes`'s.
 
-    Computed on the device, no read back: every group's padding slots in one list, each live
-    one coded ``position << 32 | slot`` (the dummy 0 coded past every live one), and the 8
-    smallest codes kept: the first live group's first slots, in order. The caller reads the
-    word where reading is free (`AttentionBackend`: at once on CPU, at `raise_pending` on CUDA)."""
-    pads, spans, n = [], [], 0
-    for key, g in plan.groups.items():
-        if g.write_locs is None:
-            continue
-        pad = g.write_locs.tensor.reshape(-1)[rows:]
-        if pad.numel():
-            pads.append(pad)
-            spans.append((key, n, n + pad.numel(), g.write_locs.pool_id))
-            n += pad.numel()
-    if not pads:
+    One reduction on the device, no read back: the largest padding slot of each group (the
+    bucket's write block, `GraphState.write_block`); slots are never negative, so 0 means every
+    padding row writes the dummy row. The caller reads the word where reading is free
+    (`AttentionBackend`: at once on CPU, at `raise_pending` on CUDA)."""
+    block, keys = state.blocks.get((bs, tokens), (None, ()))
+    if block is None or rows >= block.shape[1]:
         return None
-    flat = (pads[0] if len(pads) == 1 else torch.cat(pads)).long()
-    code = (flat + _positions(n, flat.device)).masked_fill_(flat == 0, _NONE)
-    word = code.topk(min(_SHOWN, n), largest=False).values  # sorted: ascending
-    total = plan.total_q  # the closure keeps ints and names, not the plan's tensors
+    # the plan's write slots are the block's rows (`bucket_writes` refilled them in place)
+    pools = {k: plan.groups[k].write_locs.pool_id for k in keys}
+    total = plan.total_q
 
-    def explain(codes: list[int]) -> SpaceError | None:
-        live = [c for c in codes if c != _NONE]
+    def explain(word: list[int]) -> SpaceError | None:
+        live = [(k, m) for k, m in zip(keys, word) if m != 0]
         if not live:
             return None
-        slot = [((c + 2**31) & 0xFFFFFFFF) - 2**31 for c in live]  # signed low 32 bits
-        pos = [(c - s) >> 32 for c, s in zip(live, slot)]
-        key, lo, hi, pool_id = next(sp for sp in spans if sp[1] <= pos[0] < sp[2])
-        shown = [s for p, s in zip(pos, slot) if lo <= p < hi]
-        return SpaceError(f"graph bucket of {total} rows: group {key}'s padding rows "
-                          f"(past the batch's {rows}) write slots {shown} of {pool_id!r}, not "
-                          "the dummy row 0: the captured step would overwrite live K/V (write "
-                          "slots left from an earlier replay)")
-    return DeviceCheck(word, explain)
-
-
-_SHOWN = 8  # padding slots an error names
-_NONE = 2**62  # the code of a padding slot that is the dummy row 0: past every live one
-
-
-@lru_cache(maxsize=64)
-def _positions(n: int, device: torch.device) -> torch.Tensor:
-    """[n] int64 ``i << 32``: a padding slot's position, above its slot (one per bucket size)."""
-    return torch.arange(n, dtype=torch.int64, device=device) << 32
+        key, top = live[0]
+        return SpaceError(f"graph bucket of {total} rows: group {key}'s padding rows (past the "
+                          f"batch's {rows}) write live slots (the largest {top}) of "
+                          f"{pools[key]!r}, not the dummy row 0: the captured step would "
+                          "overwrite live K/V (write slots left from an earlier replay)")
+    return DeviceCheck(block[:, rows:].amax(dim=1), explain)

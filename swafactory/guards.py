@@ -5,17 +5,19 @@ Two kinds of check, so that guards never add a host sync:
 * **host-side** (`forward_error`): shapes, dtypes and devices of q, k, v and sinks, from tensor
   metadata. `AttentionBackend.forward` compares a few ints inline and calls this only when one
   differs, to name every mismatch at once. Free: no tensor op, no read back.
-* **deferred** (`SlotCheck`): positions a forward reads or writes that have no slot (a
-  ``req_to_token`` entry 0, the dummy row: a row never opened or already finished, nodes past
-  the allocation). `init_forward_metadata` reduces the planner's full-space tables on the device
-  to an error word (min slot and its index); on CUDA the word is copied non-blocking into pinned
-  memory behind an event, and `AttentionBackend.raise_pending` (the engine's own sync point)
-  raises `MissingSlotError`. On CPU, where reading is free, it raises at once, before anything
-  is written.
-* **deferred, any word** (`DeviceCheck`): the same pinned copy behind an event for any check
-  reduced on the device to a small int64 word, with a function that turns the word's values
-  into the error: a graph bucket's padding write slots (`graph_state.check_padding`), the
-  write slots' bounds in check mode (`HybridSWAPool.check`).
+* **deferred** (`DeviceCheck`): a check reduced on the device to a small int64 word, with a
+  function that turns the word's values into the error. On CUDA the word is copied
+  non-blocking into a pinned row behind an event (`PendingChecks`, rows and events made once),
+  and `AttentionBackend.raise_pending` (the engine's own sync point) raises; on CPU, where
+  reading is free, it raises at once, before anything is written. The checks:
+
+  - positions a forward reads or writes that have no slot (a ``req_to_token`` entry 0, the
+    dummy row: a row never opened or already finished, nodes past the allocation),
+    `MissingSlotError`. On a GPU the planner's one key-list launch computes the word as it
+    gathers the slots (`missing_check`: no launch of its own); elsewhere it is reduced from the
+    planner's full-space tables (`slot_check`);
+  - a graph bucket's padding write slots (`graph_state.check_padding`);
+  - the write slots' bounds in check mode (`HybridSWAPool.check`).
 """
 from __future__ import annotations
 
@@ -28,11 +30,16 @@ import torch
 from swafactory.errors import SwaFactoryError
 
 __all__ = ["PendingChecks", "GuardError", "CallError", "CallTypeError", "CallOrderError",
-           "MissingSlotError", "Q_DTYPES", "forward_error", "batch_error", "SlotCheck",
-           "DeviceCheck", "defers", "batch_table"]
+           "MissingSlotError", "Q_DTYPES", "forward_error", "batch_error", "slot_check",
+           "missing_check", "DeviceCheck", "defers", "batch_table", "NO_MISS", "LIST_SHIFT"]
 
 Q_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 """dtypes of q (and of k, v before the store casts or quantizes them)."""
+NO_MISS = 2**62
+"""A missing-slot word's value where every key (or write) has a slot."""
+LIST_SHIFT = 2**40
+"""A missing key's code in the planner's word: ``list index * LIST_SHIFT + its row in that
+list`` (`metadata.keys_triton`)."""
 
 
 class GuardError(SwaFactoryError):
@@ -190,23 +197,16 @@ def defers(word: torch.Tensor) -> bool:
 
 
 class DeviceCheck:
-    """A check reduced on the device to ``word`` ([n] int64), read where reading is free.
+    """A check reduced on the device to ``word`` ([n <= 16] int64), read where reading is free.
 
-    explain: the word's values (host ints) → the error, or None when they show none. On CUDA the
-    word is copied non-blocking into pinned memory behind an event (`deferred`: the backend
-    keeps it for `raise_pending`); on CPU it is read when asked (the backend asks at once)."""
+    explain: the word's values (host ints) → the error, or None when they show none. A deferred
+    check (CUDA) is staged by `PendingChecks`: its word copied non-blocking into a pinned row
+    behind an event, then read at `raise_pending`; otherwise it is read when asked (at once)."""
 
     def __init__(self, word: torch.Tensor,
                  explain: Callable[[list[int]], Exception | None]) -> None:
-        self.explain, self.event = explain, None
+        self.word, self.explain, self.event = word, explain, None
         self.deferred = defers(word)
-        if word.is_cuda:
-            self.word = torch.empty(word.shape, dtype=word.dtype, pin_memory=True)
-            self.word.copy_(word, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.word = word
 
     def error(self) -> Exception | None:
         """The error the word shows (waits on its event: work queued before the forward's)."""
@@ -215,87 +215,122 @@ class DeviceCheck:
         return self.explain(self.word.tolist())
 
 
-class SlotCheck:
-    """One forward's deferred check for positions with no slot.
+def _missing(batch, what: str, b: int, pos: int) -> MissingSlotError:
+    r = batch.reqs[b]
+    return MissingSlotError(
+        f"{batch.mode}: request {r.rid!r} (row {r.row}) {what} position {pos} (slot index in "
+        f"its req_to_token row), which has no slot (entry 0, the dummy row): open the request "
+        f"and allocate its positions [0, {r.prefix_len + r.nodes}) (RequestSlots.open / extend / "
+        f"decode) before the forward, or plan it with fewer nodes")
+
+
+def _request_of(ptr: list[int], i: int) -> int:
+    """The request whose rows ``[ptr[b], ptr[b+1])`` hold row ``i`` (the last such, so an
+    empty request before it is skipped)."""
+    return max(b for b in range(len(ptr) - 1) if ptr[b] <= i)
+
+
+def _write_error(batch, qo_host, widx: int) -> MissingSlotError:
+    ptr = qo_host.tolist()
+    b = _request_of(ptr, widx)
+    r = batch.reqs[b]
+    return _missing(batch, "writes", b, r.prefix_len + r.query_from + (widx - ptr[b]))
+
+
+def missing_check(batch, word: torch.Tensor, lists, qo_host) -> DeviceCheck:
+    """The check of the fused planner's own word (`keys_triton.FusedKeys.missing`, [2] int64:
+    the first key and the first write row with no slot, computed in the planning launch): no
+    launch of its own. lists: per key list, (its host indptr [B+1], its requests' first
+    columns [B]); qo_host: [B+1] host query indptr."""
+    def explain(w: list[int]) -> MissingSlotError | None:
+        read, write = w
+        if read != NO_MISS:
+            s, k = divmod(read, LIST_SHIFT)
+            kv_host, starts = lists[s]
+            ptr = kv_host.tolist()
+            b = _request_of(ptr, k)
+            return _missing(batch, "reads", b, int(starts[b]) + k - ptr[b])
+        if write != NO_MISS:
+            return _write_error(batch, qo_host, write)
+        return None
+    return DeviceCheck(word, explain)
+
+
+def slot_check(batch, reads: torch.Tensor | None, kv_host: torch.Tensor | None,
+               writes: torch.Tensor | None, qo_host: torch.Tensor | None) -> DeviceCheck:
+    """One forward's check for positions with no slot, from its tables (the planner without
+    the fused launch: a CPU, or CUDA without Triton).
 
     reads: the plan's full-space key list ([total_kv] int64 full slots, each request's slots
     ``[kv_end - n, kv_end)`` in slot order) with its host indptr ([B+1]); writes: the full-space
     write slots ([total_q] int64) or None. Built where no full-space list exists (a runner whose
     layers are all SWA) from ``req_to_token`` directly. Nothing here reads the device."""
-
-    def __init__(self, batch, reads: torch.Tensor | None, kv_host: torch.Tensor | None,
-                 writes: torch.Tensor | None, qo_host: torch.Tensor | None) -> None:
-        self.batch, self.kv_host, self.qo_host = batch, kv_host, qo_host  # host: read on error
-        table = batch.req_to_token
-        self.ends = None
-        if reads is None:  # no full-space group: gather [0, end) of each row from the table
-            reads, self.kv_host = self._rows(table, writes is not None)
-        parts = []
-        for t in (reads, writes):
-            if t is None or t.numel() == 0:
-                parts += torch.ones(2, dtype=torch.int64, device=table.device).unbind()
-            else:
-                val, idx = t.min(0)  # the first 0 when there is one: min's first index
-                parts += [val.long(), idx]
-        word = torch.stack(parts)  # [4]: read min, its index, write min, its index
-        self.event = None
-        if word.is_cuda:  # behind an event: read at the engine's sync point, not here
-            self.word = torch.empty(4, dtype=torch.int64, pin_memory=True)
-            self.word.copy_(word, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+    table = batch.req_to_token
+    ends = None
+    if reads is None:  # no full-space group: gather [0, end) of each row from the table
+        ends = [r.prefix_len + r.nodes if writes is not None else r.kv_end for r in batch.reqs]
+        reads, kv_host = _rows(batch, table, ends)
+    parts = []
+    for t in (reads, writes):
+        if t is None or t.numel() == 0:
+            parts += torch.ones(2, dtype=torch.int64, device=table.device).unbind()
         else:
-            self.word = word
-        self.deferred = self.event is not None
+            val, idx = t.min(0)  # the first 0 when there is one: min's first index
+            parts += [val.long(), idx]
 
-    def _rows(self, table: torch.Tensor, writes: bool) -> tuple[torch.Tensor, list[int]]:
-        """[n] slots of each request's ``[0, end)`` (end: its kv_end, or its last node when it
-        writes), and the host indptr."""
-        ends = self.ends = [r.prefix_len + r.nodes if writes else r.kv_end
-                            for r in self.batch.reqs]
-        ptr = [0]
-        for e in ends:
-            ptr.append(ptr[-1] + e)
-        dev = table.device
-        host = torch.tensor([r.row for r in self.batch.reqs] + ptr + ends, dtype=torch.int64)
-        d = host.to(dev, non_blocking=True)
-        B = len(ends)
-        rows, start, lens = d[:B], d[B:2 * B], d[2 * B + 1:]
-        b = torch.repeat_interleave(torch.arange(B, device=dev), lens, output_size=ptr[-1])
-        o = torch.arange(ptr[-1], device=dev) - start[b]
-        return table[rows[b], o].long(), torch.tensor(ptr)
-
-    def error(self) -> MissingSlotError | None:
-        """The error this forward's tables show (waits on its event: the planning's own work,
-        which precedes the forward's kernels on the stream)."""
-        if self.event is not None:
-            self.event.synchronize()
-        rmin, ridx, wmin, widx = self.word.tolist()
+    def explain(w: list[int]) -> MissingSlotError | None:
+        rmin, ridx, wmin, widx = w
         if rmin == 0:
-            ptr = self.kv_host.tolist()
-            b = max(i for i in range(len(ptr) - 1) if ptr[i] <= ridx)
-            r = self.batch.reqs[b]
-            end = r.kv_end if self.ends is None else self.ends[b]
-            pos = end - (ptr[b + 1] - ptr[b]) + (ridx - ptr[b])
-            what = "reads"
-        elif wmin == 0:
-            ptr = self.qo_host.tolist()
-            b = max(i for i in range(len(ptr) - 1) if ptr[i] <= widx)
-            r = self.batch.reqs[b]
-            pos = r.prefix_len + r.query_from + (widx - ptr[b])
-            what = "writes"
-        else:
-            return None
-        return MissingSlotError(
-            f"{self.batch.mode}: request {r.rid!r} (row {r.row}) {what} position {pos} (slot "
-            f"index in its req_to_token row), which has no slot (entry 0, the dummy row): open "
-            f"the request and allocate its positions [0, {r.prefix_len + r.nodes}) "
-            f"(RequestSlots.open / extend / decode) before the forward, or plan it with fewer "
-            f"nodes")
+            ptr = kv_host.tolist()
+            b = _request_of(ptr, ridx)
+            end = batch.reqs[b].kv_end if ends is None else ends[b]
+            return _missing(batch, "reads", b, end - (ptr[b + 1] - ptr[b]) + (ridx - ptr[b]))
+        if wmin == 0:
+            return _write_error(batch, qo_host, widx)
+        return None
+    return DeviceCheck(torch.stack(parts), explain)  # [4]: read min, its index, write's
+
+
+def _rows(batch, table: torch.Tensor, ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] slots of each request's ``[0, end)``, and the host indptr."""
+    ptr = [0]
+    for e in ends:
+        ptr.append(ptr[-1] + e)
+    dev = table.device
+    host = torch.tensor([r.row for r in batch.reqs] + ptr + ends, dtype=torch.int64)
+    d = host.to(dev, non_blocking=True)
+    B = len(ends)
+    rows, start, lens = d[:B], d[B:2 * B], d[2 * B + 1:]
+    b = torch.repeat_interleave(torch.arange(B, device=dev), lens, output_size=ptr[-1])
+    o = torch.arange(ptr[-1], device=dev) - start[b]
+    return table[rows[b], o].long(), torch.tensor(ptr)
+
+
+class _Staging:
+    """Pinned rows that deferred words are copied into, each with its event, made once: a
+    forward's check costs one copy and one event record, no pinned allocation or new event."""
+
+    WIDTH = 16
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i, self.rows, self.events = n, 0, None, ()
+
+    def stage(self, check: DeviceCheck) -> None:
+        word = check.word
+        if not word.is_cuda or word.numel() > self.WIDTH:  # a test's deferred CPU word; a
+            return  # wider word is read from the device at raise_pending (a sync point anyway)
+        if self.rows is None:
+            self.rows = torch.empty((self.n, self.WIDTH), dtype=torch.int64, pin_memory=True)
+            self.events = [torch.cuda.Event() for _ in range(self.n)]
+        i, self.i = self.i, (self.i + 1) % self.n  # row i's last check has been read (MAX)
+        row = self.rows[i, :word.numel()]
+        row.copy_(word, non_blocking=True)
+        self.events[i].record()
+        check.word, check.event = row, self.events[i]
 
 
 class PendingChecks:
-    """A backend's device checks (`SlotCheck`, `DeviceCheck`) between the engine's sync points:
+    """A backend's device checks (`DeviceCheck`) between the engine's sync points:
     each is read at once where reading is free (CPU) and kept otherwise (CUDA: no sync), to be
     raised by `raise_pending`."""
 
@@ -305,6 +340,7 @@ class PendingChecks:
 
     def __init__(self) -> None:
         self._checks: deque = deque()
+        self._staging = _Staging(self.MAX + 1)  # one row more than the checks kept
 
     def __len__(self) -> int:
         return len(self._checks)
@@ -322,6 +358,7 @@ class PendingChecks:
             if err is not None:
                 raise err
             return
+        self._staging.stage(check)
         self._checks.append(check)
         if len(self._checks) > self.MAX:
             err = self._checks.popleft().error()

@@ -160,6 +160,58 @@ def test_tables_equal_a_per_request_reference_for_mixed_batches(seed: int, impl:
             assert torch.equal(t.mask.cpu(), mask.cpu()) and int(t.mask_indptr[-1]) == mask.numel()
 
 
+def _fused_or_skip() -> str:
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if not torch.cuda.is_available():
+            pytest.skip("the fused kernel needs a GPU or TRITON_INTERPRET=1")
+        return "cuda"
+    return "cpu"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_missing_slot_word_names_what_the_tables_check_names(seed: int) -> None:
+    """The guards' missing-slot word that the fused key-list launch computes as it gathers
+    (`guards.missing_check`, a GPU's) names the same request, row and position as the check
+    reduced from the torch planner's tables (`guards.slot_check`): one hole in one request's
+    row, at a prefix key or a step node; none in a clean batch."""
+    from swafactory.guards import NO_MISS, missing_check, slot_check
+
+    device = _fused_or_skip()
+    rng = random.Random(seed)
+    alloc, pool, slots = _world(6, 40, 8, 1, seed, device)
+    reqs = []
+    for r in range(rng.randrange(2, 7)):
+        n, kw = rng.randrange(1, 9), {}
+        if rng.random() < 0.5:
+            kw["parents"] = tuple([-1] + [rng.randrange(-1, i) for i in range(1, n)])
+        reqs.append(ReqForward(r, slots.reqs[r].row, rng.randrange(1, 40), n, **kw))
+    table = slots.req_to_token.table
+    windows = {0: rng.choice([1, 5, 20]), 1: None, 2: 1000}
+    source = KVSource(pool, alloc.mapping, "test")
+
+    def both():
+        batch = ForwardBatch.of("target_verify", reqs, table, alloc.full_id)
+        fused = plan(batch, LAYERS, windows, source, impl="triton")
+        ref = plan(batch, LAYERS, windows, source, impl="torch")
+        assert fused.missing is not None and ref.missing is None
+        g = ref.group(1)  # the full group: every request's whole read range
+        qo = g.tables.qo_host
+        a = missing_check(batch, fused.missing.word, fused.missing.lists, qo).error()
+        b = slot_check(batch, g.tables.kv_indices.tensor, g.tables.kv_host,
+                       g.write_locs.tensor, qo).error()
+        return fused, a, b
+
+    fused, a, b = both()
+    assert a is None and b is None and fused.missing.word.tolist() == [NO_MISS, NO_MISS]
+    r = rng.choice(reqs)
+    col = rng.randrange(0, r.prefix_len + r.nodes)  # a prefix key or one of the step's nodes
+    table[r.row, col] = 0
+    _, a, b = both()
+    assert a is not None and b is not None and str(a) == str(b), (str(a), str(b))
+    assert f"request {r.rid!r} (row {r.row}) reads position {col} " in str(a)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_cascade_split_equals_a_per_request_reference(seed: int) -> None:
     """The cascade's prefix pass is each request's committed keys (no mask), its expand pass

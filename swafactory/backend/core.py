@@ -13,7 +13,8 @@ from swafactory.backend.graph_contract import GraphContract
 from swafactory.backend.layer_path import LayerPath
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.graph_state import GraphState
-from swafactory.guards import CallOrderError, PendingChecks, SlotCheck, batch_error
+from swafactory.guards import (CallOrderError, PendingChecks, batch_error, missing_check,
+                               slot_check)
 from swafactory.kvcache.quant import query_dtype
 from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, plan
@@ -129,8 +130,13 @@ class AttentionBackend(GraphContract, LayerPath):
     # --- guards: positions without a slot, checked on the device (swafactory.guards) ------------
 
     def _check_slots(self, batch: ForwardBatch, fplan: ForwardPlan) -> None:
-        """Reduce the plan's full-space tables to an error word on the device. On CPU raise
-        now (reading is free); on CUDA keep it for `raise_pending` (no sync here)."""
+        """The missing-slot check: the word the fused planner computed (a GPU: no launch of
+        its own), else the plan's full-space tables reduced on the device. On CPU raise now
+        (reading is free); on CUDA keep it for `raise_pending` (no sync here)."""
+        qo_host = next(iter(fplan.groups.values())).tables.qo_host
+        if fplan.missing is not None:
+            self._defer(missing_check(batch, fplan.missing.word, fplan.missing.lists, qo_host))
+            return
         reads = writes = None
         for g in fplan.groups.values():
             t = g.tables
@@ -138,9 +144,8 @@ class AttentionBackend(GraphContract, LayerPath):
                 reads = t  # an unwindowed full list covers every request's whole read range
             if writes is None and g.write_locs is not None and g.write_locs.space == "full":
                 writes = g.write_locs.tensor
-        self._defer(SlotCheck(batch, None if reads is None else reads.kv_indices.tensor,
-                              None if reads is None else reads.kv_host, writes,
-                              next(iter(fplan.groups.values())).tables.qo_host))
+        self._defer(slot_check(batch, None if reads is None else reads.kv_indices.tensor,
+                               None if reads is None else reads.kv_host, writes, qo_host))
 
     def _defer(self, check) -> None:
         """A device check: read now where that is free (CPU), else kept for `raise_pending`."""

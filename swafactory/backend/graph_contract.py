@@ -131,7 +131,7 @@ class GraphContract:
                 if g.write_locs is not None and key not in seen:
                     seen.add(key)
                     self._defer(self._pool.check(layer, g.write_locs))
-            self._defer(check_padding(padded, batch.total_q))
+            self._defer(check_padding(st, padded, bs, tokens, batch.total_q))
         self._set_plan(padded, graphed=True)
         return self._plan
 

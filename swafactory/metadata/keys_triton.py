@@ -32,10 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from swafactory.guards import LIST_SHIFT, NO_MISS
 from swafactory.triton_launch import launch
 
-__all__ = ["BLOCK", "FusedJob", "FusedKeys", "KeyList", "available", "fused_key_job",
-           "run_fused"]
+__all__ = ["BLOCK", "FusedJob", "FusedKeys", "KeyList", "available",
+           "fused_key_job", "run_fused"]
 
 BLOCK = 1024  # keys per program: the kernel is a gather, the block only amortises its setup
 _I32, _I64 = torch.int32, torch.int64
@@ -56,9 +57,10 @@ def _kernel(interpret: bool) -> Any:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["map_len", "K64", "dir_at", "S", "rowc_at", "pre_at",
-                                   "depoff_at", "dep_at", "w_at", "total_q", "wfull_at", "wtr_at"])
+                                   "depoff_at", "dep_at", "w_at", "total_q", "wfull_at", "wtr_at",
+                                   "err_at"])
     def build_keys(p64, p32, table, mapping, map_len, out64, out32, K64, dir_at, S, rowc_at,
-                   pre_at, depoff_at, dep_at, w_at, total_q, wfull_at, wtr_at,
+                   pre_at, depoff_at, dep_at, w_at, total_q, wfull_at, wtr_at, err_at,
                    BLOCK: tl.constexpr):
         # p64 / p32: the shipped pack as int64 / int32 words; its int32 pieces come first, its
         # int64 pieces from word K64 on (every *_at of an int64 piece is relative to K64)
@@ -83,6 +85,12 @@ def _kernel(interpret: bool) -> Any:
                           other=0)
             pos = tl.where(is_node, pre + dep, st + o)
             k = base + o
+            if err_at >= 0:  # the guards' word: the first key with no slot (entry 0), by list
+                # (the literals are guards.LIST_SHIFT and guards.NO_MISS: a jit reads no globals)
+                code = tl.min(tl.where(live & (slot == 0), s.to(tl.int64) * 1099511627776
+                                       + k.to(tl.int64), 4611686018427387904))
+                if code < 4611686018427387904:
+                    tl.atomic_min(p64 + err_at, code)
             tl.store(out64 + tl.load(d + 2) + k, slot, mask=live)
             tl.store(out32 + tl.load(d + 4) + k, slot.to(tl.int32), mask=live)
             tl.store(out32 + tl.load(d + 6) + k, pos.to(tl.int32), mask=live)
@@ -98,6 +106,10 @@ def _kernel(interpret: bool) -> Any:
             slot = tl.load(table + tl.load(p64 + w_at + i, mask=live, other=0), mask=live,
                            other=0).to(tl.int64)
             tl.store(out64 + wfull_at + i, slot, mask=live)
+            if err_at >= 0:  # the first write row with no slot
+                code = tl.min(tl.where(live & (slot == 0), i.to(tl.int64), 4611686018427387904))
+                if code < 4611686018427387904:
+                    tl.atomic_min(p64 + err_at + 1, code)
             if wtr_at >= 0:
                 inside = (slot >= 0) & (slot < map_len)
                 sw = tl.load(mapping + slot, mask=live & inside, other=0)
@@ -127,6 +139,10 @@ class FusedKeys:
     lists: tuple[KeyList, ...]
     w64: torch.Tensor | None
     wswa64: torch.Tensor | None
+    missing: torch.Tensor
+    """[2] int64 on the device, the guards' word: the smallest code of a key whose full slot is
+    0 (the dummy row: a position with no slot; ``list * LIST_SHIFT + key``), then of a write
+    row whose slot is 0; `NO_MISS` where there is none. Written by the same launch."""
 
 
 @dataclass(frozen=True)
@@ -141,9 +157,14 @@ class FusedJob:
     grid: tuple[int, int, int]
     scalars: tuple[int, ...]
     """(directory, lists, row_c, pre, depth offsets, depths, write indices, total_q, full write
-    out, swa write out): the kernel's arguments after ``K64``."""
+    out, swa write out, the guards' word): the kernel's arguments after ``K64``."""
     sizes64: tuple[int, ...]
     sizes32: tuple[int, ...]
+
+
+assert (LIST_SHIFT, NO_MISS) == (1099511627776, 4611686018427387904)  # the kernel's literals
+_NO_MISS_WORD = np.full(2, NO_MISS, dtype=np.int64)
+_NO_MISS_WORD.flags.writeable = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -194,6 +215,7 @@ def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
             wtr = sum(sizes64)
             sizes64.append(total_q)
     d = pack.add(np.asarray(dirs, dtype=np.int64).reshape(-1), _I64)
+    err = pack.add(_NO_MISS_WORD, _I64)  # shipped with the rest: no fill launch
     # the grid from host numbers (numpy): the longest list a request has, nothing read back
     if any(p["start"] is h.zeros for p in sets):  # a list from slot 0 is the longest there is
         longest = h.kv_max
@@ -202,7 +224,7 @@ def fused_key_job(h, sets: list[dict], translate: list[bool], pack, w_at,
     longest = max(longest, h.max_q, 1)
     grid = (h.B, -(-longest // BLOCK), len(sets) + (w_at is not None))
     scalars = (d[1], len(sets), rowc[1], pre[1], depoff_h[1], dep_h[1],
-               w_at[1] if w_at is not None else 0, total_q, wfull, wtr)
+               w_at[1] if w_at is not None else 0, total_q, wfull, wtr, err[1])
     return FusedJob(tuple(translate), w_at is not None, write_translate, grid, scalars,
                     tuple(sizes64), tuple(sizes32))
 
@@ -234,4 +256,4 @@ def run_fused(job: FusedJob, pack, flat_table: torch.Tensor,
         lists.append(KeyList(full64, full32, next(v32), swa64, swa32))
     w64 = next(v64) if job.write else None
     wswa64 = next(v64) if job.write and job.write_translate else None
-    return FusedKeys(tuple(lists), w64, wswa64)
+    return FusedKeys(tuple(lists), w64, wswa64, p64[k + job.scalars[-1]:k + job.scalars[-1] + 2])

@@ -28,7 +28,7 @@ from swafactory.metadata.layer_groups import group_key, groups_of
 from swafactory.metadata.vector import (HostBatch, Pack, key_pieces, key_tables, mask_pieces,
                                         mask_tables, to_device)
 
-__all__ = ["AttnTables", "GroupPlan", "ForwardPlan", "PassCache", "plan", "group_key",
+__all__ = ["AttnTables", "GroupPlan", "MissingWord", "ForwardPlan", "PassCache", "plan", "group_key",
            "lists_past_window"]
 
 
@@ -132,6 +132,18 @@ class PassCache(dict):
 
 
 @dataclass(frozen=True, eq=False)
+class MissingWord:
+    """What the fused key-list launch found about slots (`keys_triton.FusedKeys.missing`).
+
+    word: [2] int64 on the device (the first key, the first write row with no slot; see
+    `guards.missing_check`); lists: per key list, (its host indptr [B+1] int32, its requests'
+    first columns [B] int64, host): what names a missing key's request and position."""
+
+    word: torch.Tensor
+    lists: tuple[tuple[torch.Tensor, np.ndarray], ...]
+
+
+@dataclass(frozen=True, eq=False)
 class ForwardPlan:
     """A forward's plan: one GroupPlan per layer group, and which layer uses which."""
 
@@ -141,6 +153,8 @@ class ForwardPlan:
     source_rule: str
     """Why the resolver chose its KV source ("none" when nothing is translated)."""
     total_q: int
+    missing: MissingWord | None = None
+    """The guards' missing-slot word, where the fused planner computed it (a GPU)."""
 
     def group(self, layer_id: int) -> GroupPlan:
         """The plan of ``layer_id``'s group."""
@@ -153,11 +167,13 @@ class ForwardPlan:
 
 def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None]], source,
                  writes: bool, skip_translation: bool, impl: str, page_size: int = 1,
-                 flat_tree: bool = False) -> tuple[dict[str, GroupPlan], HostBatch]:
+                 flat_tree: bool = False
+                 ) -> tuple[dict[str, GroupPlan], HostBatch, MissingWord | None]:
     """Every group's tables, vectorized over requests. The per-request host numbers of all
     groups travel in one host→device copy; groups with the same window starts share one key
     list (e.g. an SWA window longer than every context); nothing is read back. Returns the
-    groups and the forward's host numbers."""
+    groups, the forward's host numbers and the fused launch's missing-slot word (None without
+    it)."""
     table, need_mask = batch.req_to_token, batch.needs_mask
     h, pack = HostBatch(batch, need_mask, page_size, flat_tree), Pack()
     fused = impl == "triton" or (impl == "auto" and table.is_cuda and keys_triton.available())
@@ -189,7 +205,7 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
     pack.ship(table.device)
     flat = table.view(-1) if table.is_contiguous() else table.reshape(-1)
     computed: dict[int, torch.Tensor] = {}  # id of a full-slot tensor → its SWA slots
-    fk = None
+    fk = missing = None
     if job is not None:
         fk = keys_triton.run_fused(job, pack, flat, source.mapping.table if any(job.translate)
                                    else None)
@@ -201,6 +217,8 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
                 computed[id(kl.full64)] = kl.swa64
         if fk.wswa64 is not None:
             computed[id(w_full)] = fk.wswa64
+        missing = MissingWord(fk.missing, tuple((pack.host(p["kv_host"]), p["start"])
+                                                for _, p in sets))
     else:
         built = [key_tables(p, pack, flat, h.idx_dtype) for _, p in sets]
         w_full = flat.index_select(0, pack.dev(w_at)).long() if writes else None
@@ -220,7 +238,7 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
                        mask_indptr, h.max_q, qo_host, pack.host(p["kv_host"]), i32,
                        natural=not need_mask)  # chains only: keys end at the last query
         out[key] = GroupPlan(key, sub, window, t, None, w)
-    return out, h
+    return out, h, missing
 
 
 def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str,
@@ -357,7 +375,7 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     keys, layer_groups = groups_of(layers_mapping, windows)
     skip = skip_spec_translation and batch.has_tree
-    groups, h = _plan_vector(batch, keys, source, writes, skip, impl, page_size,
+    groups, h, missing = _plan_vector(batch, keys, source, writes, skip, impl, page_size,
                              tree_mask_not_rebased and batch.has_tree)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
@@ -371,4 +389,4 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
             FAULT_COUNTS.acted("plan_without_window")
         groups = {k: replace(g, window=None) for k, g in groups.items()}
     return ForwardPlan(batch.mode, groups, layer_groups,
-                       source.rule if source is not None else "none", h.total_q)
+                       source.rule if source is not None else "none", h.total_q, missing)

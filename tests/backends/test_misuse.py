@@ -279,10 +279,10 @@ def test_slot_check_is_deferred_on_cuda() -> None:
 def test_slot_check_without_a_full_space_list() -> None:
     """A runner whose layers are all SWA has no full-space list: the check gathers each row's
     ``[0, end)`` from the table itself, and names the same position."""
-    from swafactory.guards import SlotCheck
+    from swafactory.guards import slot_check
 
     rig = Rig("cpu")
     batch = rig.batch([*_ok(rig), ReqForward("a2", rig.row, 0, 12)])
-    err = SlotCheck(batch, None, None, None, None).error()
+    err = slot_check(batch, None, None, None, None).error()
     assert err is not None and "request 'a2' (row 0) reads position 10" in str(err)
-    assert SlotCheck(rig.batch(_ok(rig)), None, None, None, None).error() is None
+    assert slot_check(rig.batch(_ok(rig)), None, None, None, None).error() is None
