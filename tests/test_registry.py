@@ -160,9 +160,7 @@ def test_cuda_graph_and_dtype_rules() -> None:
     decode = swafactory.compose(["backend=triton", "backend.cuda_graph=true", "spec=none"])
     assert rules(decode, H200) == set()  # triton replays decode buckets
     spec = swafactory.compose(["backend=triton", "backend.cuda_graph=true", "spec=eagle3"])
-    why = [r for r in swafactory.check(spec, H200) if r.field == "backend.cuda_graph"]
-    assert len(why) == 1 and "decode graphs only" in why[0].message and "eagle3" in why[0].message
-    assert "backend=flashinfer" in why[0].fix and "backend.cuda_graph=false" in why[0].fix
+    assert rules(spec, H200) == set()  # and verify/draft buckets (static tables with a mask)
 
 
 def test_auto_picks_torch_on_cpu_and_the_fastest_on_h200() -> None:

@@ -15,7 +15,9 @@ One call attends the queries of a batch over paged K/V of one layer, in flattene
   prefix_len + depth, so positions need not be contiguous or monotonic).
 * ``mask``: bool/uint8, request b's [q_len_b, kv_len_b] block row-major from ``mask_indptr[b]``
   ([B+1] int32, in elements); it is the *structure* (causal, tree ancestry, DFlash block).
-  ``None`` means causal: ``kv_pos <= q_pos``. Causality lives only in the structure.
+  ``None`` means causal: ``kv_pos <= q_pos``; so does a request's empty block
+  (``mask_indptr[b] == mask_indptr[b+1]``: a chain request in a graph bucket captured with a
+  mask). Causality lives only in the structure.
 * ``window``: HF W or None; allowed = structure & (q_pos - kv_pos < W).
 * ``scale``: softmax scale; ``softcap``: s = cap·tanh(s/cap) before masking; ``sinks``: [Hq]
   fp32, one extra logit per head in the denominator with a zero value.
@@ -114,7 +116,7 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
             c1 = min(q1, c0 + step)
             n = c1 - c0
             qp = q_pos[c0:c1].long()
-            if mask is None:
+            if mask is None or mo[b + 1] == mo[b]:  # causal (an empty block too)
                 allowed = kp[None, :] <= qp[:, None]
             else:
                 m0 = mo[b] + (c0 - q0) * nk

@@ -59,9 +59,6 @@ class Capabilities:
     """Logit soft-capping."""
     cuda_graph: bool = False
     """Decode/verify can be captured in CUDA graphs."""
-    graph_decode_only: bool = False
-    """Its graphs replay decode buckets only (one query per request): speculative decoding, whose
-    verify and draft forwards replay multi-token buckets, runs with ``backend.cuda_graph=false``."""
     graph_emulation: bool = False
     """On CPU, ``backend.cuda_graph=true`` runs the graph contract without CUDA graphs: a bucket's
     step is recorded once over static buffers and each replay re-runs it over the same buffers,

@@ -245,10 +245,6 @@ def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
     elif not caps.replays_graphs(dev.kind):
         where = "a CUDA-graph path" if dev.kind == "cuda" else f"a graph replay on {dev.kind}"
         yield _r("backend.cuda_graph", f"{caps.name} has no {where}", "backend.cuda_graph=false")
-    elif caps.graph_decode_only and cfg.spec.algorithm != "none":
-        yield _r("backend.cuda_graph", f"{caps.name} replays decode graphs only, and "
-                 f"spec={cfg.spec.algorithm} verifies and drafts several tokens per request",
-                 "backend.cuda_graph=false, or backend=flashinfer")
     if cfg.backend.tree_mask == "cascade":
         yield _r("backend.tree_mask", "a cascade's prefix/expand split depends on each batch, so "
                  "a captured graph cannot replay it", "backend.tree_mask=custom_mask")

@@ -66,8 +66,7 @@ def _caps_table() -> list[str]:
             dims = f"≤ {c.max_head_dim}"
         trees = ", ".join(sorted(c.tree_masks)) or "none"
         yes = {True: "yes", False: "no"}
-        graphs = (yes[c.cuda_graph] + (", decode only" if c.graph_decode_only else "")
-                  + (" (cpu: emulated)" if c.graph_emulation else ""))
+        graphs = yes[c.cuda_graph] + (" (cpu: emulated)" if c.graph_emulation else "")
         rows.append(f"| {name} | {c.kernel} | {devices} | {sm} | {pages} | {dims} | {trees} | "
                     f"{yes[c.sinks]} | {yes[c.softcap]} | {graphs} | "
                     f"{', '.join(sorted(c.kv_dtypes))} |")

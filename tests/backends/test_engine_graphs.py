@@ -4,7 +4,7 @@ inside, through the graph contract (`init_cuda_graph_state`, `init_forward_metad
 `init_forward_metadata_replay`). For every forward mode, batches shrink and grow between replays
 (buckets 2, 4, 8) and each replay equals the same step run eagerly on the same pools.
 
-GPU only (FlashInfer in every mode; triton in decode, the buckets its graphs replay). The CPU side of the contract (padding,
+GPU only (FlashInfer and triton in every mode). The CPU side of the contract (padding,
 static write slots, refusals) is in test_graphs.py.
 """
 from __future__ import annotations
@@ -83,8 +83,7 @@ def _batch(world, name: str, bs: int) -> ForwardBatch:
     ("gemma4", ["model.sliding_window=8", "model.num_layers=6"]),        # 16×256 SWA, 4×512 full
     ("gpt_oss_20b", ["model.sliding_window=8", "model.num_layers=4"]),   # sinks, D = 64
 ])
-@pytest.mark.parametrize("name,backend", [(n, "flashinfer") for n in MODES] + [
-    ("decode", "triton")])  # triton replays decode buckets only (its own decode kernel)
+@pytest.mark.parametrize("name,backend", [(n, b) for n in MODES for b in ("flashinfer", "triton")])
 def test_engine_captures_its_own_step_and_replays_shrinking_batches(model, extra, name,
                                                                     backend) -> None:
     pytest.importorskip(backend)

@@ -211,6 +211,49 @@ def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stal
             world.backend.init_forward_metadata_replay(batch, 8, 1)
 
 
+@pytest.mark.parametrize("backend", _graph_backends())
+def test_emulated_verify_replays_serve_chains_and_trees_in_one_bucket(backend) -> None:
+    """A verify bucket captured once replays chains and trees as batches shrink and grow, equal
+    to eager attention over the same plan: triton's static tables hold a mask whose empty
+    blocks are causal (a chain) and whose filled ones are the trees' structure."""
+    fewer = SHIPPED_INTERPRETED_HEADS["gpt_oss_20b"] if backend == "triton" else []
+    world, cfg = make_world("gpt_oss_20b", 1, ["model.sliding_window=8", "model.num_layers=4",
+                                               *fewer], backend=backend)
+    layers = [0, 1]  # SWA, full
+    _open_all(world, layers)
+    m = cfg.model
+    shapes = {l: (m.num_attention_heads, m.geometry(l).head_dim) for l in layers}
+    sinks = dict(world.sinks) if world.sinks else {}
+    graphed = GraphedAttention(world.backend, shapes, tokens=4, dtype=torch.float32,
+                               buckets=(4, 8), sinks=sinks)
+    gen = torch.Generator().manual_seed(3)
+    for bs, kind in ((8, "chain"), (6, "tree"), (3, "chain"), (7, "tree"), (8, "tree")):
+        reqs = []
+        for r in range(bs):
+            prefix = world.kv_len(r)
+            parents = (-1, 0, 0, 1) if kind == "tree" else None
+            reqs.append(world.req(r, prefix, 4, parents=parents))
+            world.slots.extend(r, 4)
+        batch = ForwardBatch.of("target_verify", reqs, world.slots.req_to_token.table,
+                                world.alloc.full_id)
+        n = batch.total_q
+        q = {l: torch.randn(n, *shapes[l], generator=gen) for l in layers}
+        kv = {l: tuple(torch.randn(n, m.geometry(l).num_kv_heads, shapes[l][1], generator=gen)
+                       for _ in range(2)) for l in layers}
+        out = graphed.forward(batch, q, kv)
+        plan = world.backend.init_forward_metadata(batch)
+        for l in layers:
+            g = plan.group(l)
+            k_buf, v_buf, sub = world.pool.get_kv(l)
+            ref, _ = attend(g.tables, q[l], k_buf, v_buf, window=g.window,
+                            scale=sub.head_dim ** -0.5, sinks=sinks.get(l))
+            torch.testing.assert_close(out[l], ref, msg=lambda s: f"bs {bs} {kind} layer {l}: {s}")
+    assert graphed.captures == 2 and graphed.replays == 5
+    if backend == "triton":  # the replays ran over its static multi-token tables
+        ad = next(iter(world.backend.adapters.values()))
+        assert {k[2:4] for k in ad._static} == {(4, 4), (8, 4)}
+
+
 # --- on the GPU -------------------------------------------------------------------------------
 
 LENS = [9, 8, 7, 33, 17, 12, 50, 21]  # straddling W = 8 on the SWA layers

@@ -116,6 +116,29 @@ def test_extend_with_a_written_out_causal_mask_equals_the_implicit_one():
     torch.testing.assert_close(la, lb, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_an_empty_mask_block_is_causal_beside_a_tree(dense):
+    """A graph bucket captured with a mask replays chains too: a request whose block is empty
+    (``mask_indptr[b] == mask_indptr[b+1]``) is causal by position, exactly as the same request
+    with its causal block written out, beside a tree request's real block."""
+    tree = _tree_req(9, tree_parents(2, 3, seed=1))
+    chain = Req(kv_pos=list(range(21)), q_pos=list(range(13, 21)))
+    full = make_batch([chain, tree, chain], hq=8, hkv=2, d=D, seed=11, with_mask=True)
+    n_chain = len(chain.q_pos) * len(chain.kv_pos)
+    mi = full.mask_indptr.tolist()
+    keep = torch.ones(full.mask.numel(), dtype=torch.bool)
+    keep[mi[0]:mi[1]] = False
+    keep[mi[2]:mi[3]] = False
+    empty = torch.tensor([0, 0, mi[2] - mi[1], mi[2] - mi[1]], dtype=torch.int32)
+    kw = dict(window=6, scale=0.25, num_splits=2, dense=dense)
+    a, la = extend_attention(*full.args(), **full.masks(), **kw)
+    b, lb = extend_attention(*full.args(), mask=full.mask[keep], mask_indptr=empty, **kw)
+    assert n_chain and torch.equal(a, b) and torch.equal(la, lb)
+    ro, rl = attention_reference(*full.args(), mask=full.mask[keep], mask_indptr=empty,
+                                 window=6, scale=0.25)
+    torch.testing.assert_close(b, ro, **tol(torch.float32))
+
+
 def _tree_req(prefix_len, parents):
     n = len(parents)
     pos = [prefix_len + dpt for dpt in depths(parents)]

@@ -17,8 +17,7 @@ CAPABILITIES = Capabilities(
     tree_masks=frozenset({"custom_mask", "cascade"}),
     sinks=True,
     softcap=True,
-    cuda_graph=True,  # decode buckets (`adapter.py`); verify/draft buckets need flashinfer
-    graph_decode_only=True,
+    cuda_graph=True,  # every mode: static tables per bucket (`adapter.py`)
     graph_emulation=True,  # CPU under TRITON_INTERPRET=1: the contract over the same static tables
     kv_dtypes=frozenset({"float32", "float16", "bfloat16", "fp8_e4m3"}),
 )

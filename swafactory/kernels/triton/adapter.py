@@ -13,13 +13,15 @@ the kernel, so a layer is one launch (GPT-OSS graphed step at bs 8 0.568 ms, 1.4
 bs 64 3.19 ms). Over fp8 e4m3 pools at head_dim 256/512 (Gemma 4) decode goes to
 `kernels/cuda/decode_fp8.cu`, the step's K/V stored (quantized) first.
 
-CUDA graphs (`plan(…, graph=(bucket, 1))`): decode buckets only. Each (group, pass, bucket) owns
-static tables (indptr, rows, positions) sized for what ``bucket`` requests can read (``graph_keys``:
-bs × context, SWA bs × (W + 1 + page); the largest sub-pool's rows when unset);
-`plan` refills them in place from the planner's device tables (device-to-device copies, nothing
-read back), padding requests reading and writing the dummy row 0. The decode kernel sizes its
-grid from static sizes alone, so a replay with fewer or longer requests runs the captured
-launches. Multi-token buckets (verify, draft extend) are refused: use backend=flashinfer there.
+CUDA graphs (`plan(…, graph=(bucket, tokens))`): every mode. Each (group, pass, bucket, tokens)
+owns static tables (indptrs, rows, positions; for several tokens a mask and its indptr) sized for
+what ``bucket`` requests can read (``graph_keys``: bs × context, SWA bs × (W + tokens + page);
+the largest sub-pool's rows when unset); `plan` refills them in place from the planner's device
+tables (device-to-device copies, nothing read back), padding requests reading and writing the
+dummy row 0. The kernels size their grids from static sizes alone, so a replay with fewer or
+longer requests runs the captured launches. A multi-token bucket is captured with a mask; a
+chain's requests get empty blocks, which the extend kernel reads as causal by position, so one
+capture replays chains, trees and DFlash blocks with the eager step's kernels.
 
 Measured and dropped (H200, `695e8c6`, bench/results/probe-decode-rows-695e8c6.json): a decode
 kernel reading whole pool rows per (request, split), all KV heads at once, with the split merge
@@ -38,15 +40,19 @@ from swafactory.kernels.triton.decode import decode_config
 from swafactory.kernels.triton.merge import plan_splits
 from swafactory.metadata.plan import PassCache
 
-__all__ = ["Adapter", "StaticTables"]
+__all__ = ["Adapter", "StaticTables", "static_tables"]
 
 
 @dataclass(eq=False)
 class StaticTables:
-    """A decode graph bucket's tables at fixed addresses (the kernel contract's names).
+    """A graph bucket's tables at fixed addresses (the kernel contract's names): ``n`` requests
+    of up to ``tokens`` queries.
 
-    qo_indptr: [n+1] int32 = arange; kv_indptr: [n+1] int32; kv_indices: [n·rows] int32;
-    q_pos: [n] int32; kv_pos: [n·rows] int32 (rows: most keys per request, `graph_keys`).
+    qo_indptr: [n+1] int32; kv_indptr: [n+1] int32; kv_indices: [n·rows] int32; q_pos:
+    [n·tokens] int32; kv_pos: [n·rows] int32 (rows: most keys per request, `graph_keys`). A
+    multi-token bucket also holds mask: [n·tokens·rows] uint8 and mask_indptr: [n+1] int32; a
+    request whose block is empty is causal by position (a chain), so one capture replays
+    chains and trees.
     """
 
     qo_indptr: torch.Tensor
@@ -54,39 +60,74 @@ class StaticTables:
     kv_indices: torch.Tensor
     q_pos: torch.Tensor
     kv_pos: torch.Tensor
-    mask = None
-    mask_indptr = None
-    max_q_len = 1
+    mask: torch.Tensor | None = None
+    mask_indptr: torch.Tensor | None = None
+    max_q_len: int = 1
+    ar: torch.Tensor | None = None
+    """[n+1] int32 ``arange``: padding requests' offsets (one key, ``tokens`` queries each)."""
 
     @property
     def kv_rows(self) -> torch.Tensor:
         return self.kv_indices
 
     @classmethod
-    def empty(cls, n: int, max_kv: int, device) -> StaticTables:
+    def empty(cls, n: int, max_kv: int, device, tokens: int = 1) -> StaticTables:
         i32 = dict(dtype=torch.int32, device=device)
-        return cls(torch.arange(n + 1, **i32), torch.arange(n + 1, **i32),
-                   torch.zeros(max_kv, **i32), torch.zeros(n, **i32), torch.zeros(max_kv, **i32))
+        mask = mask_indptr = None
+        if tokens > 1:
+            mask = torch.zeros(n * tokens * (max_kv // max(n, 1)), dtype=torch.uint8,
+                               device=device)
+            mask_indptr = torch.zeros(n + 1, **i32)
+        ar = torch.arange(n + 1, **i32)
+        return cls(ar * tokens, ar.clone(), torch.zeros(max_kv, **i32),
+                   torch.zeros(n * tokens, **i32), torch.zeros(max_kv, **i32), mask, mask_indptr,
+                   tokens, ar)
 
     def fill(self, t) -> None:
-        """Copy ``t`` (the planner's tables of B ≤ n one-query requests) in; requests past B read
-        one key, the dummy row 0 at position 0, from a query at position 0."""
-        n = self.q_pos.numel()
+        """Copy ``t`` (the planner's tables of B ≤ n requests of ≤ tokens queries) in; requests
+        past B read one key, the dummy row 0 at position 0, from ``tokens`` queries at position
+        0 (a multi-token bucket's padding queries are the bucket's last rows)."""
+        n = self.kv_indptr.numel() - 1
+        tokens = self.max_q_len
         nb = t.batch_size
         total = int(t.kv_host[-1])  # host-known: nothing is read back
-        if nb > n or total + (n - nb) > self.kv_indices.numel():
-            raise ValueError(f"a decode graph bucket of {n} requests over {self.kv_indices.numel()} "
-                             f"keys cannot hold {nb} requests of {total} keys")
+        total_q = int(t.qo_host[-1])
+        if nb > n or total + (n - nb) > self.kv_indices.numel() or t.max_q_len > tokens:
+            raise ValueError(f"a graph bucket of {n} requests × {tokens} tokens over "
+                             f"{self.kv_indices.numel()} keys cannot hold {nb} requests of "
+                             f"{total} keys and up to {t.max_q_len} queries")
         self.kv_indptr[:nb + 1].copy_(t.kv_indptr)
         self.kv_indices[:total].copy_(t.kv_rows)
         self.kv_pos[:total].copy_(t.kv_pos)
-        self.q_pos[:nb].copy_(t.q_pos)
+        self.q_pos[:total_q].copy_(t.q_pos)
+        if tokens > 1:
+            self.qo_indptr[:nb + 1].copy_(t.qo_indptr)
+            self._fill_mask(t, nb)
         if nb < n:  # padding requests: one key each, after the batch's
-            torch.add(self.kv_indptr[nb:nb + 1], self.qo_indptr[1:n - nb + 1],
+            torch.add(self.kv_indptr[nb:nb + 1], self.ar[1:n - nb + 1],
                       out=self.kv_indptr[nb + 1:])
             self.kv_indices[total:total + n - nb].zero_()
             self.kv_pos[total:total + n - nb].zero_()
-            self.q_pos[nb:].zero_()
+            if tokens > 1:
+                torch.add(self.qo_indptr[nb:nb + 1], self.ar[1:n - nb + 1], alpha=tokens,
+                          out=self.qo_indptr[nb + 1:])
+        if total_q < self.q_pos.numel():
+            self.q_pos[total_q:].zero_()
+
+    def _fill_mask(self, t, nb: int) -> None:
+        """The planner's structure blocks (trees, blocks), else empty blocks: causal."""
+        n = self.mask_indptr.numel() - 1
+        if t.mask is None:
+            self.mask_indptr.zero_()
+            return
+        m = t.mask.view(torch.uint8) if t.mask.dtype == torch.bool else t.mask
+        if m.numel() > self.mask.numel():
+            raise ValueError(f"a graph bucket's mask holds {self.mask.numel()} elements, the "
+                             f"batch's structure has {m.numel()}")
+        self.mask[:m.numel()].copy_(m)
+        self.mask_indptr[:nb + 1].copy_(t.mask_indptr)
+        if nb < n:  # padding requests: empty blocks
+            self.mask_indptr[nb + 1:].copy_(self.mask_indptr[nb:nb + 1].expand(n - nb))
 
 
 class Adapter:
@@ -118,25 +159,20 @@ class Adapter:
         if graph is None or not forward_plan.groups:
             return
         bucket, tokens = graph
-        if tokens != 1:
-            raise ValueError(f"backend=triton replays decode graphs only (1 token per request); "
-                             f"a bucket of {tokens} tokens needs backend=flashinfer")
         dev = next(iter(forward_plan.groups.values())).tables.qo_indptr.device
         max_rows = max(sp.rows for sp in pool.sub_pools)
         for key, g in forward_plan.groups.items():
             for role, t in g.passes:
-                sk = (key, role, bucket, id(pool))
-                st = self._static.get(sk)
-                if st is None:
-                    keys = max_rows if self.graph_keys is None else self.graph_keys(g.window, 1)
-                    st = self._static[sk] = StaticTables.empty(bucket, bucket * keys, dev)
-                st.fill(t)
-                self._passes.put(t, st)
+                self._passes.put(t, static_tables(self._static, (key, role, bucket, tokens,
+                                                                 id(pool)), t, dev, max_rows
+                                                  if self.graph_keys is None else
+                                                  self.graph_keys(g.window, tokens)))
 
     def graph_bytes(self) -> int:
         """Bytes of every graph bucket's static tables."""
         return sum(t.numel() * t.element_size() for st in self._static.values()
-                   for t in (st.qo_indptr, st.kv_indptr, st.kv_indices, st.q_pos, st.kv_pos))
+                   for t in (st.qo_indptr, st.kv_indptr, st.kv_indices, st.q_pos, st.kv_pos,
+                             st.mask, st.mask_indptr) if t is not None)
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0, new_kv=None):
@@ -147,8 +183,9 @@ class Adapter:
 
         t = self._passes.get(id(tables), tables)  # a graph bucket's static tables, or these
         splits = skip = None
-        if t is not tables and window is not None:  # a static list is sized for the context:
-            splits = window_splits(q, k_buf, window)  # split by the window's keys instead
+        if t is not tables and window is not None and t.max_q_len == 1:  # a static decode
+            # list is sized for the context: split by the window's keys instead
+            splits = window_splits(q, k_buf, window)
             skip = False  # and holds the planner's trimmed lists: no tile test, loads pipelined
         return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
@@ -163,6 +200,17 @@ class Adapter:
         from swafactory.kernels.triton.merge import merge_attention_states
 
         return merge_attention_states(o1, lse1, o2, lse2, sinks)[0]
+
+
+def static_tables(cache: dict, key: tuple, t, device, keys: int) -> StaticTables:
+    """The bucket's `StaticTables` under ``key`` (group, role, bucket, tokens, pool id), made on
+    first use with ``keys`` per request, refilled from ``t``."""
+    st = cache.get(key)
+    if st is None:
+        bucket, tokens = key[2], key[3]
+        st = cache[key] = StaticTables.empty(bucket, bucket * keys, device, tokens)
+    st.fill(t)
+    return st
 
 
 def window_splits(q: torch.Tensor, k_buf: torch.Tensor, window: int) -> int:

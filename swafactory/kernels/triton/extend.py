@@ -2,7 +2,8 @@
 
 It serves prefill with a cached prefix, chain and tree verify, draft extend and DFlash blocks.
 All of them are one rule: allowed = structure & (q_pos - kv_pos < W). The structure is either
-causal by position (``mask`` None) or a per-request bool block.
+causal by position (``mask`` None, or a request's empty block: a graph bucket captured with a
+mask replays chains too) or a per-request bool block.
 
 One program per (request, KV head, query tile, split). Its tile rows are (query, head) pairs:
 row r is query ``r // GROUP`` and head ``r % GROUP`` of the KV head. So the GQA heads and the
@@ -76,11 +77,15 @@ def _kernel(interpret: bool) -> Any:
             allv = inr
             if HAS_MASK:
                 mbase = tl.load(mask_indptr + b).to(tl.int64)
-                for i0 in range(0, nq, RB):
-                    ri = i0 + tl.arange(0, RB)
-                    mv = tl.load(mask_ptr + mbase + ri[:, None].to(tl.int64) * n + offs[None, :],
-                                 mask=(ri[:, None] < nq) & inr[None, :], other=1)
-                    allv = allv & (tl.min(mv, axis=0) != 0)
+                if tl.load(mask_indptr + b + 1) > mbase:
+                    for i0 in range(0, nq, RB):
+                        ri = i0 + tl.arange(0, RB)
+                        mv = tl.load(mask_ptr + mbase + ri[:, None].to(tl.int64) * n
+                                     + offs[None, :], mask=(ri[:, None] < nq) & inr[None, :],
+                                     other=1)
+                        allv = allv & (tl.min(mv, axis=0) != 0)
+                else:  # an empty block: causal by position (a graph bucket's chain request)
+                    allv = allv & (kp <= qmin)
             else:
                 allv = allv & (kp <= qmin)
             if HAS_WINDOW:
@@ -130,8 +135,11 @@ def _kernel(interpret: bool) -> Any:
                     mask=rvalid[:, None], other=0.0).to(CDT)
         qp = tl.load(q_pos + qrow, mask=rvalid, other=0)
         mrow = ql.to(tl.int64) * n
-        if HAS_MASK:
+        rmask = rvalid  # rows that read mask bytes
+        if HAS_MASK:  # an empty block (a graph bucket's chain request): causal by position
             mrow += tl.load(mask_indptr + b).to(tl.int64)
+            block_len = tl.load(mask_indptr + b + 1) - tl.load(mask_indptr + b)
+            rmask = rvalid & ((tl.zeros([BLOCK_M], tl.int32) + block_len) > 0)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         den = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -176,8 +184,9 @@ def _kernel(interpret: bool) -> Any:
             kp = tl.load(kv_pos + kv0 + offs, mask=inr, other=0)
             both = rvalid[:, None] & inr[None, :]
             if HAS_MASK:
-                vis = tl.load(mask_ptr + mrow[:, None] + offs[None, :], mask=both, other=0) != 0
-                vis = vis & both
+                vis = tl.load(mask_ptr + mrow[:, None] + offs[None, :],
+                              mask=rmask[:, None] & inr[None, :], other=0) != 0
+                vis = tl.where(rmask[:, None], vis, kp[None, :] <= qp[:, None]) & both
             else:
                 vis = both & (kp[None, :] <= qp[:, None])
             if HAS_WINDOW:
