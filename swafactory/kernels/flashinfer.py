@@ -21,7 +21,8 @@ the end). So:
   host-built custom mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, since
   there the list index is not the position (tree nodes at ``prefix + depth``, DESIGN invariant 4);
 * CUDA-graph buckets of several tokens: the masked prefill (its kernel is fixed at capture, by
-  the bucket alone, and must also serve the trees it replays); graph steps are short.
+  the bucket alone, and must also serve the trees it replays), or our tile where the bucket's
+  rows put a wide verify there (below); graph steps are short.
 
 Causal and masked passes use separate wrappers: FlashInfer picks a wrapper's FA2/FA3 backend at
 its first plan from whether a mask is given.
@@ -63,8 +64,9 @@ layers in verify, tree and DFlash steps) runs swafactory's extend tile on the sa
 of FlashInfer's prefill: its dense run through our CUDA kernel where nvcc is present
 (`kernels/cuda/verify_d512.cu`), the other keys through the Triton tile. H200, bs 64, ctx 8192,
 8 tokens: that dense run 1.20 ms, the Triton tile 2.01, FlashInfer's custom mask 2.23, its decode
-of the same K/V 0.99 (bench/results/probe-verify-cuda-d79e545.md). Eager forwards only: a graph
-bucket keeps FlashInfer's ``use_cuda_graph`` prefill, whose buffers it refills in place.
+of the same K/V 0.99 (bench/results/probe-verify-cuda-d79e545.md). A graph bucket whose
+tokens put it there runs the same tile over static tables (`triton.adapter.StaticTables`,
+refilled in place), so its replay runs eager's kernels.
 ``backend.kernels.<group>.verify`` chooses (``library``: FlashInfer's prefill; ``triton``: no CUDA
 dense run); `run=plan` shows what serves. The FlashInfer version and its mask layout are checked
 at start (`flashinfer_check`).
@@ -150,6 +152,8 @@ class _Pass:
     """The pool's page size: ``kv_host``/``indices`` count pages of it, ``last`` keys."""
     triton: bool = False
     """Served by the Triton extend tile (`uses_triton_verify`): no FlashInfer tables or plan."""
+    static: object = None
+    """A graph bucket's Triton pass: its `triton.adapter.StaticTables`, refilled in place."""
     kv_dev: torch.Tensor | None = None
     """[B+1] int32 on the device: ``kv_host``'s twin (the planner's), which FlashInfer's
     ``fast_decode_plan`` takes as the kernel's indptr (eager decode at page size 1 only)."""
@@ -215,6 +219,9 @@ class Adapter:
         `AttentionBackend.init_cuda_graph_state`); None: the largest sub-pool's rows."""
         self._graph_bufs: dict[tuple, list[torch.Tensor]] = {}
         """Graph wrapper key → the fixed buffers given to it (`graph_bytes`)."""
+        self._static: dict[tuple, object] = {}
+        """A graph bucket's Triton passes' static tables, by (group, role, bucket, tokens, pool
+        id) (`triton.adapter.static_tables`)."""
         self._staging = StagingRing()
         """The pinned plan staging, one buffer per in-flight plan (`flashinfer_staging`)."""
         self.kernels = None
@@ -245,11 +252,22 @@ class Adapter:
         for key, g in forward_plan.groups.items():
             sig = (sigs or {}).get(key)
             for role, t in g.passes:
-                if graph is None and sig is not None and uses_triton_verify(sig, t) and (
-                        self.kernels is None or self.kernels.ours(self._mode, g.window is not None)):
+                # a graph bucket decides by its own tokens, not the batch's: what it captured
+                tiled = sig is not None and (uses_triton_verify(sig, t) if graph is None else
+                                             _bucket_tiled(sig, graph[1]))
+                if tiled and (self.kernels is None
+                              or self.kernels.ours(self._mode, g.window is not None)):
+                    st = None
+                    if graph is not None:  # the same tile over static tables: eager's kernels
+                        from swafactory.kernels.triton.adapter import static_tables
+                        keys = (self._max_rows if self.graph_keys is None
+                                else self.graph_keys(g.window, graph[1]))
+                        st = static_tables(self._static, (key, role, *graph, id(pool)), t,
+                                           t.qo_indptr.device, keys)
                     self._passes.put(t, _Pass(key, role, g.window, False, t.qo_host, t.kv_host,
                                               t.kv_indices.tensor, self._ones[:0], None,
-                                              planned_for=sig, triton=True))
+                                              planned_for=sig, graph=graph, triton=True,
+                                              static=st))
                     continue
                 p = self._passes.put(t, self._prepare(key, role, t, g.window, graph))
                 if sig is not None:
@@ -368,7 +386,9 @@ class Adapter:
                 if b.data_ptr() not in seen:
                     seen.add(b.data_ptr())
                     total += b.numel() * b.element_size()
-        return total
+        return total + sum(t.numel() * t.element_size() for st in self._static.values()
+                           for t in (st.qo_indptr, st.kv_indptr, st.kv_indices, st.q_pos,
+                                     st.kv_pos, st.mask, st.mask_indptr) if t is not None)
 
     def _plan_wrapper(self, p: _Pass, sig: Signature, device: torch.device) -> None:
         hq, hkv, d, q_dtype, kv_dtype, scale, softcap = sig
@@ -420,13 +440,17 @@ class Adapter:
         qs, ks = q.shape, k_buf.shape
         sig = (qs[1], ks[1], qs[2], q.dtype, k_buf.dtype, scale, softcap)
         if p.triton and p.planned_for == sig:  # the same rows and rule (off CUDA: the reference)
-            t = tables
+            t = tables if p.static is None else p.static
             return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                    t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                    window=window, scale=scale, softcap=softcap, sinks=sinks,
                                    max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
                                    cuda=None if self.kernels is None else
                                    self.kernels.cuda(self._mode, window is not None))
+        if p.triton and p.static is not None:
+            raise ValueError(f"group {p.group!r}: a graph bucket's Triton pass was planned for "
+                             f"{p.planned_for} but a layer runs {sig}; set the backend's q_heads "
+                             "to the model's heads on this rank")
         if p.triton:  # planned for another signature: FlashInfer's tables after all
             p = self._passes.put(tables, self._prepare(p.group, p.role, tables, p.window, None))
         if p.planned_for != sig:
@@ -454,6 +478,12 @@ class Adapter:
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""
         return merge_state(o1, lse1, o2, lse2, sinks)[0]
+
+
+def _bucket_tiled(sig: Signature, tokens: int) -> bool:
+    """`uses_triton_verify` for a graph bucket of ``tokens`` queries per request."""
+    hq, hkv, d = sig[:3]
+    return tokens > 1 and d >= TRITON_VERIFY_MIN_HEAD_DIM and 16 < tokens * (hq // hkv) <= 64
 
 
 def uses_triton_verify(sig: Signature, t) -> bool:
