@@ -18,7 +18,8 @@ time, not waited on: the device drained before each), against unguarded: in a ho
 
     python3 bench/bench_guards.py --out $OUT [--cases gemma4:64,gpt_oss_20b:8] [--ctx 8192]
 
-Writes OUT/guards-h200.md and .json; prints the table.
+Writes OUT/guards-<gpu>.md and .json (<gpu>: h200, h100 or gpu, from the device's name); prints
+the table.
 """
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def _host_us(fn, n: int = 30) -> float:
         fn()
         ts.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(ts)
+
+
+def _tag(gpu: str) -> str:
+    """The record's name for a device: h200, h100, or gpu."""
+    return next((t.lower() for t in ("H200", "H100") if t in gpu), "gpu")
 
 
 def one_case(model: str, bs: int, a, do_bench) -> list[dict]:
@@ -116,7 +122,7 @@ def one_case(model: str, bs: int, a, do_bench) -> list[dict]:
 
 
 def render(rows: list[dict], meta: dict) -> str:
-    lines = ["# Guards on against guards off (H200)", "",
+    lines = [f"# Guards on against guards off ({_tag(meta['gpu']).upper()})", "",
              f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}; backend "
              f"{meta['backend']}; decode, ctx {meta['ctx']}, every layer of the model; medians of "
              f"{meta['rounds']} interleaved rounds. Target: overhead <= 3 %.", "",
@@ -139,7 +145,7 @@ def render(rows: list[dict], meta: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="folder for guards-h200.md and .json")
+    ap.add_argument("--out", required=True, help="folder for guards-<gpu>.md and .json")
     ap.add_argument("--cases", default="gemma4:64,gpt_oss_20b:8", help="model:bs,...")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--backend", default="flashinfer")
@@ -157,7 +163,7 @@ def main() -> int:
     meta = dict(commit=a.commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 backend=a.backend, ctx=a.ctx, rounds=a.rounds,
                 command=f"python3 bench/bench_guards.py --out $OUT --cases {a.cases} "
-                        f"--ctx {a.ctx} --backend {a.backend} --rounds {a.rounds}")
+                        f"--ctx {a.ctx} --backend {a.backend} --rounds {a.rounds} --rep {a.rep}")
     rows = []
     for case in a.cases.split(","):
         model, bs = case.split(":")
@@ -167,9 +173,9 @@ def main() -> int:
             rows.append(dict(model=model, bs=int(bs), error=f"{type(exc).__name__}: {exc}"[:300]))
             print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
-        (out / "guards-h200.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (out / f"guards-{_tag(meta['gpu'])}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = render(rows, meta)
-    (out / "guards-h200.md").write_text(table)
+    (out / f"guards-{_tag(meta['gpu'])}.md").write_text(table)
     print(table)
     return 0 if all("error" not in r for r in rows) else 1
 
