@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from common import (LN2, MODES, batch_of, config_of, copy_bandwidth, graph_case, host_ms,
-                    kv_bytes_read, setup, step_cycle, step_inputs)
+from common import (LN2, MODES, SPEC_OF, batch_of, config_of, copy_bandwidth, graph_case,
+                    host_ms, kv_bytes_read, setup, step_cycle, step_inputs)
 
 __all__ = ["Raw", "one_case", "render"]
 
@@ -123,7 +123,8 @@ class Raw:
 def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
              triton: bool = False, rounds: int = 5) -> dict:
     nodes = MODES[mode]
-    cfg, pool, alloc, slots, backend = setup(model, bs, ctx, nodes)
+    cfg, pool, alloc, slots, backend = setup(model, bs, ctx, nodes,
+                                             overrides=SPEC_OF.get(mode, ()))
     m = cfg.model
     batch = batch_of(mode, slots, alloc, bs, ctx)
     plan = backend.init_forward_metadata(batch)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MODES", "TREE8", "LN2", "config_of", "setup", "batch_of", "step_inputs", "step_cycle",
+__all__ = ["MODES", "TREE8", "SPEC_OF", "LN2", "config_of", "setup", "batch_of", "step_inputs", "step_cycle",
            "kv_bytes_read", "copy_bandwidth", "capture", "device_ms", "host_ms", "graph_case",
            "variant_rows", "table_head", "probe_cases", "case_args"]
 
@@ -26,6 +26,11 @@ MODES = {"decode": 1, "verify_chain8": 8, "verify_tree8": 8, "draft_block8": 8}
 """Step tokens per request of each mode. ``draft_block8`` is a DFlash draft step: 8 queries that
 see each other and the prefix (a ``draft_decode`` forward with a block mask)."""
 TREE8 = (-1, 0, 0, 1, 1, 2, 2, 3)
+SPEC_OF = {"verify_chain8": ("spec=eagle", "spec.num_steps=7", "spec.num_draft_tokens=8"),
+           "verify_tree8": ("spec=eagle3", "spec.topk=2", "spec.num_steps=4",
+                            "spec.num_draft_tokens=8")}
+"""The spec whose step a mode is (compose overrides; other modes run under spec=none): a chain
+spec's graph buckets are captured as eager runs chains (causal), a tree spec's masked."""
 LN2 = math.log(2.0)
 
 

@@ -32,7 +32,8 @@
 #                skips what has a result.json, RESUME=0 none; MIN_LEFT; DRY=1 plans only).
 #                Back here: tar xzf tp.tgz -C /tmp/tp && python bench/tp_scaling.py /tmp/tp/*
 #   runahead     a host two forwards ahead, bit-identical to the serial run, and no-sync tests
-#   graphs       the 1M-row start-up capture, fp8 scales after capture, the graph tests
+#   graphs       the 1M-row start-up capture, fp8 scales after capture, the graph tests (a
+#                replay runs the eager step's kernels: tests/backends/test_graph_kernels_gpu.py)
 #   repro        the run-ahead check on OLD_TGZ (`git archive` of an older commit with
 #                tests/backends/run_ahead.py added), with and without a fresh FlashInfer staging
 #   tiles        kernel tiles: the CUDA/Triton decode tile sweep (bench/probes/decode_tiles.py)
@@ -220,8 +221,9 @@ suite_runahead() {
 suite_graphs() {
     gpu_tests 240 -s tests/backends/test_graph_capture_1m_gpu.py \
         tests/backends/test_graph_state_bounds.py tests/backends/test_graphs.py \
-        tests/backends/test_engine_graphs.py tests/backends/test_flashinfer_check.py \
-        tests/kernels/test_kernel_choice.py > "$D/pytest.txt" 2>&1
+        tests/backends/test_engine_graphs.py tests/backends/test_graph_kernels_gpu.py \
+        tests/backends/test_flashinfer_check.py tests/kernels/test_kernel_choice.py \
+        > "$D/pytest.txt" 2>&1
 }
 suite_repro() {  # the older checkout's run-ahead check: FlashInfer's pinned plan workspace
     local args rc
@@ -251,7 +253,9 @@ suite_tiles() {  # the CUDA kernels' tests, then each tile sweep (cubins: SWAFAC
 suite_kernels() {
     warm 64 256 512
     limit 420 python3 bench/probes/graph_kernels.py "$D" gpt_oss_20b:decode:8 \
-        gpt_oss_20b:decode:8:eager gemma4:verify_chain8:64:eager > "$D/graph_kernels.txt" 2>&1
+        gpt_oss_20b:decode:8:eager gemma4:verify_chain8:64 gemma4:verify_chain8:64:eager \
+        gpt_oss_20b:verify_chain8:64:backend=triton \
+        gpt_oss_20b:verify_chain8:64:backend=triton:eager > "$D/graph_kernels.txt" 2>&1
 }
 suite_host() {
     warm 64 256 512

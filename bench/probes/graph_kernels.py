@@ -30,7 +30,7 @@ def one(spec: str, do_bench, bw: float, eager: bool) -> dict:
     name = next((o.split("=", 1)[1] for o in ov if o.startswith("backend=")), "flashinfer")
     ov = [o for o in ov if not o.startswith("backend=")]
     cfg, pool, alloc, slots, backend = bf.setup(model, bs, ctx, nodes, backend_name=name,
-                                                overrides=tuple(ov))
+                                                overrides=(*bf.SPEC_OF.get(mode, ()), *ov))
     batch = bf.batch_of(mode, slots, alloc, bs, ctx)
     plan = backend.init_forward_metadata(batch)
     qs, ks, vs, sinks = bf.step_inputs(cfg, pool, batch.total_q)

@@ -57,9 +57,13 @@ class GraphContract:
         else:
             st = self._graph = GraphState(max_bs, max_tokens, torch.device(dev), ctx,
                                           pool.sub_pools[0].page_size, step_nodes(self.cfg.spec))
+        spec = self.cfg.spec  # a chain spec's verify and draft extend batches are plain chains
+        chains = spec.algorithm != "none" and not spec.is_tree
         for ad in self.adapters.values():  # the adapters size their graph buffers by it
             if hasattr(ad, "graph_keys"):
                 ad.graph_keys = st.keys
+            if hasattr(ad, "graph_chains"):
+                ad.graph_chains = chains
 
     def graph_state_bytes(self) -> int:
         """Bytes of every static buffer held for graphs: the write slots here and each

@@ -219,6 +219,11 @@ class Adapter:
         `AttentionBackend.init_cuda_graph_state`); None: the largest sub-pool's rows."""
         self._graph_bufs: dict[tuple, list[torch.Tensor]] = {}
         """Graph wrapper key → the fixed buffers given to it (`graph_bytes`)."""
+        self._capturing = False  # the planned forward is a graph capture's shapes
+        self.graph_chains = False
+        """The spec drafts chains (set by `AttentionBackend.init_cuda_graph_state`): a verify
+        or draft-extend bucket holds plain chains, so it is captured causal, as eager runs
+        them, not masked (spec=none and tree specs keep the mask)."""
         self._static: dict[tuple, object] = {}
         """A graph bucket's Triton passes' static tables, by (group, role, bucket, tokens, pool
         id) (`triton.adapter.static_tables`)."""
@@ -244,6 +249,7 @@ class Adapter:
         """
         self._passes.clear()
         self._mode = getattr(forward_plan, "mode", None)
+        self._capturing = getattr(forward_plan, "source_rule", None) == "graph capture"
         if pool is not self._views_pool:  # views of a former pool's buffers are let go
             self._views.clear()
             self._views_pool = pool  # held: its identity is not reused while these stand
@@ -288,7 +294,12 @@ class Adapter:
         # own causal rule and window, exact there; only trees and blocks need a mask, whose
         # bits (q_len · kv_len of them) a long chunk could not afford. A graph bucket keeps the
         # mask: its kernel is fixed at capture, before it knows what it will replay.
-        causal = not decode and graph is None and t.natural
+        causal = not decode and (t.natural if graph is None else self._chain_bucket())
+        if graph is not None and causal and not t.natural and not self._capturing:
+            raise ValueError(f"graph bucket {graph} was captured causal for plain chains (the "
+                             "spec makes no trees), but this batch is not one (a tree, a block "
+                             "or prefix-only queries): run it eagerly, or capture with a tree "
+                             "spec")
         mask = mask_off = None
         if not decode and not causal:
             mask, mask_off = packed_custom_mask(t, window, "bit_offsets" if graph is None
@@ -301,8 +312,11 @@ class Adapter:
             pad = n - B
             step = torch.arange(1, pad + 1, dtype=torch.int32)
             qo_host = torch.cat([qo_host, qo_host[-1] + tokens * step])
-            kv_host = torch.cat([kv_host, kv_host[-1] + step])  # one key each: dummy row 0
-            indices = torch.cat([indices, indices.new_zeros(pad)])
+            # padding requests read the dummy row 0: one key each, or under the causal rule
+            # one per query (each query then sees one)
+            per_pad = tokens if causal else 1
+            kv_host = torch.cat([kv_host, kv_host[-1] + per_pad * step])
+            indices = torch.cat([indices, indices.new_zeros(pad * per_pad)])
             if mask is not None:  # a padding request sees its one key (bits past it unread)
                 per = (tokens + 7) // 8
                 mask = torch.cat([mask, mask.new_full((pad * per,), 255)])
@@ -316,6 +330,10 @@ class Adapter:
             kv_host, indices, last = page_table(kv_host, indices, self._page)
         return _Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
                      graph=graph, page=self._page, kv_dev=kv_dev, causal=causal)
+
+    def _chain_bucket(self) -> bool:
+        """Whether this forward's graph bucket holds plain chains (captured causal)."""
+        return self.graph_chains and self._mode in ("target_verify", "draft_extend")
 
     def _paged(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple:
         """(k_buf, v_buf) [rows, Hkv, D] as FlashInfer's NHD caches of the pool's pages
@@ -357,6 +375,11 @@ class Adapter:
                 kw.update(paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
                           paged_kv_indices_buffer=torch.zeros(pages, **i32),
                           paged_kv_last_page_len_buffer=torch.ones(n, **i32))
+            elif p.causal:  # a chain bucket: no mask buffers
+                kw.update(qo_indptr_buf=torch.zeros(n + 1, **i32),
+                          paged_kv_indptr_buf=torch.zeros(n + 1, **i32),
+                          paged_kv_indices_buf=torch.zeros(pages, **i32),
+                          paged_kv_last_page_len_buf=torch.ones(n, **i32))
             else:
                 self._mask_off[k] = torch.zeros(n + 1, **i32)
                 kw.update(qo_indptr_buf=torch.zeros(n + 1, **i32),

@@ -89,6 +89,39 @@ def test_padding_to_the_bucket_reads_the_dummy_row(monkeypatch) -> None:
         backend.init_forward_metadata_capture(8, 3, "decode")
 
 
+@pytest.mark.parametrize("tree_spec", [False, True])
+def test_a_verify_bucket_is_captured_as_eager_runs_its_batches(tree_spec, monkeypatch) -> None:
+    """A chain spec makes every verify batch a plain chain: its graph bucket is captured causal,
+    the pass eager runs (no mask built per replay), and a tree replayed there is refused by
+    name. A tree spec's bucket keeps the mask, and replays chains through it."""
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+    spec = (["spec=eagle3", "spec.topk=2", "spec.num_steps=2", "spec.num_draft_tokens=3"]
+            if tree_spec else ["spec=eagle", "spec.num_steps=2", "spec.num_draft_tokens=3"])
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5", *spec])
+    _open(world, [7, 4, 9])
+    backend, ad = world.backend, world.backend.adapter
+
+    def batch(parents):
+        reqs = [world.req(r, n, 3, parents=parents) for r, n in enumerate([7, 4, 9])]
+        return ForwardBatch.of("target_verify", reqs, world.slots.req_to_token.table,
+                               world.alloc.full_id)
+    for r in range(3):
+        world.slots.extend(r, 3)
+    backend.init_cuda_graph_state(8, 4)
+    backend.init_forward_metadata_capture(8, 3, "target_verify")
+    plan = backend.init_forward_metadata_replay(batch(None), 8, 3)
+    p = ad._passes[id(plan.group(0).tables)]
+    assert p.causal is (not tree_spec) and (p.mask is None) is (not tree_spec)
+    if tree_spec:  # a tree replays through the masked bucket
+        plan = backend.init_forward_metadata_replay(batch((-1, 0, 0)), 8, 3)
+        assert ad._passes[id(plan.group(0).tables)].mask is not None
+    else:
+        real = int(plan.group(0).tables.kv_host[-1])  # the batch's keys, then 3 dummy keys
+        assert p.kv_host.tolist()[-6:] == [real + 3 * i for i in range(6)]  # per padding request
+        with pytest.raises(ValueError, match="captured causal for plain chains"):
+            backend.init_forward_metadata_replay(batch((-1, 0, 0)), 8, 3)
+
+
 def test_graph_contract_refusals(monkeypatch) -> None:
     world, _ = make_world("tiny", 1)
     ad = world.backend.adapter
