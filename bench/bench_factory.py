@@ -20,7 +20,12 @@ must agree (max |factory - raw|, reported; bit-identical is expected where the c
 same). Times are ``triton.testing.do_bench`` medians after warm-up.
 
     python3 bench/bench_factory.py --out $OUT [--models gemma4,gpt_oss_20b] [--modes ...] [--bs ...]
-        [--triton]
+        [--ctx 8192[,32768,...]] [--triton] [--auto]
+
+``--triton`` times the same step through ``backend=triton``; ``--auto`` through ``backend=auto``
+tuned on this GPU at each case's geometry (its cycle against the best fixed one, its first
+tuning's seconds, its choices). Verify modes run under their spec (`common.SPEC_OF`: a chain
+spec's graph buckets are causal, a tree spec's masked).
 
 The same cases with fp8 K/V or other page sizes: bench/bench_fp8.py, bench/bench_pages.py.
 
@@ -66,6 +71,36 @@ def triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory_out, do_bench) -> 
         apart.adapter.fuses_writes = False
         g = graph_case(apart, batch, qs, ks, vs, sinks, cycle, do_bench)
         out.update({f"triton_apart_{k}": v for k, v in g.items()})
+    return out
+
+
+def auto_cycle(model: str, mode: str, bs: int, ctx: int, pool, batch, qs, ks, vs, sinks,
+               factory_out, do_bench, cache_dir: Path) -> dict:
+    """The same step through ``backend=auto`` tuned on this GPU at the case's geometry (each
+    group's family and each pass's kernel by measured speed, `swafactory.autotune`), on the same
+    pools: its cycle, its graph replay, the tuning's seconds (the first tuning of this geometry,
+    or the cached one) and the choices."""
+    import swafactory
+    from swafactory.autotune import autotuned
+    from swafactory.registry.autotune import TuneCache
+    from swafactory.registry.device import detect_device
+
+    asked = swafactory.compose([f"model={model}", "backend=auto", "spec=none",  # not validated:
+                                "workload.device=cuda", *SPEC_OF.get(mode, ()),  # validate
+                                f"workload.max_running_requests={bs}",  # would fix auto
+                                f"workload.context_len={ctx}"])
+    device = detect_device("cuda")
+    tuned, tuning = autotuned(asked, device, TuneCache(cache_dir / "autotune.json"))
+    cfg = swafactory.validate(tuned, device)
+    ab = swafactory.build_backend(cfg, pools=pool)
+    cycle = step_cycle(ab, batch, qs, ks, vs, sinks)
+    out = dict(auto_ms=do_bench(cycle, warmup=5, rep=40, return_mode="median"),
+               auto_diff=float((cycle().float() - factory_out.float()).abs().max()),
+               auto_tune_s=None if tuning is None else tuning.tune_s,
+               auto_cached=None if tuning is None else tuning.cached,
+               auto_choices=[] if tuning is None else tuning.lines())
+    g = graph_case(ab, batch, qs, ks, vs, sinks, cycle, do_bench)
+    out.update({f"auto_{k}": v for k, v in g.items()})
     return out
 
 
@@ -121,7 +156,7 @@ class Raw:
 
 
 def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
-             triton: bool = False, rounds: int = 5) -> dict:
+             triton: bool = False, rounds: int = 5, auto: Path | None = None) -> dict:
     nodes = MODES[mode]
     cfg, pool, alloc, slots, backend = setup(model, bs, ctx, nodes,
                                              overrides=SPEC_OF.get(mode, ()))
@@ -161,6 +196,11 @@ def one_case(model: str, mode: str, bs: int, ctx: int, do_bench, bw: float,
     if triton:  # the same step through our Triton kernels (a decode cycle with no FlashInfer plan)
         tri = triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory(), do_bench)
         tri["triton_vs_factory"] = tri["triton_ms"] / t_f
+    if auto is not None:  # backend=auto, tuned here; its cache under ``auto``
+        tri.update(auto_cycle(model, mode, bs, ctx, pool, batch, qs, ks, vs, sinks, factory(),
+                              do_bench, auto))
+        best = min(t_f, tri.get("triton_ms", math.inf))
+        tri["auto_vs_best"] = tri["auto_ms"] / best
     planning = host_ms(lambda: backend.init_forward_metadata(batch), 30)
     kv_bytes = kv_bytes_read(plan, pool)
     floor = kv_bytes / bw * 1e3  # the step reads at most as fast as a copy moves bytes
@@ -228,6 +268,7 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
               "`init_forward_metadata_replay` (graph cycle: both); triton cycle (``--triton``): "
               "the same cycle through `backend=triton` on the same pools."]
     lines += verify_over_decode(rows, meta)
+    lines += auto_rows(rows)
     lines += triton_graphs(rows)
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
@@ -263,14 +304,35 @@ def triton_graphs(rows: list[dict]) -> list[str]:
     return lines
 
 
+def auto_rows(rows: list[dict]) -> list[str]:
+    """``--auto``: backend=auto's cycle against the best fixed backend of the same run, its
+    first tuning's cost, and what it chose."""
+    rs = [r for r in rows if "auto_ms" in r]
+    if not rs:
+        return []
+    lines = ["", "`backend=auto` tuned on this GPU at each case's geometry (target: within 3 % of "
+             "the best fixed choice; the first tuning ≤ 30 s):", "",
+             "| model | mode | bs | auto cycle ms | best fixed ms | auto / best | auto replay ms "
+             "| tuning s | choices |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rs:
+        best = min(r["factory_ms"], r.get("triton_ms", math.inf))
+        tune = ("-" if r.get("auto_tune_s") is None else
+                f"{r['auto_tune_s']:.1f}" + (" (cached)" if r.get("auto_cached") else ""))
+        lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r['auto_ms']:.2f} | "
+                     f"{best:.2f} | {r['auto_vs_best']:.2f}× | "
+                     f"{r.get('auto_replay_ms', math.nan):.2f} | {tune} | "
+                     f"{'; '.join(r.get('auto_choices', []))[:300]} |")
+    return lines
+
+
 def verify_over_decode(rows: list[dict], meta: dict) -> list[str]:
     """The verify goal: each verify/draft cycle over the decode cycle of the same model
     and batch, both through the factory, from the same run."""
-    dec = {(r["model"], r["bs"]): r["factory_ms"] for r in rows
+    dec = {(r["model"], r["bs"], r["ctx"]): r["factory_ms"] for r in rows
            if r.get("mode") == "decode" and "factory_ms" in r}
-    out = [(r["model"], r["bs"], r["mode"], r["factory_ms"], dec[(r["model"], r["bs"])])
+    out = [(r["model"], r["bs"], r["mode"], r["factory_ms"], dec[(r["model"], r["bs"], r["ctx"])])
            for r in rows if r.get("mode") != "decode" and "factory_ms" in r
-           and (r["model"], r["bs"]) in dec]
+           and (r["model"], r["bs"], r["ctx"]) in dec]
     if not out:
         return []
     lines = ["", f"Each mode's factory cycle over the decode cycle (same model, bs, run). "
@@ -319,13 +381,17 @@ def main() -> int:
     ap.add_argument("--models", default="gemma4,gpt_oss_20b")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--bs", default="1,8,64,256")
-    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--ctx", default="8192",
+                    help="context tokens per request, a comma list (long context: 32768,131072)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved factory/raw timings per case; the ratio is their median")
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds: no case starts later")
     ap.add_argument("--triton", action="store_true",
                     help="also time backend=triton on every step (decode, verify, draft)")
+    ap.add_argument("--auto", action="store_true",
+                    help="also time backend=auto, tuned on this GPU at each case's geometry "
+                         "(its first tuning's seconds; the cache in OUT/autotune)")
     a = ap.parse_args()
     import flashinfer
     from triton.testing import do_bench
@@ -333,36 +399,38 @@ def main() -> int:
     t0 = time.perf_counter()
     bw = copy_bandwidth(do_bench)
     rows = []
-    for model in a.models.split(","):
-        for mode in a.modes.split(","):
-            for bs in (int(x) for x in a.bs.split(",")):
-                if time.perf_counter() - t0 > a.deadline:
-                    rows.append(dict(model=model, mode=mode, bs=bs, error="not run: deadline"))
-                    continue
-                ctx = a.ctx
-                while True:  # a batch whose pools do not fit runs at the largest ctx that does
-                    oom = None
-                    try:
-                        r = one_case(model, mode, bs, ctx, do_bench, bw, a.triton, a.rounds)
-                    except torch.cuda.OutOfMemoryError as exc:
-                        oom = str(exc).split(". ")[0]
-                    except Exception as exc:  # noqa: BLE001 - a case's failure is a row
-                        r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
-                                 error=f"{type(exc).__name__}: {exc}")
-                    # the failed case's frames are gone once its exception is: free them now
-                    gc.unfreeze()
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                    if oom is None:
-                        break
-                    if ctx > 1024:
-                        ctx //= 2
-                        continue
-                    r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
-                             error=f"does not fit one GPU even at ctx {ctx}: {oom}")
-                    break
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+    cases = [(model, mode, bs, c) for c in (int(x) for x in a.ctx.split(","))
+             for model in a.models.split(",") for mode in a.modes.split(",")
+             for bs in (int(x) for x in a.bs.split(","))]
+    for model, mode, bs, ctx in cases:
+        if time.perf_counter() - t0 > a.deadline:
+            rows.append(dict(model=model, mode=mode, bs=bs, ctx=ctx,
+                             error="not run: deadline"))
+            continue
+        while True:  # a batch whose pools do not fit runs at the largest ctx that does
+            oom = None
+            try:
+                r = one_case(model, mode, bs, ctx, do_bench, bw, a.triton, a.rounds,
+                             Path(a.out) / "autotune" if a.auto else None)
+            except torch.cuda.OutOfMemoryError as exc:
+                oom = str(exc).split(". ")[0]
+            except Exception as exc:  # noqa: BLE001 - a case's failure is a row
+                r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
+                         error=f"{type(exc).__name__}: {exc}")
+            # the failed case's frames are gone once its exception is: free them now
+            gc.unfreeze()
+            gc.collect()
+            torch.cuda.empty_cache()
+            if oom is None:
+                break
+            if ctx > 1024:
+                ctx //= 2
+                continue
+            r = dict(model=model, mode=mode, bs=bs, ctx=ctx,
+                     error=f"does not fit one GPU even at ctx {ctx}: {oom}")
+            break
+        rows.append(r)
+        print(json.dumps(r), flush=True)
     from swafactory.kernels.cuda.launch import cuda_kernels_available
 
     tile = ("our CUDA kernel (kernels/cuda/verify_d512.cu)"
@@ -374,7 +442,7 @@ def main() -> int:
                 copy_tbs=bw / 1e12, ctx=a.ctx,
                 command=f"python3 bench/bench_factory.py --out $OUT --models {a.models} "
                         f"--modes {a.modes} --bs {a.bs} --ctx {a.ctx} --rounds {a.rounds}"
-                        + (" --triton" if a.triton else ""))
+                        + (" --triton" if a.triton else "") + (" --auto" if a.auto else ""))
     print(render(rows, meta, Path(a.out)))
     return 0
 

@@ -21,6 +21,8 @@
 #                through CUDA graphs, DEADLINE s a pass (bench/bench_generate.py run; render
 #                its rows back here)
 #   factory      bench/bench_factory.py: decode, chain and tree verify, bs 8 and 64, --triton
+#                and --auto (backend=auto tuned on this GPU, its first tuning's seconds)
+#   longctx      bench/bench_factory.py: Gemma 4 decode at 32K and 128K context, bs 16 and 64
 #   prefill      bench/bench_prefill.py          fp8    bench/bench_fp8.py (gemma4, bs 64)
 #   pages        bench/bench_pages.py (gpt_oss_20b, bs 64; flash_attn needs FA4)
 #   guards       bench/bench_guards.py           soak   bench/soak.py, 2000 steps
@@ -190,8 +192,14 @@ suite_generate() {  # one lane per backend (one process, jobs one after another)
 suite_factory() {
     warm 64 256 512
     bench 420 python3 bench/bench_factory.py --models gemma4,gpt_oss_20b \
-        --modes decode,verify_chain8,verify_tree8 --bs 8,64 --triton --rounds "${ROUNDS:-5}" \
-        --deadline $(( ${DEADLINE:-420} - 60 )) --commit "$COMMIT"
+        --modes decode,verify_chain8,verify_tree8 --bs 8,64 --triton --auto \
+        --rounds "${ROUNDS:-5}" --deadline $(( ${DEADLINE:-420} - 60 )) --commit "$COMMIT"
+}
+suite_longctx() {  # Gemma 4 decode where the SWA layers' share of the bytes falls
+    warm 256 512
+    bench 420 python3 bench/bench_factory.py --models gemma4 --modes decode --bs 16,64 \
+        --ctx 32768,131072 --rounds "${ROUNDS:-3}" --deadline $(( ${DEADLINE:-420} - 60 )) \
+        --commit "$COMMIT"
 }
 suite_prefill() { bench 240 python3 bench/bench_prefill.py; }
 suite_fp8() {
