@@ -160,6 +160,27 @@ def _record_tile_skipping(monkeypatch) -> list:
     return seen
 
 
+def _emulated(backend: str, tokens: int, stale: bool = False):
+    """GPT-OSS's geometry cut to 4 layers (W = 8), the SWA layer 0 and the full layer 1 opened
+    over `LENS`, and a `GraphedAttention` of ``tokens`` per request in buckets 4 and 8; with
+    ``stale``, the graph_pad_stale_swa_loc switch on and the guards off. Returns (world, the
+    model config, layers, layer → (q heads, head_dim), sinks, the graphed attention)."""
+    fewer = SHIPPED_INTERPRETED_HEADS["gpt_oss_20b"] if backend == "triton" else []
+    world, cfg = make_world("gpt_oss_20b", 1, ["model.sliding_window=8", "model.num_layers=4",
+                                               *fewer], backend=backend)
+    layers = [0, 1]  # SWA, full
+    if stale:
+        with_faults(world.backend, graph_pad_stale_swa_loc=True)
+        world.backend.guards = False
+    _open_all(world, layers)
+    m = cfg.model
+    shapes = {l: (m.num_attention_heads, m.geometry(l).head_dim) for l in layers}
+    sinks = dict(world.sinks) if world.sinks else {}
+    graphed = GraphedAttention(world.backend, shapes, tokens=tokens, dtype=torch.float32,
+                               buckets=(4, 8), sinks=sinks)
+    return world, m, layers, shapes, sinks, graphed
+
+
 @pytest.mark.parametrize("backend", _graph_backends())
 @pytest.mark.parametrize("stale", [False, True, "deferred"])
 def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stale, backend,
@@ -172,20 +193,8 @@ def test_emulated_replays_equal_eager_and_the_stale_fault_writes_live_slots(stal
     tiles for visible keys (the static lists are sized for the pool but hold the planner's
     trimmed ones, and that test costs the loads' pipelining)."""
     skipping = _record_tile_skipping(monkeypatch) if backend == "triton" else None
-    fewer = SHIPPED_INTERPRETED_HEADS["gpt_oss_20b"] if backend == "triton" else []
-    world, cfg = make_world("gpt_oss_20b", 1, ["model.sliding_window=8", "model.num_layers=4",
-                                               *fewer], backend=backend)
     launched = triton_decode.launches if backend == "triton" else None
-    layers = [0, 1]  # SWA, full
-    if stale:
-        with_faults(world.backend, graph_pad_stale_swa_loc=True)
-        world.backend.guards = False
-    _open_all(world, layers)
-    m = cfg.model
-    shapes = {l: (m.num_attention_heads, m.geometry(l).head_dim) for l in layers}
-    sinks = dict(world.sinks) if world.sinks else {}
-    graphed = GraphedAttention(world.backend, shapes, tokens=1, dtype=torch.float32,
-                               buckets=(4, 8), sinks=sinks)
+    world, m, layers, shapes, sinks, graphed = _emulated(backend, 1, stale=bool(stale))
     assert not graphed.captured_on_device
     gen = torch.Generator().manual_seed(1)
     swa_key = None
@@ -249,16 +258,7 @@ def test_emulated_verify_replays_serve_chains_and_trees_in_one_bucket(backend) -
     """A verify bucket captured once replays chains and trees as batches shrink and grow, equal
     to eager attention over the same plan: triton's static tables hold a mask whose empty
     blocks are causal (a chain) and whose filled ones are the trees' structure."""
-    fewer = SHIPPED_INTERPRETED_HEADS["gpt_oss_20b"] if backend == "triton" else []
-    world, cfg = make_world("gpt_oss_20b", 1, ["model.sliding_window=8", "model.num_layers=4",
-                                               *fewer], backend=backend)
-    layers = [0, 1]  # SWA, full
-    _open_all(world, layers)
-    m = cfg.model
-    shapes = {l: (m.num_attention_heads, m.geometry(l).head_dim) for l in layers}
-    sinks = dict(world.sinks) if world.sinks else {}
-    graphed = GraphedAttention(world.backend, shapes, tokens=4, dtype=torch.float32,
-                               buckets=(4, 8), sinks=sinks)
+    world, m, layers, shapes, sinks, graphed = _emulated(backend, 4)
     gen = torch.Generator().manual_seed(3)
     for bs, kind in ((8, "chain"), (6, "tree"), (3, "chain"), (7, "tree"), (8, "tree")):
         reqs = []
