@@ -74,12 +74,14 @@ at start (`flashinfer_check`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
 from swafactory.kernels import flashinfer_replan as replan
 from swafactory.kernels.flashinfer_check import check_at_start, check_version
+from swafactory.kernels.flashinfer_passes import (TRITON_VERIFY_MIN_HEAD_DIM, Pass, Signature,
+                                                  bucket_tiled, graph_buffers, pad_to_bucket,
+                                                  uses_triton_verify)
 from swafactory.kernels.flashinfer_staging import StagingRing
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
@@ -90,11 +92,9 @@ from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
 __all__ = ["CAPABILITIES", "Adapter", "page_table", "custom_mask", "packed_custom_mask",
-           "apply_sinks", "uses_triton_verify"]
+           "apply_sinks", "uses_triton_verify", "TRITON_VERIFY_MIN_HEAD_DIM"]
 
 _LN2 = math.log(2.0)
-TRITON_VERIFY_MIN_HEAD_DIM = 512
-"""Head dims from which a 17-64-row multi-query pass runs the Triton tile (`uses_triton_verify`)."""
 # Split-KV partials of one prefill pass: a 256-token chunk of Gemma 4's full layers (32 q heads ×
 # 512) needed 138 MB on the H200, past FlashInfer's usual 128 MB, so take 512 MB once.
 _WORKSPACE_BYTES = 512 * 1024 * 1024
@@ -122,55 +122,6 @@ CAPABILITIES = Capabilities(
     fp8_note="FlashInfer 0.6.18 builds its fp8-KV kernels at head_dim 512 for SM100+ only: 'No "
              "supported CUDA architectures found for major versions [10, 11, 12]' on the H200",
 )
-
-
-@dataclass(eq=False)
-class _Pass:
-    """One planned pass (a group's tables, or a cascade half) in this forward."""
-
-    group: str
-    role: str
-    """``main`` (the group's tables), ``pre`` / ``exp`` (cascade prefix / expand)."""
-    window: int | None
-    decode: bool
-    qo_host: torch.Tensor
-    """[B+1] int32 on the host: FlashInfer's plan reads indptrs on the host anyway."""
-    kv_host: torch.Tensor
-    indices: torch.Tensor
-    """[total_kv] int32 slot rows on the device."""
-    last: torch.Tensor
-    """[B] int32 on the host: keys in each request's last page (all ones at page size 1)."""
-    mask: torch.Tensor | None
-    """Packed visibility, uint8 on the device (prefill passes only; `packed_custom_mask`)."""
-    mask_off: torch.Tensor | None = None
-    """[B+1] int32 on the host: each request's first mask byte in a graph's dense packing."""
-    planned_for: tuple | None = None
-    wrapper: object = field(default=None, repr=False)
-    graph: tuple[int, int] | None = None
-    """(bucket, tokens per request) when planned for a CUDA-graph bucket, else None."""
-    page: int = 1
-    """The pool's page size: ``kv_host``/``indices`` count pages of it, ``last`` keys."""
-    triton: bool = False
-    """Served by the Triton extend tile (`uses_triton_verify`): no FlashInfer tables or plan."""
-    static: object = None
-    """A graph bucket's Triton pass: its `triton.adapter.StaticTables`, refilled in place."""
-    kv_dev: torch.Tensor | None = None
-    """[B+1] int32 on the device: ``kv_host``'s twin (the planner's), which FlashInfer's
-    ``fast_decode_plan`` takes as the kernel's indptr (eager decode at page size 1 only)."""
-    causal: bool = False
-    """A plain multi-query pass (`AttnTables.natural`, eager): FlashInfer's prefill with
-    ``causal=True, window_left=W-1`` and no mask."""
-
-    @property
-    def key(self) -> tuple:
-        """Its wrapper's key: FlashInfer resolves a wrapper's backend (FA2/FA3) at its first
-        plan from whether a mask is given, so causal and masked passes keep separate ones."""
-        return (self.group, self.role, self.decode, self.causal, self.graph)
-
-
-Signature = tuple
-"""(q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap): what ``wrapper.plan`` needs
-beyond the tables; the same for every layer of a group."""
 
 
 class Adapter:
@@ -260,7 +211,7 @@ class Adapter:
             for role, t in g.passes:
                 # a graph bucket decides by its own tokens, not the batch's: what it captured
                 tiled = sig is not None and (uses_triton_verify(sig, t) if graph is None else
-                                             _bucket_tiled(sig, graph[1]))
+                                             bucket_tiled(sig, graph[1]))
                 if tiled and (self.kernels is None
                               or self.kernels.ours(self._mode, g.window is not None)):
                     st = None
@@ -270,7 +221,7 @@ class Adapter:
                                 else self.graph_keys(g.window, graph[1]))
                         st = static_tables(self._static, (key, role, *graph, id(pool)), t,
                                            t.qo_indptr.device, keys)
-                    self._passes.put(t, _Pass(key, role, g.window, False, t.qo_host, t.kv_host,
+                    self._passes.put(t, Pass(key, role, g.window, False, t.qo_host, t.kv_host,
                                               t.kv_indices.tensor, self._ones[:0], None,
                                               planned_for=sig, graph=graph, triton=True,
                                               static=st))
@@ -280,7 +231,7 @@ class Adapter:
                     self._plan_wrapper(p, sig, t.qo_indptr.device)
 
     def _prepare(self, key: str, role: str, t, window: int | None,
-                 graph: tuple[int, int] | None) -> _Pass:
+                 graph: tuple[int, int] | None) -> Pass:
         qo_host, kv_host = t.qo_host, t.kv_host
         B = qo_host.numel() - 1
         # a graph's kernel is fixed at capture by the bucket alone: decode for 1-token buckets
@@ -305,22 +256,11 @@ class Adapter:
             mask, mask_off = packed_custom_mask(t, window, "bit_offsets" if graph is None
                                                 else "dense")
         if graph is not None:
-            n, tokens = graph
-            if B > n or t.max_q_len > tokens:
-                raise ValueError(f"a graph bucket of {n} requests × {tokens} queries cannot hold "
-                                 f"{B} requests of up to {t.max_q_len} queries")
-            pad = n - B
-            step = torch.arange(1, pad + 1, dtype=torch.int32)
-            qo_host = torch.cat([qo_host, qo_host[-1] + tokens * step])
-            # padding requests read the dummy row 0: one key each, or under the causal rule
-            # one per query (each query then sees one)
-            per_pad = tokens if causal else 1
-            kv_host = torch.cat([kv_host, kv_host[-1] + per_pad * step])
-            indices = torch.cat([indices, indices.new_zeros(pad * per_pad)])
-            if mask is not None:  # a padding request sees its one key (bits past it unread)
-                per = (tokens + 7) // 8
-                mask = torch.cat([mask, mask.new_full((pad * per,), 255)])
-                mask_off = torch.cat([mask_off, mask_off[-1] + per * step])
+            if B > graph[0] or t.max_q_len > graph[1]:
+                raise ValueError(f"a graph bucket of {graph[0]} requests × {graph[1]} queries "
+                                 f"cannot hold {B} requests of up to {t.max_q_len} queries")
+            qo_host, kv_host, indices, mask, mask_off = pad_to_bucket(
+                graph, causal, qo_host, kv_host, indices, mask, mask_off)
         kv_dev = None
         if self._page == 1:
             last = self._last(qo_host.numel() - 1)
@@ -328,7 +268,7 @@ class Adapter:
                 kv_dev = t.kv_indptr
         else:  # the pool's own pages (padding requests: the dummy page 0, one key)
             kv_host, indices, last = page_table(kv_host, indices, self._page)
-        return _Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
+        return Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
                      graph=graph, page=self._page, kv_dev=kv_dev, causal=causal)
 
     def _chain_bucket(self) -> bool:
@@ -350,7 +290,7 @@ class Adapter:
             self._ones = ones.pin_memory() if torch.cuda.is_available() else ones
         return self._ones[:n]
 
-    def _wrapper(self, p: _Pass, device: torch.device):
+    def _wrapper(self, p: Pass, device: torch.device):
         import flashinfer
 
         if self._workspace is None or self._workspace.device != device:
@@ -362,33 +302,14 @@ class Adapter:
         if k in self._wrappers:
             return self._wrappers[k]
         kw = {}
-        if p.graph is not None:  # fixed buffers, sized for the bucket's worst case
-            n, tokens = p.graph
-            i32 = dict(dtype=torch.int32, device=device)
-            # what a request of the bucket can read (bs × context; SWA: bs × (W + tokens + page)),
-            # never the pool's rows: a 1M-row pool made bucket 64's indices 256 MB each
-            keys = self._max_rows if self.graph_keys is None else self.graph_keys(p.window, tokens)
-            max_kv = n * keys
-            pages = max_kv if self._page == 1 else n * -(-keys // self._page)
-            kw = dict(use_cuda_graph=True)
-            if p.decode:
-                kw.update(paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
-                          paged_kv_indices_buffer=torch.zeros(pages, **i32),
-                          paged_kv_last_page_len_buffer=torch.ones(n, **i32))
-            elif p.causal:  # a chain bucket: no mask buffers
-                kw.update(qo_indptr_buf=torch.zeros(n + 1, **i32),
-                          paged_kv_indptr_buf=torch.zeros(n + 1, **i32),
-                          paged_kv_indices_buf=torch.zeros(pages, **i32),
-                          paged_kv_last_page_len_buf=torch.ones(n, **i32))
-            else:
-                self._mask_off[k] = torch.zeros(n + 1, **i32)
-                kw.update(qo_indptr_buf=torch.zeros(n + 1, **i32),
-                          paged_kv_indptr_buf=torch.zeros(n + 1, **i32),
-                          paged_kv_indices_buf=torch.zeros(pages, **i32),
-                          paged_kv_last_page_len_buf=torch.ones(n, **i32),
-                          custom_mask_buf=torch.zeros((tokens * max_kv + 7) // 8 + n,
-                                                      dtype=torch.uint8, device=device),
-                          mask_indptr_buf=self._mask_off[k])
+        if p.graph is not None:  # fixed buffers, sized for the bucket's worst case: what a
+            # request of it can read, never the pool's rows (a 1M-row pool made bucket 64's
+            # indices 256 MB each)
+            keys = (self._max_rows if self.graph_keys is None
+                    else self.graph_keys(p.window, p.graph[1]))
+            kw = graph_buffers(p, keys, self._page, device)
+            if "mask_indptr_buf" in kw:
+                self._mask_off[k] = kw["mask_indptr_buf"]
         if p.decode:  # tensor cores: the fast path for GQA, and the one that serves D = 512
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
                                                               use_tensor_cores=True, **kw)
@@ -413,7 +334,7 @@ class Adapter:
                            for t in (st.qo_indptr, st.kv_indptr, st.kv_indices, st.q_pos,
                                      st.kv_pos, st.mask, st.mask_indptr) if t is not None)
 
-    def _plan_wrapper(self, p: _Pass, sig: Signature, device: torch.device) -> None:
+    def _plan_wrapper(self, p: Pass, sig: Signature, device: torch.device) -> None:
         hq, hkv, d, q_dtype, kv_dtype, scale, softcap = sig
         w = self._wrapper(p, device)
         common = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale,
@@ -501,18 +422,3 @@ class Adapter:
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o (the sink joins once, here)."""
         return merge_state(o1, lse1, o2, lse2, sinks)[0]
-
-
-def _bucket_tiled(sig: Signature, tokens: int) -> bool:
-    """`uses_triton_verify` for a graph bucket of ``tokens`` queries per request."""
-    hq, hkv, d = sig[:3]
-    return tokens > 1 and d >= TRITON_VERIFY_MIN_HEAD_DIM and 16 < tokens * (hq // hkv) <= 64
-
-
-def uses_triton_verify(sig: Signature, t) -> bool:
-    """Whether a pass of ``t`` under ``sig`` runs the Triton extend tile: a masked or
-    multi-query pass (FlashInfer's prefill) of 17-64 rows per KV head at head_dim ≥ 512."""
-    hq, hkv, d = sig[:3]
-    rows = t.max_q_len * (hq // hkv)
-    prefill = t.mask is not None or t.max_q_len > 1
-    return prefill and d >= TRITON_VERIFY_MIN_HEAD_DIM and 16 < rows <= 64

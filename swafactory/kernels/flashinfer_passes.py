@@ -1,0 +1,125 @@
+"""What the FlashInfer adapter plans per pass (`Pass`), which passes our verify tile serves
+(`uses_triton_verify`, `bucket_tiled`), and a CUDA-graph bucket's side of a pass: its wrapper's
+fixed buffers (`graph_buffers`) and the host tables padded to the bucket (`pad_to_bucket`).
+`kernels/flashinfer.py` is the adapter that uses them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["TRITON_VERIFY_MIN_HEAD_DIM", "Signature", "Pass", "uses_triton_verify",
+           "bucket_tiled", "graph_buffers", "pad_to_bucket"]
+
+TRITON_VERIFY_MIN_HEAD_DIM = 512
+"""Head dims from which a 17-64-row multi-query pass runs the Triton tile (`uses_triton_verify`)."""
+
+
+@dataclass(eq=False)
+class Pass:
+    """One planned pass (a group's tables, or a cascade half) in this forward."""
+
+    group: str
+    role: str
+    """``main`` (the group's tables), ``pre`` / ``exp`` (cascade prefix / expand)."""
+    window: int | None
+    decode: bool
+    qo_host: torch.Tensor
+    """[B+1] int32 on the host: FlashInfer's plan reads indptrs on the host anyway."""
+    kv_host: torch.Tensor
+    indices: torch.Tensor
+    """[total_kv] int32 slot rows on the device."""
+    last: torch.Tensor
+    """[B] int32 on the host: keys in each request's last page (all ones at page size 1)."""
+    mask: torch.Tensor | None
+    """Packed visibility, uint8 on the device (prefill passes only; `packed_custom_mask`)."""
+    mask_off: torch.Tensor | None = None
+    """[B+1] int32 on the host: each request's first mask byte in a graph's dense packing."""
+    planned_for: tuple | None = None
+    wrapper: object = field(default=None, repr=False)
+    graph: tuple[int, int] | None = None
+    """(bucket, tokens per request) when planned for a CUDA-graph bucket, else None."""
+    page: int = 1
+    """The pool's page size: ``kv_host``/``indices`` count pages of it, ``last`` keys."""
+    triton: bool = False
+    """Served by the Triton extend tile (`uses_triton_verify`): no FlashInfer tables or plan."""
+    static: object = None
+    """A graph bucket's Triton pass: its `triton.adapter.StaticTables`, refilled in place."""
+    kv_dev: torch.Tensor | None = None
+    """[B+1] int32 on the device: ``kv_host``'s twin (the planner's), which FlashInfer's
+    ``fast_decode_plan`` takes as the kernel's indptr (eager decode at page size 1 only)."""
+    causal: bool = False
+    """A plain multi-query pass (`AttnTables.natural`, eager): FlashInfer's prefill with
+    ``causal=True, window_left=W-1`` and no mask."""
+
+    @property
+    def key(self) -> tuple:
+        """Its wrapper's key: FlashInfer resolves a wrapper's backend (FA2/FA3) at its first
+        plan from whether a mask is given, so causal and masked passes keep separate ones."""
+        return (self.group, self.role, self.decode, self.causal, self.graph)
+
+
+Signature = tuple
+"""(q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap): what ``wrapper.plan`` needs
+beyond the tables; the same for every layer of a group."""
+
+
+def bucket_tiled(sig: Signature, tokens: int) -> bool:
+    """`uses_triton_verify` for a graph bucket of ``tokens`` queries per request."""
+    hq, hkv, d = sig[:3]
+    return tokens > 1 and d >= TRITON_VERIFY_MIN_HEAD_DIM and 16 < tokens * (hq // hkv) <= 64
+
+
+def uses_triton_verify(sig: Signature, t) -> bool:
+    """Whether a pass of ``t`` under ``sig`` runs the Triton extend tile: a masked or
+    multi-query pass (FlashInfer's prefill) of 17-64 rows per KV head at head_dim ≥ 512."""
+    hq, hkv, d = sig[:3]
+    rows = t.max_q_len * (hq // hkv)
+    prefill = t.mask is not None or t.max_q_len > 1
+    return prefill and d >= TRITON_VERIFY_MIN_HEAD_DIM and 16 < rows <= 64
+
+
+def graph_buffers(p: Pass, keys: int, page: int, device: torch.device) -> dict:
+    """The fixed buffers a graph bucket's wrapper is built with (``use_cuda_graph=True``): sized
+    for ``p.graph`` = (n requests, tokens) reading at most ``keys`` keys each, in pages of
+    ``page``. A masked prefill's ``mask_indptr_buf`` is the adapter's to rewrite after plan."""
+    n, tokens = p.graph
+    i32 = dict(dtype=torch.int32, device=device)
+    max_kv = n * keys
+    pages = max_kv if page == 1 else n * -(-keys // page)
+    kw = dict(use_cuda_graph=True)
+    if p.decode:
+        kw.update(paged_kv_indptr_buffer=torch.zeros(n + 1, **i32),
+                  paged_kv_indices_buffer=torch.zeros(pages, **i32),
+                  paged_kv_last_page_len_buffer=torch.ones(n, **i32))
+        return kw
+    kw.update(qo_indptr_buf=torch.zeros(n + 1, **i32),
+              paged_kv_indptr_buf=torch.zeros(n + 1, **i32),
+              paged_kv_indices_buf=torch.zeros(pages, **i32),
+              paged_kv_last_page_len_buf=torch.ones(n, **i32))
+    if not p.causal:  # a chain bucket holds no mask
+        kw.update(custom_mask_buf=torch.zeros((tokens * max_kv + 7) // 8 + n,
+                                              dtype=torch.uint8, device=device),
+                  mask_indptr_buf=torch.zeros(n + 1, **i32))
+    return kw
+
+
+def pad_to_bucket(graph: tuple[int, int], causal: bool, qo_host: torch.Tensor,
+                  kv_host: torch.Tensor, indices: torch.Tensor, mask: torch.Tensor | None,
+                  mask_off: torch.Tensor | None) -> tuple:
+    """A pass's host indptrs ([B+1] int32), key rows ([total_kv] int32, device) and packed mask
+    (uint8, device, with its host byte offsets [B+1]) padded to the bucket's ``n`` requests of
+    ``tokens`` queries: padding requests read the dummy row 0, one key each, or under the
+    causal rule one per query (each query then sees one). Returns the five, padded."""
+    n, tokens = graph
+    pad = n - (qo_host.numel() - 1)
+    step = torch.arange(1, pad + 1, dtype=torch.int32)
+    qo_host = torch.cat([qo_host, qo_host[-1] + tokens * step])
+    per_pad = tokens if causal else 1
+    kv_host = torch.cat([kv_host, kv_host[-1] + per_pad * step])
+    indices = torch.cat([indices, indices.new_zeros(pad * per_pad)])
+    if mask is not None:  # a padding request sees its one key (bits past it unread)
+        per = (tokens + 7) // 8
+        mask = torch.cat([mask, mask.new_full((pad * per,), 255)])
+        mask_off = torch.cat([mask_off, mask_off[-1] + per * step])
+    return qo_host, kv_host, indices, mask, mask_off
