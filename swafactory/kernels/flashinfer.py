@@ -243,8 +243,9 @@ class Adapter:
                    else t.kv_indices.tensor.to(torch.int32))
         # Plain chunks (keys: consecutive positions ending at the last query) run FlashInfer's
         # own causal rule and window, exact there; only trees and blocks need a mask, whose
-        # bits (q_len · kv_len of them) a long chunk could not afford. A graph bucket keeps the
-        # mask: its kernel is fixed at capture, before it knows what it will replay.
+        # bits (q_len · kv_len of them) a long chunk could not afford. A graph bucket's kernel
+        # is fixed at capture, before it knows what it will replay: causal where the spec makes
+        # only chains (a chain spec's verify and draft extend), else the mask.
         causal = not decode and (t.natural if graph is None else self._chain_bucket())
         if graph is not None and causal and not t.natural and not self._capturing:
             raise ValueError(f"graph bucket {graph} was captured causal for plain chains (the "
