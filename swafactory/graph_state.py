@@ -244,10 +244,16 @@ def check_padding(state: GraphState, plan: ForwardPlan, bs: int, tokens: int,
     bucket's write block, `GraphState.write_block`); slots are never negative, so 0 means every
     padding row writes the dummy row. The caller reads the word where reading is free
     (`AttentionBackend`: at once on CPU, at `raise_pending` on CUDA)."""
-    block, keys = state.blocks.get((bs, tokens), (None, ()))
-    if block is None or rows >= block.shape[1]:
+    writing = tuple(k for k, g in plan.groups.items() if g.write_locs is not None)
+    if not writing or rows >= bs * tokens:
         return None
-    # the plan's write slots are the block's rows (`bucket_writes` refilled them in place)
+    block, keys = state.blocks.get((bs, tokens), (None, ()))
+    if set(keys) == set(writing):  # the plan's write slots are its rows (`bucket_writes`)
+        word = block[:, rows:].amax(dim=1)
+    else:  # groups outside the bucket's block (not captured together): a reduction each
+        keys = writing
+        word = torch.stack([plan.groups[k].write_locs.tensor.reshape(-1)[rows:].amax()
+                            for k in keys])
     pools = {k: plan.groups[k].write_locs.pool_id for k in keys}
     total = plan.total_q
 
@@ -260,4 +266,4 @@ def check_padding(state: GraphState, plan: ForwardPlan, bs: int, tokens: int,
                           f"batch's {rows}) write live slots (the largest {top}) of "
                           f"{pools[key]!r}, not the dummy row 0: the captured step would "
                           "overwrite live K/V (write slots left from an earlier replay)")
-    return DeviceCheck(block[:, rows:].amax(dim=1), explain)
+    return DeviceCheck(word, explain)
