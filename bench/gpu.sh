@@ -215,10 +215,13 @@ suite_pages() {
         --commit "$COMMIT"
 }
 suite_guards() { warm 64 256 512; bench 300 python3 bench/bench_guards.py --commit "$COMMIT"; }
-suite_acceptance() {
+suite_acceptance() {  # SWA pools at least as large as the full ones: a pool fault's full-space
+    # slots then stay in bounds and show as sglang's users saw them, an accept-length collapse
+    # (with a smaller SWA pool they index past it: a device-side assert)
     bench 540 python3 bench/bench_generate.py acceptance --models gemma4,gpt_oss_20b \
         --backends flashinfer,triton --families eagle,dflash,frozen_kv_mtp \
-        --faults allocator_pool_for_own_pool_draft,pool_cached_at_init --commit "$COMMIT"
+        --faults allocator_pool_for_own_pool_draft,pool_cached_at_init \
+        --swa-as-full --commit "$COMMIT"
 }
 suite_soak() { limit 300 python3 bench/soak.py --out "$D" --steps 2000 > "$D/soak.txt" 2>&1; }
 suite_runahead() {
