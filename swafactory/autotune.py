@@ -10,7 +10,8 @@ None, and `validate` keeps the fixed preference order.
 both groups, ``workload.max_running_requests`` requests (at most 64) of
 ``workload.context_len`` committed tokens (at most 32K), SWA slots evicted as a serving engine
 does, random K/V; the plan is made once, then the layer's ``forward`` is timed with CUDA events
-(median of ``reps`` after ``warmup``). Decode is one query per request, verify the spec's
+(median of ``reps`` after ``warmup``). The pools of a pass are built once per tuning and shared
+by every candidate (they differ in kernels only). Decode is one query per request, verify the spec's
 ``num_draft_tokens`` as a chain, extend a ``workload.chunk_size`` chunk (at most 2048) of up to 4
 requests.
 """
@@ -35,6 +36,67 @@ def _cut(cfg: SwaFactoryConfig) -> SwaFactoryConfig:
     return cfg.model_copy(update={"model": type(m).model_validate(data)})
 
 
+_WORLDS: dict[tuple, tuple] = {}
+"""A tuning's pools, one per (pass, geometry), shared by every candidate timed on them (they
+differ in kernels, not in pools); emptied when the tuning ends (`autotuned`)."""
+
+
+def _geometry(cfg: SwaFactoryConfig, pass_: str) -> tuple:
+    """What a pass's pools and batch depend on: everything but the kernel choices."""
+    b = cfg.backend
+    rest = cfg.model_copy(update={"backend": b.model_copy(update={
+        "name": "auto", "groups": type(b.groups)(), "kernels": type(b.kernels)()})})
+    return pass_, rest.model_dump_json()
+
+
+def _world(cfg: SwaFactoryConfig, pass_: str, device: str = "cuda") -> tuple:
+    """(pool, the batch of ``pass_``) for ``cfg`` (a model already cut): ``bs`` requests of
+    ``ctx`` committed tokens plus the pass's nodes, SWA slots evicted as a serving engine does,
+    random K/V. Built once per (pass, geometry) in a tuning (`_WORLDS`)."""
+    import torch
+
+    from swafactory.kvcache.factory import build_pools
+    from swafactory.kvcache.pool import ReqToToken
+    from swafactory.kvcache.requests import RequestSlots
+    from swafactory.kvcache.shares import size_pools
+    from swafactory.metadata import ForwardBatch, ReqForward
+
+    key = _geometry(cfg, pass_)
+    got = _WORLDS.get(key)
+    if got is not None:
+        return got
+    m, w = cfg.model, cfg.workload
+    bs, ctx = min(64, w.max_running_requests), min(32768, w.context_len)
+    nodes = {"decode": 1, "verify": max(2, cfg.spec.num_draft_tokens),
+             "extend": min(2048, w.chunk_size)}[pass_]
+    if pass_ == "extend":
+        bs = min(bs, 4)
+    sizes = size_pools(cfg, bs, ctx + nodes, chunk=max(64, nodes))
+    pool, alloc = build_pools(cfg, sizes.full, sizes.swa, device)
+    slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, device))
+    split = bool(m.swa_layers and m.hybrid_pool)
+    for rid in range(bs):
+        slots.open(rid)
+        done = 0
+        while done < ctx + nodes:
+            n = min(max(64, nodes), ctx + nodes - done)
+            slots.extend(rid, n)
+            done += n
+            if split:
+                slots.evict_out_of_window(rid, min(done, ctx), m.sliding_window, 1)
+    for sub in pool.sub_pools:
+        for buf in (*sub.k_bufs, *sub.v_bufs):
+            if buf.dtype.itemsize == 1:  # fp8: no normal_ kernel; drawn in bf16, cast in place
+                buf.copy_(torch.randn(buf.shape, device=device, dtype=torch.bfloat16))
+            else:
+                buf.normal_()
+    mode = {"decode": "decode", "verify": "target_verify", "extend": "extend"}[pass_]
+    reqs = [ReqForward(r, slots.reqs[r].row, ctx, nodes) for r in range(bs)]
+    batch = ForwardBatch.of(mode, reqs, slots.req_to_token.table, alloc.full_id)
+    got = _WORLDS[key] = (pool, batch, (slots, alloc))  # the books keep the batch's rows
+    return got
+
+
 def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 20,
                  warmup: int = 3) -> float | None:
     """Median device ms of one ``pass_`` forward of one ``group`` layer under ``cfg`` (a
@@ -43,45 +105,19 @@ def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 2
     import torch
 
     import swafactory
-    from swafactory.kvcache.factory import build_pools, compute_dtype
-    from swafactory.kvcache.pool import ReqToToken
-    from swafactory.kvcache.requests import RequestSlots
-    from swafactory.kvcache.shares import size_pools
-    from swafactory.metadata import ForwardBatch, ReqForward
+    from swafactory.kvcache.factory import compute_dtype
 
     cfg = _cut(cfg)
-    m, w = cfg.model, cfg.workload
-    bs, ctx = min(64, w.max_running_requests), min(32768, w.context_len)
-    nodes = {"decode": 1, "verify": max(2, cfg.spec.num_draft_tokens),
-             "extend": min(2048, w.chunk_size)}[pass_]
-    if pass_ == "extend":
-        bs = min(bs, 4)
+    m = cfg.model
     layer = (m.swa_layers if group == "swa" else m.full_layers)[0]
     try:
-        sizes = size_pools(cfg, bs, ctx + nodes, chunk=max(64, nodes))
-        pool, alloc = build_pools(cfg, sizes.full, sizes.swa, "cuda")
-        slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, "cuda"))
-        split = bool(m.swa_layers and m.hybrid_pool)
-        for rid in range(bs):
-            slots.open(rid)
-            done = 0
-            while done < ctx + nodes:
-                n = min(max(64, nodes), ctx + nodes - done)
-                slots.extend(rid, n)
-                done += n
-                if split:
-                    slots.evict_out_of_window(rid, min(done, ctx), m.sliding_window, 1)
-        for sub in pool.sub_pools:
-            for buf in (*sub.k_bufs, *sub.v_bufs):
-                buf.copy_(torch.randn(buf.shape, device="cuda", dtype=torch.bfloat16))
+        pool, batch, _ = _world(cfg, pass_)
         backend = swafactory.build_backend(cfg, pools=pool, guards=False)
-        mode = {"decode": "decode", "verify": "target_verify", "extend": "extend"}[pass_]
-        reqs = [ReqForward(r, slots.reqs[r].row, ctx, nodes) for r in range(bs)]
-        batch = ForwardBatch.of(mode, reqs, slots.req_to_token.table, alloc.full_id)
         sub = pool.sub_pool(layer)
         dt = compute_dtype(cfg.backend.kv_dtype)
-        q = torch.randn(bs * nodes, m.num_attention_heads, sub.head_dim, device="cuda", dtype=dt)
-        k = torch.randn(bs * nodes, sub.num_kv_heads, sub.head_dim, device="cuda", dtype=dt)
+        n = batch.total_q
+        q = torch.randn(n, m.num_attention_heads, sub.head_dim, device="cuda", dtype=dt)
+        k = torch.randn(n, sub.num_kv_heads, sub.head_dim, device="cuda", dtype=dt)
         backend.init_forward_metadata(batch)
         sinks = (torch.zeros(m.num_attention_heads, device="cuda")
                  if m.attention_sinks else None)
@@ -98,8 +134,6 @@ def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 2
         return statistics.median(times)
     except (RuntimeError, ValueError):  # a kernel that cannot run here: no candidate
         return None
-    finally:
-        torch.cuda.empty_cache()  # the candidate's pools, before the next one's
 
 
 def autotuned(cfg: SwaFactoryConfig, device: DeviceInfo, cache: TuneCache | None = None
@@ -109,4 +143,10 @@ def autotuned(cfg: SwaFactoryConfig, device: DeviceInfo, cache: TuneCache | None
     b = cfg.backend
     if b.name != "auto" or not b.autotune or device.kind != "cuda":
         return cfg, None
-    return tune(cfg, device, measure_pass, cache)
+    try:
+        return tune(cfg, device, measure_pass, cache)
+    finally:  # the tuning's pools go with it
+        _WORLDS.clear()
+        import torch
+
+        torch.cuda.empty_cache()

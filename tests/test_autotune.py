@@ -120,3 +120,27 @@ def test_run_plan_shows_each_tuned_choice_with_its_time(tmp_path, monkeypatch) -
     assert any(x.startswith("decode/full: flashinfer auto (1.000 ms") for x in lines), lines
     calls = timer.calls
     assert cli.run_cli(cfg, tmp_path) == 0 and timer.calls == calls  # cached
+
+
+def test_a_tuning_builds_one_pool_per_pass_for_every_candidate() -> None:
+    """The candidates of a pass differ in kernels, not pools: `autotune._world` builds a pass's
+    pools and batch once per geometry (the first tuning's cost), and a new geometry (another
+    KV dtype, another pass) gets its own."""
+    import swafactory.autotune as at
+    from swafactory.registry.autotune import _with
+
+    base = at._cut(swafactory.compose(["backend=auto", "spec=eagle", "model=tiny",
+                                       "workload.max_running_requests=2",
+                                       "workload.context_len=64"]))
+    try:
+        first = at._world(_with(base, "full", "flashinfer"), "decode", "cpu")
+        assert at._world(_with(base, "full", "triton", {"decode": "cuda"}), "decode",
+                         "cpu") is first
+        assert at._world(base, "verify", "cpu") is not first
+        other = base.model_copy(update={"backend": base.backend.model_copy(
+            update={"kv_dtype": "float16"})})
+        assert at._world(other, "decode", "cpu") is not first
+        pool, batch, _ = first
+        assert batch.mode == "decode" and batch.batch_size == 2
+    finally:
+        at._WORLDS.clear()
