@@ -92,6 +92,9 @@ class StaticTables:
         nb = t.batch_size
         total = int(t.kv_host[-1])  # host-known: nothing is read back
         total_q = int(t.qo_host[-1])
+        if tokens == 1 and t.mask is not None:
+            raise ValueError("a 1-token graph bucket runs the decode kernel, which takes no "
+                             "structure mask: capture tokens >= 2 for masked batches")
         if nb > n or total + (n - nb) > self.kv_indices.numel() or t.max_q_len > tokens:
             raise ValueError(f"a graph bucket of {n} requests × {tokens} tokens over "
                              f"{self.kv_indices.numel()} keys cannot hold {nb} requests of "
