@@ -20,9 +20,8 @@ the end). So:
 * trees, DFlash blocks, prefix-only queries and cascade halves: the prefill wrapper with a
   host-built custom mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, since
   there the list index is not the position (tree nodes at ``prefix + depth``, DESIGN invariant 4);
-* CUDA-graph buckets of several tokens: the masked prefill (its kernel is fixed at capture, by
-  the bucket alone, and must also serve the trees it replays), or our tile where the bucket's
-  rows put a wide verify there (below); graph steps are short.
+* CUDA-graph buckets of several tokens: the causal prefill where the spec makes only chains,
+  else the masked one, or our tile for a wide verify (`flashinfer_passes`).
 
 Causal and masked passes use separate wrappers: FlashInfer picks a wrapper's FA2/FA3 backend at
 its first plan from whether a mask is given.
@@ -39,36 +38,15 @@ wrapper's scheduler call alone where it has FlashInfer 0.6's internals
 (`flashinfer_replan`), else through FlashInfer's ``fast_decode_plan`` (what sglang's decode
 steps use).
 
-CUDA graphs (`plan(…, graph=(bucket, tokens))`): passes are padded to ``bucket`` requests
-(padding requests have ``tokens`` query rows and read one key, the pool's dummy row 0) and run
-through ``use_cuda_graph`` wrappers, one per (group, pass, bucket, tokens), whose fixed buffers the
-captured kernels read; `plan` refills them in place for every replay. Requests may have fewer
-queries than ``tokens`` (draft extend): the rows past the batch's are padding.
+CUDA graphs (`plan(…, graph=(bucket, tokens))`) and wide verify on our tile: `flashinfer_passes`.
 
-Masks travel packed (`packed_custom_mask`): FlashInfer 0.6.18 packs a bool ``custom_mask`` with
-``segment_packbits``, which reads the packed size back from the device (a host sync in every
-masked plan). Its kernel reads request b's bits from byte ``mask_indptr[b]``, but for a mask given
-packed its plan sets ``mask_indptr`` to the *bit* offsets ``sum q_len·kv_len``. So eagerly each
-request's bytes are placed at that offset (``layout="bit_offsets"``: as many bytes as mask
-elements, the gaps unused); a graph's buffers are packed densely and the adapter rewrites the
-``mask_indptr`` buffer it owns with the byte offsets after each plan. Both are host-known: nothing
-is read back. Verified on 0.6.18 only: a FlashInfer whose plan hands packed masks byte offsets
-would misplace the eager layout's bits, and `tests/backends/test_gpu_vs_oracle.py -k flashinfer`
-(every masked mode against the oracle) is the check to run before moving past 0.6.x.
+Masks travel packed, at host-known offsets (`flashinfer_tables`: 0.6.18's bit-offset quirk).
 
 Sinks are served by an exact epilogue on the returned LSE (``o · σ(lse - sink)``): FlashInfer
 0.6.18's FA2/FA3 paged runs accept ``sinks=`` but drop it (only trtllm-gen, SM100+, reads it).
 
-Wide verify. A multi-query pass of 17-64 rows per KV head at head_dim ≥ 512 (Gemma 4's full
-layers in verify, tree and DFlash steps) runs swafactory's extend tile on the same tables instead
-of FlashInfer's prefill: its dense run through our CUDA kernel where nvcc is present
-(`kernels/cuda/verify_d512.cu`), the other keys through the Triton tile. H200, bs 64, ctx 8192,
-8 tokens: that dense run 1.20 ms, the Triton tile 2.01, FlashInfer's custom mask 2.23, its decode
-of the same K/V 0.99 (bench/results/probe-verify-cuda-d79e545.md). A graph bucket whose
-tokens put it there runs the same tile over static tables (`triton.adapter.StaticTables`,
-refilled in place), so its replay runs eager's kernels.
-``backend.kernels.<group>.verify`` chooses (``library``: FlashInfer's prefill; ``triton``: no CUDA
-dense run); `run=plan` shows what serves. The FlashInfer version and its mask layout are checked
+``backend.kernels.<group>.verify`` chooses what serves a wide verify (``library``: FlashInfer's
+prefill; ``triton``: no CUDA dense run); `run=plan` shows it. The FlashInfer version and its mask layout are checked
 at start (`flashinfer_check`).
 """
 from __future__ import annotations
@@ -85,6 +63,7 @@ from swafactory.kernels.flashinfer_passes import (TRITON_VERIFY_MIN_HEAD_DIM, Pa
 from swafactory.kernels.flashinfer_staging import StagingRing
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
+from swafactory.kernels.triton.adapter import static_tables
 from swafactory.kernels.triton.ops import paged_attention
 from swafactory.kernels.triton.sinks import sink_output
 from swafactory.metadata.plan import PassCache
@@ -216,11 +195,8 @@ class Adapter:
                               or self.kernels.ours(self._mode, g.window is not None)):
                     st = None
                     if graph is not None:  # the same tile over static tables: eager's kernels
-                        from swafactory.kernels.triton.adapter import static_tables
-                        keys = (self._max_rows if self.graph_keys is None
-                                else self.graph_keys(g.window, graph[1]))
                         st = static_tables(self._static, (key, role, *graph, id(pool)), t,
-                                           t.qo_indptr.device, keys)
+                                           t.qo_indptr.device, self._keys(g.window, graph[1]))
                     self._passes.put(t, Pass(key, role, g.window, False, t.qo_host, t.kv_host,
                                               t.kv_indices.tensor, self._ones[:0], None,
                                               planned_for=sig, graph=graph, triton=True,
@@ -272,6 +248,11 @@ class Adapter:
         return Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
                      graph=graph, page=self._page, kv_dev=kv_dev, causal=causal)
 
+    def _keys(self, window: int | None, tokens: int) -> int:
+        """Most keys one request of a graph bucket reads (`graph_keys`, else the largest
+        sub-pool's rows)."""
+        return self._max_rows if self.graph_keys is None else self.graph_keys(window, tokens)
+
     def _chain_bucket(self) -> bool:
         """Whether this forward's graph bucket holds plain chains (captured causal)."""
         return self.graph_chains and self._mode in ("target_verify", "draft_extend")
@@ -306,9 +287,7 @@ class Adapter:
         if p.graph is not None:  # fixed buffers, sized for the bucket's worst case: what a
             # request of it can read, never the pool's rows (a 1M-row pool made bucket 64's
             # indices 256 MB each)
-            keys = (self._max_rows if self.graph_keys is None
-                    else self.graph_keys(p.window, p.graph[1]))
-            kw = graph_buffers(p, keys, self._page, device)
+            kw = graph_buffers(p, self._keys(p.window, p.graph[1]), self._page, device)
             if "mask_indptr_buf" in kw:
                 self._mask_off[k] = kw["mask_indptr_buf"]
         if p.decode:  # tensor cores: the fast path for GQA, and the one that serves D = 512
@@ -324,16 +303,12 @@ class Adapter:
     def graph_bytes(self) -> int:
         """Bytes of the graph wrappers' fixed buffers and their own int workspaces (FlashInfer
         gives each wrapper one; the float workspace is shared with eager passes, not counted)."""
-        seen, total = set(), 0
+        held = {}  # data pointer → bytes: a buffer counted once
         for k, bufs in self._graph_bufs.items():
             ws = getattr(self._wrappers.get(k), "_int_workspace_buffer", None)
             for b in (*bufs, *((ws,) if isinstance(ws, torch.Tensor) else ())):
-                if b.data_ptr() not in seen:
-                    seen.add(b.data_ptr())
-                    total += b.numel() * b.element_size()
-        return total + sum(t.numel() * t.element_size() for st in self._static.values()
-                           for t in (st.qo_indptr, st.kv_indptr, st.kv_indices, st.q_pos,
-                                     st.kv_pos, st.mask, st.mask_indptr) if t is not None)
+                held[b.data_ptr()] = b.numel() * b.element_size()
+        return sum(held.values()) + sum(st.nbytes for st in self._static.values())
 
     def _plan_wrapper(self, p: Pass, sig: Signature, device: torch.device) -> None:
         hq, hkv, d, q_dtype, kv_dtype, scale, softcap = sig

@@ -1,7 +1,26 @@
 """What the FlashInfer adapter plans per pass (`Pass`), which passes our verify tile serves
 (`uses_triton_verify`, `bucket_tiled`), and a CUDA-graph bucket's side of a pass: its wrapper's
 fixed buffers (`graph_buffers`) and the host tables padded to the bucket (`pad_to_bucket`).
-`kernels/flashinfer.py` is the adapter that uses them."""
+`kernels/flashinfer.py` is the adapter that uses them.
+
+CUDA graphs (`Adapter.plan(…, graph=(bucket, tokens))`): passes are padded to ``bucket``
+requests (padding requests have ``tokens`` query rows and read the pool's dummy row 0: one key,
+or under the causal rule one per query) and run through ``use_cuda_graph`` wrappers, one per
+(group, pass, bucket, tokens), whose fixed buffers the captured kernels read; `plan` refills
+them in place for every replay. A bucket's kernel is fixed at capture, before it knows what it
+replays: where the spec makes only chains, a verify or draft-extend bucket is the causal prefill
+eager runs them with; otherwise the masked prefill, which serves trees too. Requests may have
+fewer queries than ``tokens`` (draft extend): the rows past the batch's are padding.
+
+Wide verify. A multi-query pass of 17-64 rows per KV head at head_dim ≥ 512 (Gemma 4's full
+layers in verify, tree and DFlash steps) runs swafactory's extend tile on the same tables instead
+of FlashInfer's prefill: its dense run through our CUDA kernel where nvcc is present
+(`kernels/cuda/verify_d512.cu`), the other keys through the Triton tile. H200, bs 64, ctx 8192,
+8 tokens: that dense run 1.20 ms, the Triton tile 2.01, FlashInfer's custom mask 2.23, its decode
+of the same K/V 0.99 (bench/results/probe-verify-cuda-d79e545.md). A graph bucket whose tokens
+put it there runs the same tile over static tables (`triton.adapter.StaticTables`, refilled in
+place), so its replay runs eager's kernels.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

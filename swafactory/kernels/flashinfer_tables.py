@@ -3,10 +3,20 @@
 * `page_table`: a pass's key lists as FlashInfer's page table of the pool's own pages (page ids,
   last-page lengths), the lists starting on page starts as the planner makes them;
 * `custom_mask` / `packed_custom_mask`: the visibility ``structure & (q_pos - kv_pos < W)`` in
-  FlashInfer's per-request row-major layout, packed 8 to a byte (the layouts and 0.6.18's
-  bit-offset quirk are in `swafactory.kernels.flashinfer`'s docstring).
+  FlashInfer's per-request row-major layout, packed 8 to a byte.
 
 Only host indptrs are read on the host; everything else is built on the tables' device.
+
+Masks travel packed (`packed_custom_mask`): FlashInfer 0.6.18 packs a bool ``custom_mask`` with
+``segment_packbits``, which reads the packed size back from the device (a host sync in every
+masked plan). Its kernel reads request b's bits from byte ``mask_indptr[b]``, but for a mask given
+packed its plan sets ``mask_indptr`` to the *bit* offsets ``sum q_len·kv_len``. So eagerly each
+request's bytes are placed at that offset (``layout="bit_offsets"``: as many bytes as mask
+elements, the gaps unused); a graph's buffers are packed densely and the adapter rewrites the
+``mask_indptr`` buffer it owns with the byte offsets after each plan. Both are host-known: nothing
+is read back. Verified on 0.6.18 only: a FlashInfer whose plan hands packed masks byte offsets
+would misplace the eager layout's bits, and `tests/backends/test_gpu_vs_oracle.py -k flashinfer`
+(every masked mode against the oracle) is the check to run before moving past 0.6.x.
 """
 from __future__ import annotations
 

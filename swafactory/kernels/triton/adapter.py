@@ -64,11 +64,19 @@ class StaticTables:
     mask_indptr: torch.Tensor | None = None
     max_q_len: int = 1
     ar: torch.Tensor | None = None
-    """[n+1] int32 ``arange``: padding requests' offsets (one key, ``tokens`` queries each)."""
+    """[n+1] int32 ``arange`` (a multi-token bucket's; a decode bucket's ``qo_indptr`` is one):
+    padding requests' offsets (one key, ``tokens`` queries each)."""
 
     @property
     def kv_rows(self) -> torch.Tensor:
         return self.kv_indices
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its device buffers."""
+        return sum(t.numel() * t.element_size() for t in
+                   (self.qo_indptr, self.kv_indptr, self.kv_indices, self.q_pos, self.kv_pos,
+                    self.mask, self.mask_indptr, self.ar) if t is not None)
 
     @classmethod
     def empty(cls, n: int, max_kv: int, device, tokens: int = 1) -> StaticTables:
@@ -79,9 +87,9 @@ class StaticTables:
                                device=device)
             mask_indptr = torch.zeros(n + 1, **i32)
         ar = torch.arange(n + 1, **i32)
-        return cls(ar * tokens, ar.clone(), torch.zeros(max_kv, **i32),
+        return cls(ar * tokens if tokens > 1 else ar, ar.clone(), torch.zeros(max_kv, **i32),
                    torch.zeros(n * tokens, **i32), torch.zeros(max_kv, **i32), mask, mask_indptr,
-                   tokens, ar)
+                   tokens, ar if tokens > 1 else None)
 
     def fill(self, t) -> None:
         """Copy ``t`` (the planner's tables of B ≤ n requests of ≤ tokens queries) in; requests
@@ -90,7 +98,7 @@ class StaticTables:
         n = self.kv_indptr.numel() - 1
         tokens = self.max_q_len
         nb = t.batch_size
-        total = int(t.kv_host[-1])  # host-known: nothing is read back
+        total = int(t.kv_host[-1])  # host tensors (the planner's): nothing is read back
         total_q = int(t.qo_host[-1])
         if tokens == 1 and t.mask is not None:
             raise ValueError("a 1-token graph bucket runs the decode kernel, which takes no "
@@ -107,7 +115,8 @@ class StaticTables:
             self.qo_indptr[:nb + 1].copy_(t.qo_indptr)
             self._fill_mask(t, nb)
         if nb < n:  # padding requests: one key each, after the batch's
-            torch.add(self.kv_indptr[nb:nb + 1], self.ar[1:n - nb + 1],
+            ones = self.ar if self.ar is not None else self.qo_indptr  # 0, 1, 2, ...
+            torch.add(self.kv_indptr[nb:nb + 1], ones[1:n - nb + 1],
                       out=self.kv_indptr[nb + 1:])
             self.kv_indices[total:total + n - nb].zero_()
             self.kv_pos[total:total + n - nb].zero_()
@@ -173,9 +182,7 @@ class Adapter:
 
     def graph_bytes(self) -> int:
         """Bytes of every graph bucket's static tables."""
-        return sum(t.numel() * t.element_size() for st in self._static.values()
-                   for t in (st.qo_indptr, st.kv_indptr, st.kv_indices, st.q_pos, st.kv_pos,
-                             st.mask, st.mask_indptr) if t is not None)
+        return sum(st.nbytes for st in self._static.values())
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0, new_kv=None):
