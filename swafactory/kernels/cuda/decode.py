@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from swafactory.kernels.cuda.cluster import cluster_pass, cluster_splits
 from swafactory.kernels.cuda.launch import (CudaKernel, aligned16, cuda_kernels_available,
-                                            is_hopper, loads_or_warns, sm_count, tile_knob)
+                                            is_hopper, loads_or_warns, tile_knob)
 
 __all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_splits"]
 
@@ -54,24 +55,6 @@ def decode_d64_kernel(group: int, cluster: int, bn: int = 64, stages: int = 3) -
     return CudaKernel(_SRC, "decode_d64", _ARGS,
                       {"GROUP": group, "CLUSTER": cluster, "BN": bn, "NS": stages},
                       _smem(bn, stages))
-
-
-def cluster_splits(programs: int, keys_per_request: float, sms: int,
-                   hint: int | None = None, per_sm: int = 4, bn: int = 64) -> int:
-    """Splits per (request, KV head), a power of two ≤ 8 (a portable cluster), from static sizes:
-    the most that keep ``programs`` × splits CTAs in one wave on ``sms`` multiprocessors holding
-    ``per_sm`` CTAs each, and no more splits than ``bn``-key tiles. ``hint`` (a caller's split count, e.g. planned from a
-    window) caps it. GPT-OSS on the H200 (132 SMs, 8 KV heads, 8192 keys): 4 splits at bs 8
-    with 4 CTAs a multiprocessor (8 with 6), 1 at bs 64."""
-    slots = per_sm * sms
-    tiles = max(1, -(-int(keys_per_request) // bn))
-    cap = min(8, tiles, hint or 8)
-    s = 1
-    # a cluster's CTAs must share a GPC: leave a tenth of the slots to that granularity (8 × 8
-    # CTAs at 4 a multiprocessor, 97% of the H200's slots, ran as two waves)
-    while s * 2 <= cap and programs * s * 2 * 10 <= slots * 9:
-        s *= 2
-    return s
 
 
 def decode_d64_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: int,
@@ -115,28 +98,17 @@ def decode_d64(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     ``num_splits`` caps the split count (planned from static sizes otherwise). No host sync;
     capturable.
     """
-    nb, hq, d = q.shape
-    hkv = k_buf.shape[1]
-    group = hq // hkv
-    o = torch.empty_like(q)
-    lse = torch.empty(nb, hq, dtype=torch.float32, device=q.device)
-    if nb == 0:
-        return o, lse
-    if kv_indices.dtype != torch.int32:  # pool rows fit int32; the kernel reads int32
-        kv_indices = kv_indices.to(torch.int32)
-    sms = sm_count(q.device.index)
-    bn, stages, splits = tile(nb * hkv, sms)
-    splits = splits or cluster_splits(nb * hkv, kv_indices.numel() / nb, sms, num_splits,
-                                      ctas_per_sm(bn, stages), bn)
+    p = cluster_pass(q, k_buf, kv_indices, sinks, num_splits, tile, ctas_per_sm)
+    if p.nb == 0:
+        return p.o, p.lse
     kn = vn = wloc = None
     if new_kv is not None:
         kn, vn, wloc = new_kv
         kn, vn, wloc = kn.contiguous(), vn.contiguous(), wloc.contiguous()
-    sk = sinks.float().contiguous() if sinks is not None else None
-    kern = decode_d64_kernel(group, splits, bn, stages)
-    kern((splits, hkv, nb), 128, q, k_buf, v_buf, kv_indptr, kv_indices, q_pos, kv_pos, sk,
-         kn, vn, wloc, o, lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-         v_buf.stride(0), v_buf.stride(1), kn.stride(0) if kn is not None else 0,
-         kn.stride(1) if kn is not None else 0, o.stride(0), o.stride(1), hq,
+    kern = decode_d64_kernel(p.group, p.splits, p.bn, p.stages)
+    kern((p.splits, p.hkv, p.nb), 128, q, k_buf, v_buf, kv_indptr, p.kv_indices, q_pos, kv_pos,
+         p.sinks, kn, vn, wloc, p.o, p.lse, q.stride(0), q.stride(1), k_buf.stride(0),
+         k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), kn.stride(0) if kn is not None else 0,
+         kn.stride(1) if kn is not None else 0, p.o.stride(0), p.o.stride(1), p.hq,
          int(window or 0), int(dummy_rows), float(scale) * 1.4426950408889634)
-    return o, lse
+    return p.o, p.lse

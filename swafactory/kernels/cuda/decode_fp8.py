@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from swafactory.kernels.cuda.decode import cluster_splits
+from swafactory.kernels.cuda.cluster import cluster_pass
 from swafactory.kernels.cuda.launch import (CudaKernel, aligned16, cuda_kernels_available,
-                                            is_hopper, loads_or_warns, sm_count, tile_knob)
+                                            is_hopper, loads_or_warns, tile_knob)
 
 __all__ = ["decode_fp8", "decode_fp8_serves", "decode_fp8_kernel", "fp8_tile"]
 
@@ -92,23 +92,14 @@ def decode_fp8(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     before the call). ``num_splits`` caps the split count (planned from static sizes
     otherwise). No host sync; capturable.
     """
-    nb, hq, d = q.shape
-    hkv = k_buf.shape[1]
-    group = hq // hkv
-    o = torch.empty_like(q)
-    lse = torch.empty(nb, hq, dtype=torch.float32, device=q.device)
-    if nb == 0:
-        return o, lse
-    if kv_indices.dtype != torch.int32:  # pool rows fit int32; the kernel reads int32
-        kv_indices = kv_indices.to(torch.int32)
-    sms = sm_count(q.device.index)
-    bn, stages, splits = fp8_tile(d)
-    splits = splits or cluster_splits(nb * hkv, kv_indices.numel() / nb, sms, num_splits,
-                                      ctas_per_sm(d, bn, stages), bn)
-    sk = sinks.float().contiguous() if sinks is not None else None
-    kern = decode_fp8_kernel(d, group, splits, bn, stages)
-    kern((splits, hkv, nb), 128, q, k_buf, v_buf, kv_indptr, kv_indices, q_pos, kv_pos, sk, o,
-         lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-         v_buf.stride(1), o.stride(0), o.stride(1), hq, int(window or 0),
+    d = q.shape[2]
+    p = cluster_pass(q, k_buf, kv_indices, sinks, num_splits, lambda programs, sms: fp8_tile(d),
+                     functools.partial(ctas_per_sm, d))
+    if p.nb == 0:
+        return p.o, p.lse
+    kern = decode_fp8_kernel(d, p.group, p.splits, p.bn, p.stages)
+    kern((p.splits, p.hkv, p.nb), 128, q, k_buf, v_buf, kv_indptr, p.kv_indices, q_pos, kv_pos,
+         p.sinks, p.o, p.lse, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+         v_buf.stride(0), v_buf.stride(1), p.o.stride(0), p.o.stride(1), p.hq, int(window or 0),
          float(scale) * float(k_scale) * 1.4426950408889634, float(v_scale))
-    return o, lse
+    return p.o, p.lse

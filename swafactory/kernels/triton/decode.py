@@ -27,8 +27,9 @@ import torch
 
 from swafactory.kernels.cuda.decode import decode_d64, decode_d64_serves
 from swafactory.kernels.cuda.decode_fp8 import decode_fp8, decode_fp8_serves
-from swafactory.kernels.triton.merge import (combine_splits, compute_dtype, interpreting,
-                                             plan_splits)
+from swafactory.kernels.triton.host import (check_rows, finish, flags, outputs, partials,
+                                            scalars, sinks_arg, strides)
+from swafactory.kernels.triton.merge import interpreting, plan_splits
 from swafactory.kernels.torch_ref import check_contract
 
 __all__ = ["decode_attention", "decode_config", "launches"]
@@ -247,12 +248,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     hkv = k_buf.shape[1]
     if total_q != nb:
         raise ValueError(f"decode needs one query per request: {total_q} queries, {nb} requests")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two ≥ 16, got {d}")
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k_buf.stride(2) != 1 or v_buf.stride(2) != 1:
-        raise ValueError("k_buf/v_buf need a contiguous last dim (pool rows are [Hkv, D])")
+    q = check_rows(q, k_buf, v_buf)
     kn = vn = wloc = q
     if new_kv is not None:
         kn, vn, wloc = new_kv
@@ -281,35 +277,21 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          "stored first), GQA group ≤ 8, no softcap, on Hopper with nvcc present")
     block_h, block_n, warps, stages = decode_config(d, group)
     splits = num_splits or plan_splits(nb * hkv, kv_indices.numel(), nb, block_n, q.device)
-    o = torch.empty_like(q)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    o, lse = outputs(q)
     if nb == 0:
         return o, lse
-    po = plse = lse  # unused when one split writes the output itself
-    if splits > 1:
-        po = torch.empty(total_q, hq, splits, d, dtype=torch.float32, device=q.device)
-        plse = torch.empty(total_q, hq, splits, dtype=torch.float32, device=q.device)
-    sk = sinks.float().contiguous() if sinks is not None else lse
+    po, plse = partials(q, splits, lse)  # lse (unused) when one split writes the output itself
     launches += 1
     kernel = _kernel(interpreting())
     kernel[(nb, hkv, splits)](
-        q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos, sk, o, lse, po, plse,
-        kn, vn, wloc,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), o.stride(0), o.stride(1), kn.stride(0), kn.stride(1), hq, splits,
-        float(scale) * k_scale, float(softcap or 1.0), int(window or 1), int(dummy_rows),
+        q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos, sinks_arg(sinks, lse),
+        o, lse, po, plse, kn, vn, wloc, *strides(q, k_buf, v_buf, o), kn.stride(0), kn.stride(1),
+        hq, splits, *scalars(scale, k_scale, softcap, window), int(dummy_rows),
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, D=d, SPLIT=splits > 1,
-        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else None,
         # skip invisible tiles only where the list is longer than the window (not trimmed)
         SKIP_EMPTY=window is not None and (kv_indices.numel() > nb * (window + block_n)
                                            if skip_empty is None else skip_empty),
-        CDT=compute_dtype(q.dtype, k_buf.dtype), FUSED=new_kv is not None, DOT_TAIL=d >= 512,
-        num_warps=warps, num_stages=stages, **fused_registers(new_kv is not None, warps))
-    if splits > 1:
-        combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
-    if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it
-        o.mul_(v_scale)
-    return o, lse
+        FUSED=new_kv is not None, DOT_TAIL=d >= 512, num_warps=warps, num_stages=stages,
+        **flags(q, k_buf, window, softcap, sinks), **fused_registers(new_kv is not None, warps))
+    return finish(o, lse, po, plse, splits, sinks, v_scale)
 

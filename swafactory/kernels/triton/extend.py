@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from swafactory.kernels.triton.extend_tiles import extend_config, extend_splits
-from swafactory.kernels.triton.merge import combine_splits, compute_dtype, interpreting
+from swafactory.kernels.triton.host import (check_rows, finish, flags, outputs, partials,
+                                            scalars, sinks_arg, strides)
+from swafactory.kernels.triton.merge import compute_dtype, interpreting
 from swafactory.kernels.torch_ref import check_contract
 from swafactory.kernels.triton.verify_wide import wide_verify
 from swafactory.kernels.cuda.verify import dense_verify_d512, verify_d512_serves
@@ -294,14 +296,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                mask, mask_indptr, sinks)
     total_q, hq, d = q.shape
     hkv = k_buf.shape[1]
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two ≥ 16, got {d}")
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k_buf.stride(2) != 1 or v_buf.stride(2) != 1:
-        raise ValueError("k_buf/v_buf need a contiguous last dim (pool rows are [Hkv, D])")
-    o = torch.empty_like(q)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    q = check_rows(q, k_buf, v_buf)
+    o, lse = outputs(q)
     if nb == 0 or total_q == 0:
         return o, lse
     if max_q_len is None:
@@ -340,36 +336,23 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     else:
         splits = num_splits or extend_splits(nb * hkv * qt, kv_indices.numel(), nb, block_m,
                                              block_n, d, q.device)
-    po = plse = lse  # unused when one split writes the output itself
-    if splits > 1:
-        po = torch.empty(total_q, hq, splits, d, dtype=torch.float32, device=q.device)
-        plse = torch.empty(total_q, hq, splits, dtype=torch.float32, device=q.device)
+    po, plse = partials(q, splits, lse)  # lse (unused) when one split writes the output itself
     dummy_mask = mask if mask is not None else lse
     dummy_mi = mask_indptr if mask_indptr is not None else qo_indptr
     stage1 = _kernel(interpreting())[1]
     rng = qo_indptr  # unused without the dense path
     if dense:
         rng = dense_runs(qo_indptr, kv_indptr, q_pos, kv_pos, mask, mask_indptr, window, max_q_len)
-    sk = sinks.float().contiguous() if sinks is not None else lse
     stage1[(nb, hkv * qt, 1 if tile else splits)](
         q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
-        dummy_mask, dummy_mi, rng, sk, o, lse, po, plse,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-        v_buf.stride(1), o.stride(0), o.stride(1), hq, qt, 1 if tile else splits, splits, 0,
-        float(scale) * k_scale, float(softcap or 1.0), int(window or 1),
+        dummy_mask, dummy_mi, rng, sinks_arg(sinks, lse), o, lse, po, plse,
+        *strides(q, k_buf, v_buf, o), hq, qt, 1 if tile else splits, splits, 0,
+        *scalars(scale, k_scale, softcap, window),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, D=d, SPLIT=splits > 1,
-        HAS_MASK=mask is not None, HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else None,
-        SKIP_EMPTY=skip or (mask is None and max_q_len > block_n),
-        DENSE=dense, BLOCK_NG=block_ng, IDX_AHEAD=idx_ahead,
-        CDT=compute_dtype(q.dtype, k_buf.dtype), SKIP_DENSE=tile, num_warps=warps,
-        num_stages=stages)
+        HAS_MASK=mask is not None, SKIP_EMPTY=skip or (mask is None and max_q_len > block_n),
+        DENSE=dense, BLOCK_NG=block_ng, IDX_AHEAD=idx_ahead, SKIP_DENSE=tile, num_warps=warps,
+        num_stages=stages, **flags(q, k_buf, window, softcap, sinks))
     if tile:
         dense_verify_d512(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, rng, po, plse,
                           part_base=1, splits=splits - 1, scale=scale)
-    if splits > 1:
-        combine_splits(po, plse, sinks.float().contiguous() if sinks is not None else None, o, lse)
-    if v_scale != 1.0:  # o is linear in V; the sink and the splits' merge only weigh it
-        o.mul_(v_scale)
-    return o, lse
+    return finish(o, lse, po, plse, splits, sinks, v_scale)
