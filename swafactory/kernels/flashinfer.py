@@ -16,7 +16,8 @@ the end). So:
 * decode (one query per request, no mask): the tensor-core decode wrapper, ``window_left = W-1``;
 * plain multi-query passes (prefill chunks, extend, chain verify, chain draft, draft extend):
   the prefill wrapper with ``causal=True, window_left = W-1`` and no mask: nothing per
-  (query, key) is built, whatever the chunk (planning memory is the key lists');
+  (query, key) is built, whatever the chunk (planning memory is the key lists'); FA2's prefill
+  for passes of a few queries per request (`flashinfer_passes`: FA3 reads K/V per query head);
 * trees, DFlash blocks, prefix-only queries and cascade halves: the prefill wrapper with a
   host-built custom mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, since
   there the list index is not the position (tree nodes at ``prefix + depth``, DESIGN invariant 4);
@@ -57,7 +58,8 @@ import torch
 
 from swafactory.kernels import flashinfer_replan as replan
 from swafactory.kernels.flashinfer_check import check_at_start, check_version
-from swafactory.kernels.flashinfer_passes import (TRITON_VERIFY_MIN_HEAD_DIM, Pass, Signature,
+from swafactory.kernels.flashinfer_passes import (FA2_MAX_QUERIES, TRITON_VERIFY_MIN_HEAD_DIM,
+                                                  Pass, Signature,
                                                   bucket_tiled, graph_buffers, pad_to_bucket,
                                                   uses_triton_verify)
 from swafactory.kernels.flashinfer_staging import StagingRing
@@ -245,8 +247,10 @@ class Adapter:
                 kv_dev = t.kv_indptr
         else:  # the pool's own pages (padding requests: the dummy page 0, one key)
             kv_host, indices, last = page_table(kv_host, indices, self._page)
+        tokens = t.max_q_len if graph is None else graph[1]
         return Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
-                     graph=graph, page=self._page, kv_dev=kv_dev, causal=causal)
+                    graph=graph, page=self._page, kv_dev=kv_dev, causal=causal,
+                    backend="fa2" if causal and tokens <= FA2_MAX_QUERIES else "auto")
 
     def _keys(self, window: int | None, tokens: int) -> int:
         """Most keys one request of a graph bucket reads (`graph_keys`, else the largest
@@ -294,7 +298,8 @@ class Adapter:
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
                                                               use_tensor_cores=True, **kw)
         else:
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", **kw)
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                               backend=p.backend, **kw)
         self._wrappers[k] = w
         if p.graph is not None:
             self._graph_bufs[k] = [b for b in kw.values() if isinstance(b, torch.Tensor)]

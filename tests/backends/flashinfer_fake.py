@@ -48,6 +48,8 @@ class _Wrapper:
         self.decode = False
         self.plans = 0
         self.graph = kw.get("use_cuda_graph", False)
+        self.backend = kw.get("backend", "auto")
+        assert self.backend in ("auto", "fa2", "fa3"), self.backend
         self.mask_buf, self.mask_indptr_buf = kw.get("custom_mask_buf"), kw.get("mask_indptr_buf")
         self.packed = self.mask_indptr = None
 

@@ -5,7 +5,8 @@ use, 15–25 s each, one after another inside a process. Building them here in p
 (the JIT cache is shared on disk) turns minutes of serial compiles into one batch. The plan
 arguments mirror `swafactory.kernels.flashinfer.Adapter` exactly, so the cached modules are the
 ones the adapter loads. Run on the GPU host: ``python3 tests/backends/flashinfer_warm.py
-[HEAD_DIM ...]`` (only those head dims' variants, e.g. ``256 512`` for Gemma 4).
+[HEAD_DIM ...] [KIND ...]`` (only those head dims' and kinds' variants, e.g. ``256 512`` for
+Gemma 4, ``decode short`` for decode and chain verify).
 """
 from __future__ import annotations
 
@@ -15,17 +16,22 @@ from concurrent.futures import ProcessPoolExecutor
 
 __all__ = ["VARIANTS", "warm"]
 
-# (decode?, Hq, Hkv, head_dim, window_left >= 0?, soft-cap?[, fp8 KV?])
+# (kind, Hq, Hkv, head_dim, window_left >= 0?, soft-cap?[, fp8 KV?]); kinds, as the adapter plans
+# them: ``decode`` (tensor-core decode), ``mask`` (masked prefill: FA2), ``short`` (a causal pass
+# of a few queries per request: FA2 asked for), ``long`` (a causal chunk: FlashInfer's own
+# choice, FA3 on Hopper where the head dim has it)
 VARIANTS = [
-    (True, 32, 16, 256, True, False), (True, 32, 4, 512, False, False),      # gemma4 decode
-    (False, 32, 16, 256, False, False), (False, 32, 4, 512, False, False),   # gemma4 prefill
-    (True, 8, 4, 64, True, False), (True, 8, 2, 64, False, False),           # tiny d64 / gpt-oss
-    (False, 8, 4, 64, False, False),
-    (True, 8, 4, 64, True, True), (True, 8, 2, 64, False, True),             # soft-cap
-    (False, 8, 4, 64, False, True),
-    (False, 32, 8, 128, False, False),                                       # mistral
-    (True, 8, 2, 64, True, False, True), (True, 8, 2, 64, False, False, True),   # fp8 KV, d64
-    (False, 8, 2, 64, False, False, True),
+    ("decode", 32, 16, 256, True, False), ("decode", 32, 4, 512, False, False),   # gemma4
+    ("mask", 32, 16, 256, False, False), ("mask", 32, 4, 512, False, False),
+    ("short", 32, 16, 256, True, False), ("long", 32, 16, 256, True, False),
+    ("decode", 8, 4, 64, True, False), ("decode", 8, 2, 64, False, False),       # tiny / gpt-oss
+    ("mask", 8, 4, 64, False, False), ("short", 8, 4, 64, True, False),
+    ("long", 8, 4, 64, True, False), ("long", 8, 2, 64, False, False),
+    ("decode", 8, 4, 64, True, True), ("decode", 8, 2, 64, False, True),         # soft-cap
+    ("mask", 8, 4, 64, False, True), ("short", 8, 4, 64, True, True),
+    ("mask", 32, 8, 128, False, False),                                          # mistral
+    ("decode", 8, 2, 64, True, False, True), ("decode", 8, 2, 64, False, False, True),  # fp8 KV
+    ("mask", 8, 2, 64, False, False, True),
 ]
 
 
@@ -40,7 +46,7 @@ def _warm(v: tuple) -> str:
     import flashinfer
     import torch
 
-    decode, hq, hkv, d, window, softcap = v[:6]
+    kind, hq, hkv, d, window, softcap = v[:6]
     kv_dtype = torch.float8_e4m3fn if len(v) > 6 and v[6] else torch.bfloat16
     t0 = time.time()
     dev = "cuda"
@@ -52,15 +58,22 @@ def _warm(v: tuple) -> str:
     last = torch.ones(1, dtype=torch.int32)  # host, like the adapter
     common = dict(q_data_type=torch.bfloat16, kv_data_type=kv_dtype, sm_scale=d ** -0.5,
                   logits_soft_cap=2.0 if softcap else None)
-    if decode:
+    left = 7 if window else -1
+    if kind == "decode":
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-        w.plan(kv_indptr, idx, last, hq, hkv, d, 1, window_left=7 if window else -1, **common)
+        w.plan(kv_indptr, idx, last, hq, hkv, d, 1, window_left=left, **common)
         q = torch.randn(1, hq, d, dtype=torch.bfloat16, device=dev)
     else:
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        mask = torch.ones(4 * n, dtype=torch.bool, device=dev)
-        w.plan(torch.tensor([0, 4], dtype=torch.int32), kv_indptr, idx, last, hq, hkv, d, 1,
-               custom_mask=mask, window_left=-1, **common)
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            ws, "NHD", backend="fa2" if kind == "short" else "auto")
+        qo = torch.tensor([0, 4], dtype=torch.int32)
+        if kind == "mask":
+            mask = torch.ones(4 * n, dtype=torch.bool, device=dev)
+            w.plan(qo, kv_indptr, idx, last, hq, hkv, d, 1, custom_mask=mask, window_left=-1,
+                   **common)
+        else:
+            w.plan(qo, kv_indptr, idx, last, hq, hkv, d, 1, causal=True, window_left=left,
+                   **common)
         q = torch.randn(4, hq, d, dtype=torch.bfloat16, device=dev)
     scales = dict(k_scale=0.5, v_scale=0.5) if kv_dtype != torch.bfloat16 else {}
     w.run(q, (k, k), return_lse=True, **scales)
@@ -68,10 +81,14 @@ def _warm(v: tuple) -> str:
     return f"{v}: {time.time() - t0:.1f}s"
 
 
-def main(head_dims: list[int]) -> int:
-    """Warm every variant, or those of the given head dims (Gemma 4's: 256 512)."""
+def main(args: list[str]) -> int:
+    """Warm every variant, or those of the given head dims (Gemma 4's: 256 512) and kinds
+    (``decode mask short long``; default all)."""
     t0 = time.time()
-    chosen = [v for v in VARIANTS if not head_dims or v[3] in head_dims]
+    head_dims = [int(a) for a in args if a.isdigit()]
+    kinds = [a for a in args if not a.isdigit()]
+    chosen = [v for v in VARIANTS if (not head_dims or v[3] in head_dims)
+              and (not kinds or v[0] in kinds)]
     with ProcessPoolExecutor(max_workers=max(1, len(chosen))) as ex:
         for line in ex.map(warm, chosen):
             print(line, flush=True)
@@ -80,4 +97,4 @@ def main(head_dims: list[int]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main([int(a) for a in sys.argv[1:]]))
+    sys.exit(main(sys.argv[1:]))

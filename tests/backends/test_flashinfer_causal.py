@@ -14,6 +14,7 @@ import torch
 
 from flashinfer_fake import module as fake_flashinfer
 from swafactory.metadata import ForwardBatch
+from swafactory.kernels.flashinfer_passes import FA2_MAX_QUERIES
 from swafactory.window import flashinfer_window_left
 from test_backends_vs_oracle import assert_close, run_mode
 from test_flashinfer_host import adapter_world
@@ -57,13 +58,21 @@ def test_plain_passes_run_causal_and_structured_ones_keep_the_mask(plans, page: 
     ad = world.backend.adapter
     key_of = {id(w): k for k, w in ad._wrappers.items()}
     assert plans
+    seen = set()
     for w, causal, left, mask in plans:
-        group, role, decode, is_causal, graph = key_of[id(w)]
+        group, role, decode, is_causal, graph, backend = key_of[id(w)]
         assert not decode and graph is None and causal == is_causal
+        # a short causal pass asks for FA2 (FA3 reads K/V once per query head); long ones and
+        # masked ones leave FlashInfer its choice
+        short = int((w.qo[1:] - w.qo[:-1]).max()) <= FA2_MAX_QUERIES
+        assert backend == w.backend == ("fa2" if causal and short else "auto"), (backend, short)
+        seen.add(backend)
         if causal:  # FlashInfer's own rule, the one window convention, nothing per (q, k)
             assert mask is None and left == flashinfer_window_left(_window(group)), (group, left)
         else:
             assert mask is not None and left == -1
+    # the first extend is long; a chain's verify and draft extend are short
+    assert "auto" in seen and ("fa2" in seen or mode not in ("verify_chain", "draft_extend"))
     # every forward of run_mode starts with a plain extend; a structured mode's step is masked
     assert plans[0][1]
     last = [c for _, c, _, _ in plans[-2:]]  # the last forward: one plan per group
