@@ -29,8 +29,8 @@ spec's graph buckets are causal, a tree spec's masked).
 
 The same cases with fp8 K/V or other page sizes: bench/bench_fp8.py, bench/bench_pages.py.
 
-Writes OUT/factory-h200.md, .json and .png (step time against batch size: factory, raw, floor;
-planning time against batch size).
+Writes OUT/factory-<card>.md, .json and .png (<card>: h200, h100 or gpu, from the device's name;
+the plot: step time against batch size for factory, raw and floor, and planning time).
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from common import (LN2, MODES, SPEC_OF, batch_of, config_of, copy_bandwidth, graph_case,
-                    host_ms, kv_bytes_read, setup, step_cycle, step_inputs)
+from common import (LN2, MODES, SPEC_OF, batch_of, card_tag, config_of, copy_bandwidth,
+                    graph_case, host_ms, kv_bytes_read, setup, step_cycle, step_inputs)
 
 __all__ = ["Raw", "one_case", "render"]
 
@@ -272,9 +272,10 @@ def render(rows: list[dict], meta: dict, out: Path) -> str:
     lines += triton_graphs(rows)
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "factory-h200.md").write_text(text)
-    (out / "factory-h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    _plot(rows, out / "factory-h200.png")
+    stem = out / f"factory-{card_tag(meta['gpu'])}"
+    stem.with_suffix(".md").write_text(text)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    _plot(rows, stem.with_suffix(".png"))
     return text
 
 

@@ -22,7 +22,7 @@ writes bench/results/gpu-generate.md and .json (and .png: accept length per job)
 weights) and ``run.guards=false`` (an engine with bare kernels), clean and with each fault of the
 catalog. A fault run's ``acceptance`` check compares its mean accept length with its clean
 twin's (the same config with faults=none, in the same process); each row says whether the fault
-acted, what caught it, and both accept lengths. It writes DIR/acceptance-<cpu|h200|gpu>.md,
+acted, what caught it, and both accept lengths. It writes DIR/acceptance-<cpu|h200|h100|gpu>.md,
 .json and .png. The first run trains the target and the drafts (cached: docs/cli.md).
 """
 from __future__ import annotations
@@ -239,6 +239,9 @@ FAMILIES = {  # spec overrides: 4-step chains, a tree, a DFlash block, FROZEN_KV
     "dflash": ["spec=dflash"],
     "frozen_kv_mtp": ["spec=frozen_kv_mtp", "spec.num_steps=4", "spec.num_draft_tokens=5"],
 }
+SWA_AS_FULL_CHUNK = 64
+"""``--swa-as-full``: prefill chunk tokens, small enough that every shipped model's window need
+fits its full share, so that the SWA pool can equal the full one."""
 SMALL_WINDOW = {"gpt_oss_20b": ["model.sliding_window=16", "run.num_layers=4"]}
 """CPU only: GPT-OSS's 64 query heads make training at its 128-token window take minutes."""
 
@@ -254,7 +257,12 @@ def _one(model: str, backend: str, family: str, fault: str, a) -> dict:
             *(SMALL_WINDOW.get(model, []) if a.device == "cpu" else []),
             f"workload.device={a.device}", *a.override]
     row = {"model": model, "backend": backend, "family": family, "fault": fault}
-    if a.swa_as_full:  # an SWA pool as large as the full one, where the window's need is less
+    if a.swa_as_full:  # an SWA pool as large as the full one (the draft's own pool's size)
+        if not any(o.startswith("workload.chunk_size=") for o in a.override):
+            # a request's SWA need counts its prefill chunk: at the default 256 the window's
+            # need passed its full share (GPT-OSS, Gemma 4), the pool fell back to `auto`, larger
+            # than the draft's, and the fault's slots indexed past the draft pool (H100, 1c30bca)
+            over.append(f"workload.chunk_size={SWA_AS_FULL_CHUNK}")
         over.append("workload.swa_full_tokens_ratio=1")
     try:
         try:
@@ -265,6 +273,8 @@ def _one(model: str, backend: str, family: str, fault: str, a) -> dict:
                                           for r in exc.reasons)):
                 raise
             # a request's window needs more SWA slots than its full share: `auto` is larger
+            # than the full pool, so a pool fault may index past the draft's pool: said below
+            row["swa_pool"] = "auto"
             r = run_generate(swafactory.compose(over[:-1]), progress=sys.stderr)
     except ConfigError as exc:
         return {**row, "status": "refused", "detail": str(exc).splitlines()[-1].strip()}
@@ -302,8 +312,16 @@ def _render_acceptance(rows: list[dict], meta: dict) -> str:
                      f"{r['status']} | {r.get('caught_by') or '-'} | {_f(r.get('accept'))} | "
                      f"{_f(r.get('clean'))} | {r.get('most') or '-'} | "
                      f"{_f(r.get('draft_top1'))} | {_s(r.get('target_s'))}, "
-                     f"{_s(r.get('draft_s'))} | {r.get('detail', '').replace('|', '/')} |")
+                     f"{_s(r.get('draft_s'))} | {_detail(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _detail(r: dict) -> str:
+    """A row's detail cell; it says when ``--swa-as-full`` could not make the SWA pool the full
+    one's size (a pool fault's slots may then index past the draft's pool)."""
+    d = r.get("detail", "").replace("|", "/")
+    return ("SWA pool sized `auto`, larger than the draft's pool. " if r.get("swa_pool")
+            else "") + d
 
 
 def plot_acceptance(rows: list[dict], path: Path) -> None:
@@ -370,7 +388,9 @@ def acceptance(a: argparse.Namespace) -> int:
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     meta = {"device": dev, "commit": a.commit, "date": datetime.date.today().isoformat(),
             "argv": " ".join(sys.argv[1:])}
-    stem = a.out / f"acceptance-{'h200' if 'H200' in dev else 'cpu' if dev == 'cpu' else 'gpu'}"
+    from common import card_tag
+
+    stem = a.out / f"acceptance-{card_tag(dev)}"
     a.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for model in a.models.split(","):

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import card_tag
+
 VARIANTS = ("eager", "graph", "graph_padded")
 
 
@@ -44,11 +46,6 @@ def _host_us(fn, n: int = 30) -> float:
         fn()
         ts.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(ts)
-
-
-def _tag(gpu: str) -> str:
-    """The record's name for a device: h200, h100, or gpu."""
-    return next((t.lower() for t in ("H200", "H100") if t in gpu), "gpu")
 
 
 def one_case(model: str, bs: int, a, do_bench) -> list[dict]:
@@ -122,7 +119,7 @@ def one_case(model: str, bs: int, a, do_bench) -> list[dict]:
 
 
 def render(rows: list[dict], meta: dict) -> str:
-    lines = [f"# Guards on against guards off ({_tag(meta['gpu']).upper()})", "",
+    lines = [f"# Guards on against guards off ({card_tag(meta['gpu']).upper()})", "",
              f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}; backend "
              f"{meta['backend']}; decode, ctx {meta['ctx']}, every layer of the model; medians of "
              f"{meta['rounds']} interleaved rounds. Target: overhead <= 3 %.", "",
@@ -173,9 +170,9 @@ def main() -> int:
             rows.append(dict(model=model, bs=int(bs), error=f"{type(exc).__name__}: {exc}"[:300]))
             print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
-        (out / f"guards-{_tag(meta['gpu'])}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (out / f"guards-{card_tag(meta['gpu'])}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = render(rows, meta)
-    (out / f"guards-{_tag(meta['gpu'])}.md").write_text(table)
+    (out / f"guards-{card_tag(meta['gpu'])}.md").write_text(table)
     print(table)
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -20,7 +20,7 @@ import torch
 
 __all__ = ["MODES", "TREE8", "SPEC_OF", "LN2", "config_of", "setup", "batch_of", "step_inputs", "step_cycle",
            "kv_bytes_read", "copy_bandwidth", "capture", "device_ms", "host_ms", "graph_case",
-           "variant_rows", "table_head", "probe_cases", "case_args"]
+           "variant_rows", "table_head", "probe_cases", "case_args", "card_tag"]
 
 MODES = {"decode": 1, "verify_chain8": 8, "verify_tree8": 8, "draft_block8": 8}
 """Step tokens per request of each mode. ``draft_block8`` is a DFlash draft step: 8 queries that
@@ -32,6 +32,13 @@ SPEC_OF = {"verify_chain8": ("spec=eagle", "spec.num_steps=7", "spec.num_draft_t
 """The spec whose step a mode is (compose overrides; other modes run under spec=none): a chain
 spec's graph buckets are captured as eager runs chains (causal), a tree spec's masked."""
 LN2 = math.log(2.0)
+
+
+def card_tag(device: str) -> str:
+    """A record's name for the device it ran on (``torch.cuda.get_device_name()``, or ``cpu``):
+    h200, h100, cpu, else gpu. A record names its card: one made on an H100 is never h200."""
+    return next((t.lower() for t in ("H200", "H100") if t in device),
+                "cpu" if device == "cpu" else "gpu")
 
 
 def config_of(model: str, backend_name: str, device: str = "cuda", overrides: tuple = ()):
