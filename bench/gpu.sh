@@ -96,7 +96,7 @@ mkdir -p "$OUT"
 gpu_env || exit 2
 
 limit() { timeout --kill-after=10 "${DEADLINE:-$1}" "${@:2}"; }  # SECONDS CMD...: DEADLINE wins
-warm() { python3 tests/backends/flashinfer_warm.py "$@" >> "$D/warm.txt" 2>&1; }  # HEAD_DIM...
+warm() { python3 tests/backends/flashinfer_warm.py "$@" >> "$D/warm.txt" 2>&1; }  # HEAD_DIM... [KIND...]
 bench() { limit "$@" --out "$D" > "$D/bench.txt" 2>&1; }  # SECONDS python3 SCRIPT ARGS...
 gpu_tests() { limit "$1" python3 -m pytest -m gpu -q -p no:cacheprovider -rA "${@:2}"; }
 
@@ -190,13 +190,13 @@ suite_generate() {  # one lane per backend (one process, jobs one after another)
     done
 }
 suite_factory() {
-    warm 64 256 512
+    warm 64 256 512 decode short mask  # no FA3 prefill (the long pole of the warm-up)
     bench 420 python3 bench/bench_factory.py --models gemma4,gpt_oss_20b \
         --modes decode,verify_chain8,verify_tree8 --bs 8,64 --triton --auto \
         --rounds "${ROUNDS:-5}" --deadline $(( ${DEADLINE:-420} - 60 )) --commit "$COMMIT"
 }
 suite_longctx() {  # Gemma 4 decode where the SWA layers' share of the bytes falls
-    warm 256 512
+    warm 256 512 decode
     bench 420 python3 bench/bench_factory.py --models gemma4 --modes decode --bs 16,64 \
         --ctx 32768,131072 --rounds "${ROUNDS:-3}" --deadline $(( ${DEADLINE:-420} - 60 )) \
         --commit "$COMMIT"
@@ -214,7 +214,7 @@ suite_pages() {
     bench 300 python3 bench/bench_pages.py --models gpt_oss_20b --bs 64 --backends "flashinfer$fa" \
         --commit "$COMMIT"
 }
-suite_guards() { warm 64 256 512; bench 300 python3 bench/bench_guards.py --commit "$COMMIT"; }
+suite_guards() { warm 64 256 512 decode; bench 300 python3 bench/bench_guards.py --commit "$COMMIT"; }
 suite_acceptance() {  # SWA pools at least as large as the full ones: a pool fault's full-space
     # slots then stay in bounds and show as sglang's users saw them, an accept-length collapse
     # (with a smaller SWA pool they index past it: a device-side assert)
