@@ -27,7 +27,12 @@ whole query group together. FlashInfer's own choice on Hopper, FA3, tiles each q
 and so reads each KV head once per query head: GPT-OSS-20b chain verify (8 tokens, bs 64, ctx
 8192, H100) ran 47.8 ms under FA3's causal prefill against 15.6 ms for the masked FA2 one.
 Longer chunks keep FlashInfer's choice (FA3 is the faster prefill there); masked passes are FA2
-anyway.
+anyway. A graph bucket's FA2 prefill is not eager's kernel: FlashInfer 0.6.18's scheduler
+(`PrefillSplitQOKVIndptr`) always splits KV under ``use_cuda_graph`` (a merge kernel follows) and
+sizes its query tile for the worst ragged batch the bucket could hold; GPT-OSS-20b chain verify
+at bs 64 replays in 8.21 ms against eager's 6.14 (H100). Its way out, ``disable_split_kv``,
+stores an unbounded chunk size in an int32 and allocates no valid-block mask for a graph's padding
+CTAs: it faulted (an illegal memory access), so it is not used.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def _kernels(run) -> Counter:
     strict=True, reason="FlashInfer's prefill planned with use_cuda_graph=True always runs its "
     "split-KV kernel and a merge, where eager's plan of the same batch does not split "
     "(GPT-OSS-20b chain verify bs 64: replay 8.21 ms, eager 6.14 ms; H100, 1c30bca); "
-    "disable_split_kv=True in a graph's plan faulted (illegal memory access)")), "triton"])
+    "disable_split_kv=True faulted there (kernels/flashinfer_passes.py says why)")), "triton"])
 def test_a_replay_runs_the_eager_steps_kernels(backend, name, model, extra) -> None:
     pytest.importorskip(backend)
     fmode, tokens, spec = MODES[name]
