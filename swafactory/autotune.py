@@ -10,7 +10,8 @@ None, and `validate` keeps the fixed preference order.
 both groups, ``workload.max_running_requests`` requests (at most 64) of
 ``workload.context_len`` committed tokens (at most 32K), SWA slots evicted as a serving engine
 does, random K/V; the plan is made once, then the layer's ``forward`` is timed with CUDA events
-(median of ``reps`` after ``warmup``). The pools of a pass are built once per tuning and shared
+(median of ``reps`` after ``warmup``); with ``backend.cuda_graph`` on, decode and verify are
+timed as one layer's graph replay, captured through the backend's graph contract. The pools of a pass are built once per tuning and shared
 by every candidate (they differ in kernels only). Decode is one query per request, verify the spec's
 ``num_draft_tokens`` as a chain, extend a ``workload.chunk_size`` chunk (at most 2048) of up to 4
 requests.
@@ -118,22 +119,56 @@ def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 2
         n = batch.total_q
         q = torch.randn(n, m.num_attention_heads, sub.head_dim, device="cuda", dtype=dt)
         k = torch.randn(n, sub.num_kv_heads, sub.head_dim, device="cuda", dtype=dt)
-        backend.init_forward_metadata(batch)
         sinks = (torch.zeros(m.num_attention_heads, device="cuda")
                  if m.attention_sinks else None)
+        run = _replay(backend, batch, lambda: backend.forward(q, k, k, layer, sinks=sinks)) \
+            if cfg.backend.cuda_graph and pass_ in GRAPHED else None
+        if run is None:  # eager: planned once, the layer's forward timed
+            backend.init_forward_metadata(batch)
+            run = lambda: backend.forward(q, k, k, layer, sinks=sinks)  # noqa: E731
         for _ in range(warmup):
-            backend.forward(q, k, k, layer, sinks=sinks)
+            run()
         times = []
         for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            backend.forward(q, k, k, layer, sinks=sinks)
+            run()
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
         return statistics.median(times)
     except (RuntimeError, ValueError):  # a kernel that cannot run here: no candidate
         return None
+
+
+GRAPHED = ("decode", "verify")
+"""Passes an engine replays from CUDA graphs when ``backend.cuda_graph`` is on (prefill and
+extend chunks run eagerly): these are timed as replays, since a library's graph kernels may not
+be its eager ones (FlashInfer splits KV in every graph-planned prefill)."""
+
+
+def _replay(backend, batch, forward):
+    """``forward`` captured through the backend's graph contract for ``batch``'s bucket and
+    planned for ``batch``: a function that replays it; None where the candidate cannot be
+    captured (it is then timed eagerly, as it would run)."""
+    import torch
+
+    bs, tokens = batch.batch_size, max(r.q_len for r in batch.reqs)
+    try:
+        backend.init_cuda_graph_state(bs, tokens, max(r.prefix_len + r.nodes for r in batch.reqs))
+        backend.init_forward_metadata_capture(bs, tokens, batch.mode)
+        side = torch.cuda.Stream()  # first use (allocations, compiles) outside the capture
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        backend.init_forward_metadata_replay(batch, bs, tokens)
+    except (RuntimeError, ValueError):
+        return None
+    return graph.replay
 
 
 def autotuned(cfg: SwaFactoryConfig, device: DeviceInfo, cache: TuneCache | None = None

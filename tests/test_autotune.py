@@ -45,6 +45,7 @@ def test_the_key_changes_with_device_geometry_dtype_and_versions() -> None:
         tune_key(_cfg(), H200, {**VERSIONS, "flashinfer-python": "0.6.19"}),
         tune_key(_cfg(), H200, {**VERSIONS, "swafactory": "0.2.0"}),
         tune_key(_cfg("workload.max_running_requests=64"), H200, VERSIONS),
+        tune_key(_cfg("backend.cuda_graph=true"), H200, VERSIONS),  # replays are timed then
     ]
     digests = {json.dumps(k, sort_keys=True) for k in [base, *others]}
     assert len(digests) == 1 + len(others)
@@ -144,3 +145,53 @@ def test_a_tuning_builds_one_pool_per_pass_for_every_candidate() -> None:
         assert batch.mode == "decode" and batch.batch_size == 2
     finally:
         at._WORLDS.clear()
+
+
+def test_a_graphed_pass_is_captured_through_the_graph_contract_and_replayed(monkeypatch) -> None:
+    """With ``backend.cuda_graph`` on, decode and verify are timed as replays (a library's graph
+    kernels may not be its eager ones): `autotune._replay` sizes the graph state for the batch,
+    captures the forward after one warm call, plans the batch for replay, and returns the replay;
+    a candidate that cannot be captured is timed eagerly (None)."""
+    import contextlib
+    import types
+
+    import torch
+
+    import swafactory.autotune as at
+
+    calls = []
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    fake = types.SimpleNamespace(
+        Stream=lambda: types.SimpleNamespace(wait_stream=lambda s: None),
+        current_stream=lambda: types.SimpleNamespace(wait_stream=lambda s: None),
+        stream=lambda s: contextlib.nullcontext(), CUDAGraph=Graph,
+        graph=lambda g: contextlib.nullcontext(calls.append("capture")))
+    monkeypatch.setattr(torch, "cuda", fake)
+
+    class Backend:
+        def init_cuda_graph_state(self, bs, tokens, keys):
+            calls.append(("state", bs, tokens, keys))
+
+        def init_forward_metadata_capture(self, bs, tokens, mode):
+            calls.append(("capture plan", bs, tokens, mode))
+
+        def init_forward_metadata_replay(self, batch, bs, tokens):
+            calls.append(("replay plan", bs, tokens))
+
+    reqs = [types.SimpleNamespace(q_len=4, prefix_len=p, nodes=4) for p in (10, 30)]
+    batch = types.SimpleNamespace(batch_size=2, reqs=reqs, mode="target_verify")
+    run = at._replay(Backend(), batch, lambda: calls.append("forward"))
+    assert calls == [("state", 2, 4, 34), ("capture plan", 2, 4, "target_verify"), "forward",
+                     "capture", "forward", ("replay plan", 2, 4)]
+    run()
+    assert calls[-1] == "replay"
+
+    class Refuses(Backend):
+        def init_forward_metadata_capture(self, bs, tokens, mode):
+            raise ValueError("no graphs here")
+
+    assert at._replay(Refuses(), batch, lambda: None) is None

@@ -13,8 +13,8 @@ stays below the kernels.
 * **Choice** (`choose`): per group, the family whose passes' best times sum lowest, and per pass
   the fastest choice in it; a pass no candidate could time keeps `auto`.
 * **Cache** (`TuneCache`): one JSON file, keyed by the device, the geometry per group, the KV
-  dtype, page size, verify tokens, batch and context, the kernel libraries' versions and the
-  project's (`tune_key`). An entry of another schema, or whose recorded key fields differ from
+  dtype, page size, verify tokens, batch and context, whether passes replay from CUDA graphs, the
+  kernel libraries' versions and the project's (`tune_key`). An entry of another schema, or whose recorded key fields differ from
   the run's, is stale: it is measured again and replaced.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from swafactory.registry.suggest import AUTO_PREFERENCE
 __all__ = ["SCHEMA", "Choice", "Tuning", "tune_key", "library_versions", "TuneCache",
            "candidates", "choose", "apply", "tune"]
 
-SCHEMA = 1
+SCHEMA = 2
 """Bumped when what an entry holds, or how it is measured, changes: older entries are stale."""
 CHOICES = ("auto", "cuda", "triton", "library")
 
@@ -75,7 +75,7 @@ def tune_key(cfg: SwaFactoryConfig, device: DeviceInfo,
                          "window": m.sliding_window if g == "swa" else None}
     return {"schema": SCHEMA, "device": device.name or device.kind, "sm": device.sm,
             "groups": groups, "kv_dtype": b.kv_dtype, "page_size": b.page_size,
-            "softcap": m.logit_softcap, "sinks": m.attention_sinks,
+            "softcap": m.logit_softcap, "sinks": m.attention_sinks, "graphs": b.cuda_graph,
             "verify_tokens": cfg.spec.num_draft_tokens, "tree": cfg.spec.is_tree,
             "batch": w.max_running_requests, "context": w.context_len,
             "chunk": w.chunk_size, "passes": list(_passes(cfg)),
