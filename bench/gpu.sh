@@ -52,6 +52,8 @@
 #   LANES        generate: backend:gpu words (default flashinfer:0); GRAPHS: "false true"
 #   OVERRIDES    generate: more overrides for every job (e.g. run.overlap=true)
 #   ROUNDS       factory: interleaved factory/raw rounds (default 5)
+#   ACC_MODELS / ACC_FAMILIES   acceptance: narrow its rows (a call fits about 16 on one GPU;
+#                trained targets and drafts are cached in SWAFACTORY_CACHE_DIR between calls)
 SITE_PATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages  # pip --target skips .pth files:
 # cutlass-dsl's package path (flash-attn-4) is added by hand
 
@@ -215,11 +217,14 @@ suite_pages() {
         --commit "$COMMIT"
 }
 suite_guards() { warm 64 256 512 decode; bench 300 python3 bench/bench_guards.py --commit "$COMMIT"; }
-suite_acceptance() {  # SWA pools at least as large as the full ones: a pool fault's full-space
+suite_acceptance() {  # SWA pools the full ones' size (the draft's own pool's): a pool fault's
     # slots then stay in bounds and show as sglang's users saw them, an accept-length collapse
-    # (with a smaller SWA pool they index past it: a device-side assert)
-    bench 540 python3 bench/bench_generate.py acceptance --models gemma4,gpt_oss_20b \
-        --backends flashinfer,triton --families eagle,dflash,frozen_kv_mtp \
+    # (past a smaller draft pool they index out of bounds: a device-side assert). Chunks of
+    # more than 16 tokens load FA3's causal prefill: every kind is warmed
+    warm 64 256 512
+    bench 540 python3 bench/bench_generate.py acceptance \
+        --models "${ACC_MODELS:-gemma4,gpt_oss_20b}" --backends flashinfer,triton \
+        --families "${ACC_FAMILIES:-eagle,dflash,frozen_kv_mtp}" \
         --faults allocator_pool_for_own_pool_draft,pool_cached_at_init \
         --swa-as-full --commit "$COMMIT"
 }
