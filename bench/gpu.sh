@@ -52,7 +52,8 @@
 #   LANES        generate: backend:gpu words (default flashinfer:0); GRAPHS: "false true"
 #   OVERRIDES    generate: more overrides for every job (e.g. run.overlap=true)
 #   ROUNDS       factory: interleaved factory/raw rounds (default 5)
-#   ACC_MODELS / ACC_FAMILIES   acceptance: narrow its rows (a call fits about 16 on one GPU;
+#   ACC_MODELS / ACC_FAMILIES   acceptance: narrow its rows (8 rows and their training took 272 s
+#                on an H100 once FlashInfer was warm;
 #                trained targets and drafts are cached in SWAFACTORY_CACHE_DIR between calls)
 SITE_PATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages  # pip --target skips .pth files:
 # cutlass-dsl's package path (flash-attn-4) is added by hand
