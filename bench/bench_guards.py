@@ -170,7 +170,8 @@ def main() -> int:
             rows.append(dict(model=model, bs=int(bs), error=f"{type(exc).__name__}: {exc}"[:300]))
             print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
-        (out / f"guards-{card_tag(meta['gpu'])}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (out / f"guards-{card_tag(meta['gpu'])}.json").write_text(
+            json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = render(rows, meta)
     (out / f"guards-{card_tag(meta['gpu'])}.md").write_text(table)
     print(table)

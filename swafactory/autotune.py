@@ -7,14 +7,14 @@ choices with their times, for `run=plan` and report.json); otherwise the config 
 None, and `validate` keeps the fixed preference order.
 
 `measure_pass` times one pass of one layer of a group: a model cut to the first layers that hold
-both groups, ``workload.max_running_requests`` requests (at most 64) of
-``workload.context_len`` committed tokens (at most 32K), SWA slots evicted as a serving engine
-does, random K/V; the plan is made once, then the layer's ``forward`` is timed with CUDA events
-(median of ``reps`` after ``warmup``); with ``backend.cuda_graph`` on, decode and verify are
-timed as one layer's graph replay, captured through the backend's graph contract. The pools of a pass are built once per tuning and shared
-by every candidate (they differ in kernels only). Decode is one query per request, verify the spec's
-``num_draft_tokens`` as a chain, extend a ``workload.chunk_size`` chunk (at most 2048) of up to 4
-requests.
+both groups, ``workload.max_running_requests`` requests (at most 64) of ``workload.context_len``
+committed tokens (at most 32K), SWA slots evicted as a serving engine does, random K/V; the plan
+is made once, then the layer's ``forward`` is timed with CUDA events (median of ``reps`` after
+``warmup``); with ``backend.cuda_graph`` on, decode and verify are timed as one layer's graph
+replay, captured through the backend's graph contract. The pools of a pass are built once per
+tuning and shared by every candidate (they differ in kernels only). Decode is one query per
+request, verify the spec's ``num_draft_tokens`` as a chain, extend a ``workload.chunk_size``
+chunk (at most 2048) of up to 4 requests.
 """
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TRITON_VERIFY_MIN_HEAD_DIM", "FA2_MAX_QUERIES", "Signature", "Pass", "uses_triton_verify",
-           "bucket_tiled", "graph_buffers", "pad_to_bucket"]
+__all__ = ["TRITON_VERIFY_MIN_HEAD_DIM", "FA2_MAX_QUERIES", "Signature", "Pass",
+           "uses_triton_verify", "bucket_tiled", "graph_buffers", "pad_to_bucket"]
 
 TRITON_VERIFY_MIN_HEAD_DIM = 512
 """Head dims from which a 17-64-row multi-query pass runs the Triton tile (`uses_triton_verify`)."""

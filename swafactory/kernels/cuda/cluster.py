@@ -16,8 +16,8 @@ def cluster_splits(programs: int, keys_per_request: float, sms: int,
     """Splits per (request, KV head), a power of two ≤ 8 (a portable cluster), from static sizes:
     the most that keep ``programs`` × splits CTAs in one wave on ``sms`` multiprocessors holding
     ``per_sm`` CTAs each, and no more splits than ``bn``-key tiles. ``hint`` (a caller's split
-    count, e.g. planned from a window) caps it. GPT-OSS on the H200 (132 SMs, 8 KV heads, 8192 keys): 4 splits at bs 8
-    with 4 CTAs a multiprocessor (8 with 6), 1 at bs 64."""
+    count, e.g. planned from a window) caps it. GPT-OSS on the H200 (132 SMs, 8 KV heads, 8192
+    keys): 4 splits at bs 8 with 4 CTAs a multiprocessor (8 with 6), 1 at bs 64."""
     slots = per_sm * sms
     tiles = max(1, -(-int(keys_per_request) // bn))
     cap = min(8, tiles, hint or 8)
