@@ -121,8 +121,8 @@ def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 2
         k = torch.randn(n, sub.num_kv_heads, sub.head_dim, device="cuda", dtype=dt)
         sinks = (torch.zeros(m.num_attention_heads, device="cuda")
                  if m.attention_sinks else None)
-        run = _replay(backend, batch, lambda: backend.forward(q, k, k, layer, sinks=sinks)) \
-            if cfg.backend.cuda_graph and pass_ in GRAPHED else None
+        run = _replay(backend, batch, lambda: backend.forward(q, k, k, layer, sinks=sinks),
+                      q.device) if cfg.backend.cuda_graph and pass_ in GRAPHED else None
         if run is None:  # eager: planned once, the layer's forward timed
             backend.init_forward_metadata(batch)
             run = lambda: backend.forward(q, k, k, layer, sinks=sinks)  # noqa: E731
@@ -147,24 +147,17 @@ extend chunks run eagerly): these are timed as replays, since a library's graph 
 be its eager ones (FlashInfer splits KV in every graph-planned prefill)."""
 
 
-def _replay(backend, batch, forward):
-    """``forward`` captured through the backend's graph contract for ``batch``'s bucket and
-    planned for ``batch``: a function that replays it; None where the candidate cannot be
-    captured (it is then timed eagerly, as it would run)."""
-    import torch
+def _replay(backend, batch, forward, device):
+    """``forward`` captured for ``batch``'s bucket as the drivers capture (`graphs.capture_step`,
+    after sizing the graph state for the batch) and planned for ``batch``: a function that
+    replays it; None where the candidate cannot be captured (it is then timed eagerly, as it
+    would run)."""
+    from swafactory.graphs import capture_step
 
     bs, tokens = batch.batch_size, max(r.q_len for r in batch.reqs)
     try:
         backend.init_cuda_graph_state(bs, tokens, max(r.prefix_len + r.nodes for r in batch.reqs))
-        backend.init_forward_metadata_capture(bs, tokens, batch.mode)
-        side = torch.cuda.Stream()  # first use (allocations, compiles) outside the capture
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
+        graph, _ = capture_step(backend, bs, tokens, batch.mode, forward, device)
         backend.init_forward_metadata_replay(batch, bs, tokens)
     except (RuntimeError, ValueError):
         return None

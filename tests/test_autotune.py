@@ -150,7 +150,8 @@ def test_a_tuning_builds_one_pool_per_pass_for_every_candidate() -> None:
 def test_a_graphed_pass_is_captured_through_the_graph_contract_and_replayed(monkeypatch) -> None:
     """With ``backend.cuda_graph`` on, decode and verify are timed as replays (a library's graph
     kernels may not be its eager ones): `autotune._replay` sizes the graph state for the batch,
-    captures the forward after one warm call, plans the batch for replay, and returns the replay;
+    captures the forward after one warm call (`graphs.capture_step`, the drivers' own), plans the
+    batch for replay, and returns the replay;
     a candidate that cannot be captured is timed eagerly (None)."""
     import contextlib
     import types
@@ -166,8 +167,8 @@ def test_a_graphed_pass_is_captured_through_the_graph_contract_and_replayed(monk
             calls.append("replay")
 
     fake = types.SimpleNamespace(
-        Stream=lambda: types.SimpleNamespace(wait_stream=lambda s: None),
-        current_stream=lambda: types.SimpleNamespace(wait_stream=lambda s: None),
+        Stream=lambda *a: types.SimpleNamespace(wait_stream=lambda s: None),
+        current_stream=lambda *a: types.SimpleNamespace(wait_stream=lambda s: None),
         stream=lambda s: contextlib.nullcontext(), CUDAGraph=Graph,
         graph=lambda g: contextlib.nullcontext(calls.append("capture")))
     monkeypatch.setattr(torch, "cuda", fake)
@@ -184,7 +185,7 @@ def test_a_graphed_pass_is_captured_through_the_graph_contract_and_replayed(monk
 
     reqs = [types.SimpleNamespace(q_len=4, prefix_len=p, nodes=4) for p in (10, 30)]
     batch = types.SimpleNamespace(batch_size=2, reqs=reqs, mode="target_verify")
-    run = at._replay(Backend(), batch, lambda: calls.append("forward"))
+    run = at._replay(Backend(), batch, lambda: calls.append("forward"), torch.device("cuda"))
     assert calls == [("state", 2, 4, 34), ("capture plan", 2, 4, "target_verify"), "forward",
                      "capture", "forward", ("replay plan", 2, 4)]
     run()
@@ -194,4 +195,4 @@ def test_a_graphed_pass_is_captured_through_the_graph_contract_and_replayed(monk
         def init_forward_metadata_capture(self, bs, tokens, mode):
             raise ValueError("no graphs here")
 
-    assert at._replay(Refuses(), batch, lambda: None) is None
+    assert at._replay(Refuses(), batch, lambda: None, torch.device("cuda")) is None

@@ -16,8 +16,7 @@ the end). So:
 * decode (one query per request, no mask): the tensor-core decode wrapper, ``window_left = W-1``;
 * plain multi-query passes (prefill chunks, extend, chain verify, chain draft, draft extend):
   the prefill wrapper with ``causal=True, window_left = W-1`` and no mask: nothing per
-  (query, key) is built, whatever the chunk (planning memory is the key lists'); FA2's prefill
-  for passes of a few queries per request (`flashinfer_passes`: FA3 reads K/V per query head);
+  (query, key) is built, whatever the chunk (planning memory is the key lists');
 * trees, DFlash blocks, prefix-only queries and cascade halves: the prefill wrapper with a
   host-built custom mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, since
   there the list index is not the position (tree nodes at ``prefix + depth``, DESIGN invariant 4);
@@ -39,7 +38,8 @@ wrapper's scheduler call alone where it has FlashInfer 0.6's internals
 (`flashinfer_replan`), else through FlashInfer's ``fast_decode_plan`` (what sglang's decode
 steps use).
 
-CUDA graphs (`plan(…, graph=(bucket, tokens))`) and wide verify on our tile: `flashinfer_passes`.
+CUDA graphs (`plan(…, graph=(bucket, tokens))`), wide verify on our tile and FA2 for short
+causal passes: `flashinfer_passes`.
 
 Masks travel packed, at host-known offsets (`flashinfer_tables`: 0.6.18's bit-offset quirk).
 
@@ -58,9 +58,9 @@ import torch
 
 from swafactory.kernels import flashinfer_replan as replan
 from swafactory.kernels.flashinfer_check import check_at_start, check_version
-from swafactory.kernels.flashinfer_passes import (FA2_MAX_QUERIES, TRITON_VERIFY_MIN_HEAD_DIM,
-                                                  Pass, Signature,
-                                                  bucket_tiled, graph_buffers, pad_to_bucket,
+from swafactory.kernels.flashinfer_passes import (TRITON_VERIFY_MIN_HEAD_DIM, Pass, Signature,
+                                                  bucket_tiled, graph_buffers, held_bytes,
+                                                  pad_to_bucket, prefill_backend,
                                                   uses_triton_verify)
 from swafactory.kernels.flashinfer_staging import StagingRing
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
@@ -250,7 +250,7 @@ class Adapter:
         tokens = t.max_q_len if graph is None else graph[1]
         return Pass(key, role, window, decode, qo_host, kv_host, indices, last, mask, mask_off,
                     graph=graph, page=self._page, kv_dev=kv_dev, causal=causal,
-                    backend="fa2" if causal and tokens <= FA2_MAX_QUERIES else "auto")
+                    backend=prefill_backend(causal, tokens))
 
     def _keys(self, window: int | None, tokens: int) -> int:
         """Most keys one request of a graph bucket reads (`graph_keys`, else the largest
@@ -306,14 +306,8 @@ class Adapter:
         return w
 
     def graph_bytes(self) -> int:
-        """Bytes of the graph wrappers' fixed buffers and their own int workspaces (FlashInfer
-        gives each wrapper one; the float workspace is shared with eager passes, not counted)."""
-        held = {}  # data pointer → bytes: a buffer counted once
-        for k, bufs in self._graph_bufs.items():
-            ws = getattr(self._wrappers.get(k), "_int_workspace_buffer", None)
-            for b in (*bufs, *((ws,) if isinstance(ws, torch.Tensor) else ())):
-                held[b.data_ptr()] = b.numel() * b.element_size()
-        return sum(held.values()) + sum(st.nbytes for st in self._static.values())
+        """Bytes this adapter holds for CUDA graphs (`flashinfer_passes.held_bytes`)."""
+        return held_bytes(self._graph_bufs, self._wrappers, self._static)
 
     def _plan_wrapper(self, p: Pass, sig: Signature, device: torch.device) -> None:
         hq, hkv, d, q_dtype, kv_dtype, scale, softcap = sig

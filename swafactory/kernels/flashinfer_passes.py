@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["TRITON_VERIFY_MIN_HEAD_DIM", "FA2_MAX_QUERIES", "Signature", "Pass",
-           "uses_triton_verify", "bucket_tiled", "graph_buffers", "pad_to_bucket"]
+           "prefill_backend", "uses_triton_verify", "bucket_tiled", "graph_buffers",
+           "held_bytes", "pad_to_bucket"]
 
 TRITON_VERIFY_MIN_HEAD_DIM = 512
 """Head dims from which a 17-64-row multi-query pass runs the Triton tile (`uses_triton_verify`)."""
@@ -96,6 +97,11 @@ class Pass:
         return (self.group, self.role, self.decode, self.causal, self.graph, self.backend)
 
 
+def prefill_backend(causal: bool, tokens: int) -> str:
+    """`Pass.backend` for a pass of up to ``tokens`` queries per request (FA2 for short causal)."""
+    return "fa2" if causal and tokens <= FA2_MAX_QUERIES else "auto"
+
+
 Signature = tuple
 """(q heads, KV heads, head_dim, q dtype, KV dtype, scale, soft-cap): what ``wrapper.plan`` needs
 beyond the tables; the same for every layer of a group."""
@@ -139,6 +145,18 @@ def graph_buffers(p: Pass, keys: int, page: int, device: torch.device) -> dict:
                                               dtype=torch.uint8, device=device),
                   mask_indptr_buf=torch.zeros(n + 1, **i32))
     return kw
+
+
+def held_bytes(graph_bufs: dict, wrappers: dict, static: dict) -> int:
+    """Bytes of the graph wrappers' fixed buffers (``graph_bufs``: wrapper key → its buffers) and
+    their own int workspaces (FlashInfer gives each wrapper one; the float workspace is shared
+    with eager passes, not counted), and of the static tables of tiled buckets."""
+    held = {}  # data pointer → bytes: a buffer counted once
+    for k, bufs in graph_bufs.items():
+        ws = getattr(wrappers.get(k), "_int_workspace_buffer", None)
+        for b in (*bufs, *((ws,) if isinstance(ws, torch.Tensor) else ())):
+            held[b.data_ptr()] = b.numel() * b.element_size()
+    return sum(held.values()) + sum(st.nbytes for st in static.values())
 
 
 def pad_to_bucket(graph: tuple[int, int], causal: bool, qo_host: torch.Tensor,
