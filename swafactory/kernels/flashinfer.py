@@ -20,8 +20,10 @@ the end). So:
 * trees, DFlash blocks, prefix-only queries and cascade halves: the prefill wrapper with a
   host-built custom mask ``structure & (q_pos - kv_pos < W)`` and ``window_left = -1``, since
   there the list index is not the position (tree nodes at ``prefix + depth``, DESIGN invariant 4);
-* CUDA-graph buckets of several tokens: the causal prefill where the spec makes only chains,
-  else the masked one, or our tile for a wide verify (`flashinfer_passes`).
+* verify and draft passes of at most 64 rows per KV head (queries × GQA group): our extend
+  tile, eagerly and in CUDA graphs alike (`flashinfer_passes`);
+* CUDA-graph buckets of several tokens past that: the causal prefill where the spec makes only
+  chains, else the masked one.
 
 Causal and masked passes use separate wrappers: FlashInfer picks a wrapper's FA2/FA3 backend at
 its first plan from whether a mask is given.
@@ -38,7 +40,7 @@ wrapper's scheduler call alone where it has FlashInfer 0.6's internals
 (`flashinfer_replan`), else through FlashInfer's ``fast_decode_plan`` (what sglang's decode
 steps use).
 
-CUDA graphs (`plan(…, graph=(bucket, tokens))`), wide verify on our tile and FA2 for short
+CUDA graphs (`plan(…, graph=(bucket, tokens))`), verify on our tile and FA2 for short
 causal passes: `flashinfer_passes`.
 
 Masks travel packed, at host-known offsets (`flashinfer_tables`: 0.6.18's bit-offset quirk).
@@ -46,9 +48,9 @@ Masks travel packed, at host-known offsets (`flashinfer_tables`: 0.6.18's bit-of
 Sinks are served by an exact epilogue on the returned LSE (``o · σ(lse - sink)``): FlashInfer
 0.6.18's FA2/FA3 paged runs accept ``sinks=`` but drop it (only trtllm-gen, SM100+, reads it).
 
-``backend.kernels.<group>.verify`` chooses what serves a wide verify (``library``: FlashInfer's
-prefill; ``triton``: no CUDA dense run); `run=plan` shows it. The FlashInfer version and its mask layout are checked
-at start (`flashinfer_check`).
+``backend.kernels.<group>.verify`` chooses what serves verify (``library``: FlashInfer's
+prefill; ``triton``: no CUDA dense run); `run=plan` shows it. The FlashInfer version and its mask
+layout are checked at start (`flashinfer_check`).
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ import torch
 
 from swafactory.kernels import flashinfer_replan as replan
 from swafactory.kernels.flashinfer_check import check_at_start, check_version
-from swafactory.kernels.flashinfer_passes import (TRITON_VERIFY_MIN_HEAD_DIM, Pass, Signature,
+from swafactory.kernels.flashinfer_passes import (TILE_MAX_ROWS, Pass, Signature,
                                                   bucket_tiled, graph_buffers, held_bytes,
                                                   pad_to_bucket, prefill_backend,
                                                   uses_triton_verify)
@@ -73,7 +75,7 @@ from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
 __all__ = ["CAPABILITIES", "Adapter", "page_table", "custom_mask", "packed_custom_mask",
-           "apply_sinks", "uses_triton_verify", "TRITON_VERIFY_MIN_HEAD_DIM"]
+           "apply_sinks", "uses_triton_verify", "TILE_MAX_ROWS"]
 
 _LN2 = math.log(2.0)
 # Split-KV partials of one prefill pass: a 256-token chunk of Gemma 4's full layers (32 q heads ×
@@ -163,7 +165,7 @@ class Adapter:
         """The pinned plan staging, one buffer per in-flight plan (`flashinfer_staging`)."""
         self.kernels = None
         """The backend's `registry.kernel_choice.KernelPolicy` (set by `build_backend`): whether
-        our tiles serve wide verify (`uses_triton_verify`) and our CUDA dense run with them."""
+        our tiles serve verify (`uses_triton_verify`) and our CUDA dense run with them."""
         self._mode = None  # the planned forward's mode: which pass's choice serves it
         check_version()  # a FlashInfer other than the tested one is refused here (importable only)
 

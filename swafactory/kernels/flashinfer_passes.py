@@ -12,14 +12,18 @@ replays: where the spec makes only chains, a verify or draft-extend bucket is th
 eager runs them with; otherwise the masked prefill, which serves trees too. Requests may have
 fewer queries than ``tokens`` (draft extend): the rows past the batch's are padding.
 
-Wide verify. A multi-query pass of 17-64 rows per KV head at head_dim ≥ 512 (Gemma 4's full
-layers in verify, tree and DFlash steps) runs swafactory's extend tile on the same tables instead
-of FlashInfer's prefill: its dense run through our CUDA kernel where nvcc is present
-(`kernels/cuda/verify_d512.cu`), the other keys through the Triton tile. H200, bs 64, ctx 8192,
-8 tokens: that dense run 1.20 ms, the Triton tile 2.01, FlashInfer's custom mask 2.23, its decode
-of the same K/V 0.99 (bench/results/probe-verify-cuda-d79e545.md). A graph bucket whose tokens
-put it there runs the same tile over static tables (`triton.adapter.StaticTables`, refilled in
-place), so its replay runs eager's kernels.
+Verify on our tile. A multi-query pass of at most `TILE_MAX_ROWS` rows per KV head (queries ×
+the GQA group: chain and tree verify, DFlash blocks, draft extend) runs swafactory's extend tile on
+the same tables instead of FlashInfer's prefill, eagerly and in CUDA graphs: at head_dim 512 its
+dense run through our CUDA kernel where nvcc is present (`kernels/cuda/verify_d512.cu`), the other
+keys through the Triton tile. A graph bucket whose tokens put it there runs the same tile over
+static tables (`triton.adapter.StaticTables`, refilled in place), so its replay runs eager's
+kernels, which FlashInfer's own graph plans cannot promise (below). Measured: Gemma 4 full layers
+(H200, bs 64, ctx 8192, 8 tokens) the dense run 1.20 ms, the Triton tile 2.01, FlashInfer's custom
+mask 2.23, its decode of the same K/V 0.99 (bench/results/probe-verify-cuda-d79e545.md); GPT-OSS-20b
+chain verify (H100, bs 64) the Triton step 5.79 ms against FlashInfer's FA2 6.14 eager and 8.21
+replayed. ``backend.kernels.<group>.verify=library`` keeps FlashInfer's prefill (autotune times
+both).
 
 FA2 for short passes. A causal pass of at most `FA2_MAX_QUERIES` queries per request (chain
 verify, draft extend, a chunk's tail) asks FlashInfer for its FA2 prefill, which tiles a KV head's
@@ -40,12 +44,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TRITON_VERIFY_MIN_HEAD_DIM", "FA2_MAX_QUERIES", "Signature", "Pass",
+__all__ = ["TILE_MAX_ROWS", "FA2_MAX_QUERIES", "Signature", "Pass",
            "prefill_backend", "uses_triton_verify", "bucket_tiled", "graph_buffers",
            "held_bytes", "pad_to_bucket"]
 
-TRITON_VERIFY_MIN_HEAD_DIM = 512
-"""Head dims from which a 17-64-row multi-query pass runs the Triton tile (`uses_triton_verify`)."""
+TILE_MAX_ROWS = 64
+"""Most rows per KV head (queries × GQA group) of a multi-query pass our tile serves: its
+query tile (`uses_triton_verify`)."""
 
 FA2_MAX_QUERIES = 16
 """Most queries per request for which a causal pass asks for FlashInfer's FA2 prefill."""
@@ -109,17 +114,16 @@ beyond the tables; the same for every layer of a group."""
 
 def bucket_tiled(sig: Signature, tokens: int) -> bool:
     """`uses_triton_verify` for a graph bucket of ``tokens`` queries per request."""
-    hq, hkv, d = sig[:3]
-    return tokens > 1 and d >= TRITON_VERIFY_MIN_HEAD_DIM and 16 < tokens * (hq // hkv) <= 64
+    hq, hkv = sig[:2]
+    return 1 < tokens and tokens * (hq // hkv) <= TILE_MAX_ROWS
 
 
 def uses_triton_verify(sig: Signature, t) -> bool:
-    """Whether a pass of ``t`` under ``sig`` runs the Triton extend tile: a masked or
-    multi-query pass (FlashInfer's prefill) of 17-64 rows per KV head at head_dim ≥ 512."""
-    hq, hkv, d = sig[:3]
-    rows = t.max_q_len * (hq // hkv)
+    """Whether a pass of ``t`` under ``sig`` runs our extend tile: a masked or multi-query pass
+    (FlashInfer's prefill) of at most `TILE_MAX_ROWS` rows per KV head."""
+    hq, hkv = sig[:2]
     prefill = t.mask is not None or t.max_q_len > 1
-    return prefill and d >= TRITON_VERIFY_MIN_HEAD_DIM and 16 < rows <= 64
+    return prefill and t.max_q_len * (hq // hkv) <= TILE_MAX_ROWS
 
 
 def graph_buffers(p: Pass, keys: int, page: int, device: torch.device) -> dict:

@@ -9,8 +9,8 @@ Our kernels, by pass, inside the family `backend.groups` gives a group:
   else the Triton decode.
 - verify, family triton or flashinfer: the CUDA dense run `verify_d512` (bf16, head_dim 512,
   group 8, ≤ 64 rows per KV head, no soft-cap, SM ≥ 8.0) beside the Triton extend tile. Under
-  flashinfer our tiles serve eager verify of 17-64 rows per KV head at head_dim ≥ 512
-  (`kernels.flashinfer.uses_triton_verify`); FlashInfer's prefill serves the rest and graphs.
+  flashinfer our tiles serve verify of ≤ 64 rows per KV head, eagerly and in CUDA graphs
+  (`kernels.flashinfer.uses_triton_verify`); FlashInfer's prefill serves wider ones.
 - extend: the family's kernel (no CUDA kernel of ours holds a prefill chunk).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ PASSES = ("decode", "verify", "extend")
 MODE_PASS = {"decode": "decode", "draft_decode": "decode", "target_verify": "verify",
              "draft_extend": "verify", "extend": "extend"}
 """A forward mode → the pass whose choice serves it."""
-_WIDE_MIN_D, _WIDE_ROWS = 512, (17, 64)  # flashinfer's own bounds (`uses_triton_verify`)
+_TILE_ROWS = 64  # flashinfer's own bound (`kernels.flashinfer_passes.TILE_MAX_ROWS`)
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,7 @@ def ours_serve(g: GroupFacts, pass_: str) -> bool:
     if g.family == "triton":
         return True
     rows = g.verify_tokens * g.gqa
-    return (g.family == "flashinfer" and pass_ == "verify" and g.head_dim >= _WIDE_MIN_D
-            and _WIDE_ROWS[0] <= rows <= _WIDE_ROWS[1])
+    return g.family == "flashinfer" and pass_ == "verify" and rows <= _TILE_ROWS
 
 
 def cuda_kernel(g: GroupFacts, pass_: str, device: DeviceInfo) -> tuple[str | None, list[str]]:
@@ -98,8 +97,8 @@ def cuda_kernel(g: GroupFacts, pass_: str, device: DeviceInfo) -> tuple[str | No
     if g.family not in ("triton", "flashinfer"):
         why.append(f"{g.family} runs its own kernel for verify")
     elif g.family == "flashinfer" and g.verify_tokens and not ours_serve(g, "verify"):
-        why.append(f"under flashinfer our verify tiles serve 17-64 rows per KV head at head_dim "
-                   f"≥ 512; group {g.group} has {rows} rows at head_dim {g.head_dim}")
+        why.append(f"under flashinfer our verify tiles serve ≤ {_TILE_ROWS} rows per KV head; "
+                   f"group {g.group} has {g.verify_tokens} tokens × group {g.gqa} = {rows}")
     if g.kv_dtype != "bfloat16" or g.head_dim != 512 or g.gqa != 8:
         why.append(f"the CUDA verify tile serves a bfloat16 pool at head_dim 512 and GQA group 8; "
                    f"group {g.group} has {g.kv_dtype}, head_dim {g.head_dim}, group {g.gqa}")
@@ -211,12 +210,10 @@ def resolve_passes(cfg: SwaFactoryConfig, device: DeviceInfo, *, nvcc: bool,
             if name is None and pass_ == "extend" and g.family == "triton" and c == "auto":
                 name, _ = cuda_kernel(g, "verify", device)  # the dense run of ≤ 64-row chunks
                 words = f"triton extend tile + cuda {name} for chunks of ≤ 64 rows per KV head"
-            graph_note = ("; graph replays: flashinfer BatchPrefill" if g.family == "flashinfer"
-                          and cfg.backend.cuda_graph else "")
             if name is None or c == "triton":
                 why = ("config" if c == "triton" else "auto: cpu" if device.kind != "cuda"
                        else "auto: no CUDA kernel for this pass")
-                out.append(PassResolution(pass_, g.group, tri, why + graph_note, False, True,
+                out.append(PassResolution(pass_, g.group, tri, why, False, True,
                                           allow_cuda=c != "triton"))
                 continue
             blocked = (override.get(pass_) and f"override: {override[pass_]}"
@@ -224,10 +221,10 @@ def resolve_passes(cfg: SwaFactoryConfig, device: DeviceInfo, *, nvcc: bool,
                        or (failures.get((pass_, g.group)) and
                            f"fallback: {failures[(pass_, g.group)]}"))
             if blocked:
-                out.append(PassResolution(pass_, g.group, tri, blocked + graph_note, False, True,
+                out.append(PassResolution(pass_, g.group, tri, blocked, False, True,
                                           name))
             else:
-                why = ("config" if c == "cuda" else "auto: nvcc present") + graph_note
+                why = "config" if c == "cuda" else "auto: nvcc present"
                 out.append(PassResolution(pass_, g.group, words, why, True, True, name, True))
     return tuple(out)
 

@@ -1,5 +1,7 @@
 """Plain passes reach FlashInfer as ``causal=True, window_left=W-1`` with no mask; trees, DFlash
 blocks, tree drafts and cascade halves keep the custom mask; every output equals the oracle.
+Every pass is FlashInfer's here (``backend.kernels.*.*=library``; by default our tile serves
+multi-query passes of ≤ 64 rows per KV head: test_flashinfer_host.py).
 
 Through `flashinfer_fake`, which counts FlashInfer's causality and window from the end of each
 request's key list (``kv_len - q_len + i``) as the real kernels do: a plain pass whose list did
@@ -17,7 +19,7 @@ from swafactory.metadata import ForwardBatch
 from swafactory.kernels.flashinfer_passes import FA2_MAX_QUERIES
 from swafactory.window import flashinfer_window_left
 from test_backends_vs_oracle import assert_close, run_mode
-from test_flashinfer_host import adapter_world
+from test_flashinfer_host import adapter_world, set_policy
 
 W = 20
 PLAIN = ("extend", "extend_prefix", "verify_chain", "draft_extend")
@@ -42,6 +44,14 @@ def plans(monkeypatch):
     return calls
 
 
+def library_world(page: int, **kw):
+    """``tiny`` at window W on FlashInfer, every pass FlashInfer's own kernels."""
+    world, cfg = adapter_world("tiny", page, [f"model.sliding_window={W}"], **kw)
+    set_policy(world, "tiny", *(f"backend.kernels.{g}.{p}=library" for g in ("swa", "full")
+                                for p in ("decode", "verify", "extend")))
+    return world, cfg
+
+
 def _window(group: str) -> int | None:
     return int(group.split("/w")[1]) if "/w" in group else None
 
@@ -52,7 +62,7 @@ def test_plain_passes_run_causal_and_structured_ones_keep_the_mask(plans, page: 
                                                                    mode: str) -> None:
     """Windows start mid-page at P = 16 (the SWA lists are trimmed to a page start before the
     window), prefixes are W-1 … 2W+3 tokens; the oracle checks every layer of both groups."""
-    world, _ = adapter_world("tiny", page, [f"model.sliding_window={W}"])
+    world, _ = library_world(page)
     checks = run_mode(world, mode, [0, 2], W)
     assert_close(checks)
     ad = world.backend.adapter
@@ -82,7 +92,7 @@ def test_plain_passes_run_causal_and_structured_ones_keep_the_mask(plans, page: 
 def test_cascade_prefix_keeps_its_mask(plans) -> None:
     """A cascade's prefix half has no structure mask but its queries (tree nodes) come after
     its keys: FlashInfer's causal rule would hide most of them. It is planned masked."""
-    world, _ = adapter_world("tiny", 16, [f"model.sliding_window={W}"], tree_mask="cascade")
+    world, _ = library_world(16, tree_mask="cascade")
     plans.clear()
     assert_close(run_mode(world, "verify_tree_4", [0, 2], W))
     roles = {(k[1], k[3]) for k in world.backend.adapter._wrappers if not k[2]}
@@ -95,7 +105,7 @@ def test_natural_tables_end_at_their_last_query(plans, page: int) -> None:
     are consecutive positions ending at its last query, its queries consecutive up to there
     (requests of several lengths, SWA lists trimmed to a page start); structured batches are not
     natural."""
-    world, _ = adapter_world("tiny", page, [f"model.sliding_window={W}"])
+    world, _ = library_world(page)
     lens = [3, W - 1, W + 5, 2 * W + 9]
     for r, n in enumerate(lens):
         world.open(r)
@@ -127,7 +137,7 @@ def test_graph_buckets_keep_the_mask(plans, tokens: int) -> None:
     """A multi-token graph bucket's kernel is fixed at capture by the bucket alone and must
     serve the trees it replays, so a plain batch replayed in it is planned masked (padding
     requests: ``tokens`` rows, one key, every bit set), never causal."""
-    world, _ = adapter_world("tiny", 1, [f"model.sliding_window={W}"])
+    world, _ = library_world(1)
     world.open(0)
     world.forward("extend", [world.req(0, 0, 30)], [0])
     world.slots.extend(0, 2)

@@ -47,6 +47,17 @@ def adapter_world(model: str, page: int, extra=(), *, tree_mask: str = "custom_m
     return world, cfg
 
 
+def set_policy(world, model: str, *overrides: str) -> None:
+    """Give ``world``'s adapter the `KernelPolicy` a registry build would (CPU, no nvcc) for
+    ``model`` with a verify pass and ``overrides`` (e.g. ``backend.kernels.swa.verify=library``)."""
+    from swafactory.registry.device import DeviceInfo
+    from swafactory.registry.kernel_choice import KernelPolicy, resolve_passes
+
+    cfg = swafactory.compose([f"model={model}", "backend=flashinfer", "spec=dflash", *overrides])
+    world.backend.adapter.kernels = KernelPolicy(resolve_passes(cfg, DeviceInfo("cpu"),
+                                                                nvcc=False))
+
+
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
@@ -137,11 +148,12 @@ def test_one_wrapper_plan_per_pass_per_forward(fake) -> None:
     """Host work once per forward: later layers of a group reuse the first layer's plan."""
     world, cfg = adapter_world("gemma4", 1, ["model.sliding_window=8", "model.num_layers=12"])
     world.open(0)
-    world.forward("extend", [world.req(0, 0, 12)], [0, 1, 2, 5, 11])
+    # 40 queries: past the 64 rows per KV head of our tile at either group (2 and 8)
+    world.forward("extend", [world.req(0, 0, 40)], [0, 1, 2, 5, 11])
     ad = world.backend.adapter
     assert {k[0] for k in ad._wrappers} == {"swa/w8", "full"}  # group_key: window in the key
     assert all(w.plans == 1 for w in ad._wrappers.values())
-    world.forward("decode", [world.req(0, 12, 1)], [0, 1, 2, 5, 11])
+    world.forward("decode", [world.req(0, 40, 1)], [0, 1, 2, 5, 11])
     assert sorted(w.plans for w in ad._wrappers.values()) == [1, 1, 1, 1]  # decode wrappers new
 
 
@@ -245,17 +257,20 @@ def test_page_table_of_lists_that_start_on_a_page() -> None:
     assert last.tolist() == [2, 4, 4]  # the empty list: 0 pages, FlashInfer counts 0 keys
 
 
+@pytest.mark.parametrize("swa", ["auto", "library"])
 @pytest.mark.parametrize("mode", ["verify_chain", "verify_tree_2", "dflash_block"])
-def test_wide_verify_runs_the_triton_tile_not_flashinfers_prefill(fake, mode) -> None:
-    """Gemma 4's full layers (head_dim 512, group 8) in a step of at most 8 tokens: the pass is
-    planned without FlashInfer and run by the Triton extend tile (the reference off CUDA); the
-    SWA layers (head_dim 256, group 2) keep FlashInfer's prefill. Outputs equal the oracle."""
+def test_verify_runs_our_tile_not_flashinfers_prefill(fake, mode, swa) -> None:
+    """A step of at most 8 tokens on Gemma 4's layers (full: head_dim 512, group 8 = 64 rows per
+    KV head; SWA: head_dim 256, group 2 = 16 rows) is planned without FlashInfer and run by the
+    Triton extend tile (the reference off CUDA); ``backend.kernels.swa.verify=library`` gives the
+    SWA layers back to FlashInfer's prefill. Outputs equal the oracle either way."""
     from test_backends_vs_oracle import assert_close, run_mode
 
     # the first 6 layers (5 sliding, then a full one): Gemma 4's 60 layers of fp32 pools at
     # head_dim 512 took 13.7 GB, enough to run a 24 GB machine out of memory beside a worker
     world, _ = adapter_world("gemma4", 1, ["model.sliding_window=8", "model.num_layers=6"])
     ad = world.backend.adapter
+    set_policy(world, "gemma4", f"backend.kernels.swa.verify={swa}")
     planned = []
     real = ad._plan_wrapper
 
@@ -265,7 +280,9 @@ def test_wide_verify_runs_the_triton_tile_not_flashinfers_prefill(fake, mode) ->
 
     ad._plan_wrapper = spy
     assert_close(run_mode(world, mode, [0, 5], 8))
-    step = [(g, n) for g, dec, n in planned if not dec and n <= 8]  # the step, not the prefill
-    assert step and {g for g, _ in step} == {"swa/w8"}, planned
+    step = {g for g, dec, n in planned if not dec and n <= 8}  # the step, not the prefill
+    assert step == ({"swa/w8"} if swa == "library" else set()), planned
     t = world.backend.plan.groups["full"].tables
-    assert fi.uses_triton_verify((32, 4, 512), t) and not fi.uses_triton_verify((32, 16, 256), t)
+    rows = t.max_q_len * 8  # at group 8: ours; at group 32 past 64 rows: FlashInfer's
+    assert rows <= 64 and fi.uses_triton_verify((32, 4, 512), t)
+    assert fi.uses_triton_verify((32, 16, 256), t) and not fi.uses_triton_verify((128, 4, 64), t)

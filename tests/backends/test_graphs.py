@@ -27,7 +27,7 @@ from swafactory.kernels.torch_ref import attend
 from swafactory.kernels.triton import decode as triton_decode
 from swafactory.metadata import ForwardBatch
 from test_backends_vs_oracle import SHIPPED_INTERPRETED_HEADS, make_world, tree
-from test_flashinfer_host import adapter_world
+from test_flashinfer_host import adapter_world, set_policy
 
 
 def test_backends_without_graphs_are_refused_naming_the_field() -> None:
@@ -45,9 +45,17 @@ def _open(world, lens):
     world.forward("extend", [world.req(r, 0, n) for r, n in enumerate(lens)], [0])
 
 
+def library(world) -> None:
+    """FlashInfer's own graph buckets (``backend.kernels.*.verify=library``): by default our
+    tile serves short verify buckets, over static tables."""
+    set_policy(world, "tiny", "backend.kernels.swa.verify=library",
+               "backend.kernels.full.verify=library")
+
+
 def test_padding_to_the_bucket_reads_the_dummy_row(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
     world, _ = adapter_world("tiny", 1, ["model.sliding_window=5"])
+    library(world)
     _open(world, [7, 4, 9])
     backend, ad = world.backend, world.backend.adapter
     reqs = [world.req(r, n, 3) for r, n in enumerate([7, 4, 9])]
@@ -98,6 +106,7 @@ def test_a_verify_bucket_is_captured_as_eager_runs_its_batches(tree_spec, monkey
     spec = (["spec=eagle3", "spec.topk=2", "spec.num_steps=2", "spec.num_draft_tokens=3"]
             if tree_spec else ["spec=eagle", "spec.num_steps=2", "spec.num_draft_tokens=3"])
     world, _ = adapter_world("tiny", 1, ["model.sliding_window=5", *spec])
+    library(world)
     _open(world, [7, 4, 9])
     backend, ad = world.backend, world.backend.adapter
 
