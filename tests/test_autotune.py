@@ -7,7 +7,8 @@ import json
 from dataclasses import replace
 
 import swafactory
-from swafactory.registry.autotune import SCHEMA, TuneCache, candidates, tune, tune_key
+from swafactory.registry.autotune import (SCHEMA, TuneCache, candidates, pass_weights, tune,
+                                         tune_key)
 from swafactory.registry.check import check
 from swafactory.registry.device import H200
 
@@ -46,6 +47,7 @@ def test_the_key_changes_with_device_geometry_dtype_and_versions() -> None:
         tune_key(_cfg(), H200, {**VERSIONS, "swafactory": "0.2.0"}),
         tune_key(_cfg("workload.max_running_requests=64"), H200, VERSIONS),
         tune_key(_cfg("backend.cuda_graph=true"), H200, VERSIONS),  # replays are timed then
+        tune_key(_cfg("workload.output_len=[512,1024]"), H200, VERSIONS),  # the passes' weights
     ]
     digests = {json.dumps(k, sort_keys=True) for k in [base, *others]}
     assert len(digests) == 1 + len(others)
@@ -75,8 +77,9 @@ def test_the_fastest_candidate_wins_and_the_registry_accepts_it(tmp_path) -> Non
     cfg, t = tune(_cfg(), H200, Timer(), TuneCache(tmp_path / "c.json"), VERSIONS)
     assert check(cfg, H200) == []
     by = {(c.group, c.pass_): c for c in t.choices}
-    # full: triton's decode at 0.5 beats flashinfer's 1.0, but the family's sum decides:
-    # triton full = 0.5 + 1.5 + 1.5 = 3.5 > flashinfer 3.0, so flashinfer keeps the full group
+    # full: triton's decode at 0.5 beats flashinfer's 1.0, but the family's weighed sum decides
+    # (decode and verify 16 steps, extend 32 chunks × 2 forwards): triton full = 0.5·16 +
+    # 1.5·16 + 1.5·64 = 128 > flashinfer 96, so flashinfer keeps the full group
     assert by[("full", "decode")].family == "flashinfer"
     assert by[("full", "decode")].tried["triton/auto"] == 0.5  # what lost is shown
     assert cfg.backend.name == "flashinfer" and t.lines()[0].startswith("decode/")
@@ -91,6 +94,28 @@ def test_a_group_whose_passes_are_all_faster_elsewhere_moves_family(tmp_path) ->
     cfg, t = tune(_cfg(), H200, Fast(), TuneCache(tmp_path / "c.json"), VERSIONS)
     assert cfg.backend.kernel_for(True) == "triton" and cfg.backend.kernel_for(False) == "flashinfer"
     assert check(cfg, H200) == []
+
+
+def test_the_workloads_mix_of_passes_weighs_the_family_choice(tmp_path) -> None:
+    """Our decode 4× faster, our prefill 3× slower: a long prompt with a short answer keeps
+    flashinfer, a long answer moves both groups to triton (decode steps outweigh the chunks)."""
+    class DecodeFast(Timer):
+        def __call__(self, cfg, group, pass_):
+            fam = cfg.backend.kernel_for(group == "swa")
+            if fam == "triton":
+                return {"decode": 0.25, "verify": 1.0, "extend": 3.0}[pass_]
+            return super().__call__(cfg, group, pass_)
+
+    def families(*extra):
+        cfg, _ = tune(_cfg(*extra), H200, DecodeFast(), TuneCache(tmp_path / "c.json"), VERSIONS)
+        assert check(cfg, H200) == []
+        return cfg.backend.kernel_for(True), cfg.backend.kernel_for(False)
+
+    assert pass_weights(_cfg("workload.output_len=[1024,1024]", "workload.chunk_size=8192",
+                             "workload.max_running_requests=8"))["extend"] == 4 * 2
+    assert families("workload.output_len=[8,24]") == ("flashinfer", "flashinfer")
+    assert families("workload.output_len=[1024,1024]", "workload.chunk_size=8192") == (
+        "triton", "triton")
 
 
 def test_cpu_has_nothing_to_time() -> None:

@@ -10,11 +10,12 @@ stays below the kernels.
   registry accepts for that group (``backend.groups.<g>=<family>``), but the torch reference and
   flex; per pass within it, the `backend.kernels` choices it accepts (`auto`, `cuda`, `triton`,
   `library`), one per distinct kernel they resolve to.
-* **Choice** (`choose`): per group, the family whose passes' best times sum lowest, and per pass
-  the fastest choice in it; a pass no candidate could time keeps `auto`.
+* **Choice** (`choose`): per group, the family whose passes' best times, each weighed by how many
+  forwards of that pass the workload runs (`pass_weights`), sum lowest, and per pass the fastest
+  choice in it; a pass no candidate could time keeps `auto`.
 * **Cache** (`TuneCache`): one JSON file, keyed by the device, the geometry per group, the KV
-  dtype, page size, verify tokens, batch and context, whether passes replay from CUDA graphs, the
-  kernel libraries' versions and the project's (`tune_key`). An entry of another schema, or whose recorded key fields differ from
+  dtype, page size, verify tokens, batch, context, chunk and output length, whether passes replay
+  from CUDA graphs, the kernel libraries' versions and the project's (`tune_key`). An entry of another schema, or whose recorded key fields differ from
   the run's, is stale: it is measured again and replaced.
 """
 from __future__ import annotations
@@ -35,9 +36,9 @@ from swafactory.registry.select import resolve_auto
 from swafactory.registry.suggest import AUTO_PREFERENCE
 
 __all__ = ["SCHEMA", "Choice", "Tuning", "tune_key", "library_versions", "TuneCache",
-           "candidates", "choose", "apply", "tune"]
+           "candidates", "pass_weights", "choose", "apply", "tune"]
 
-SCHEMA = 2
+SCHEMA = 3
 """Bumped when what an entry holds, or how it is measured, changes: older entries are stale."""
 CHOICES = ("auto", "cuda", "triton", "library")
 
@@ -78,7 +79,7 @@ def tune_key(cfg: SwaFactoryConfig, device: DeviceInfo,
             "softcap": m.logit_softcap, "sinks": m.attention_sinks, "graphs": b.cuda_graph,
             "verify_tokens": cfg.spec.num_draft_tokens, "tree": cfg.spec.is_tree,
             "batch": w.max_running_requests, "context": w.context_len,
-            "chunk": w.chunk_size, "passes": list(_passes(cfg)),
+            "chunk": w.chunk_size, "output": list(w.output_len), "passes": list(_passes(cfg)),
             "versions": dict(library_versions() if versions is None else versions)}
 
 
@@ -203,12 +204,27 @@ def candidates(cfg: SwaFactoryConfig, device: DeviceInfo) -> dict[str, dict[str,
     return out
 
 
+def pass_weights(cfg: SwaFactoryConfig) -> dict[str, float]:
+    """Forwards of each pass one batch of the workload runs, as the timer times them
+    (`swafactory.autotune`): extend, ``context_len`` tokens a request in chunks of ``chunk_size``
+    (at most 2048), up to 4 requests a forward; decode and verify, a step per output token (the
+    mean of ``output_len``; a verify step yields at least one). A family fast at prefill but slow
+    at decode wins a long-prompt, short-answer workload and loses a long-answer one."""
+    w = cfg.workload
+    bs = w.max_running_requests
+    chunks = -(-w.context_len // min(2048, w.chunk_size)) * -(-bs // min(4, bs))
+    steps = sum(w.output_len) / 2
+    return {"extend": float(chunks), "decode": steps, "verify": steps}
+
+
 def choose(cands: Mapping[str, Mapping[str, Mapping[str, list]]], cfg: SwaFactoryConfig,
            timer: Timer) -> tuple[Choice, ...]:
     """Time every candidate with ``timer`` and pick, per group, the family with the lowest sum
-    of its passes' best times, and per pass its fastest choice. Each `Choice` lists every
-    candidate timed for its pass (all families), so the report shows what lost."""
+    of its passes' best times weighed by `pass_weights`, and per pass its fastest choice. Each
+    `Choice` lists every candidate timed for its pass (all families), so the report shows what
+    lost."""
     picked: list[Choice] = []
+    weight = pass_weights(cfg)
     for g, fams in cands.items():
         times: dict[str, dict[str, dict[str, float]]] = {}  # family → pass → "fam/k" → ms
         for fam, passes in fams.items():
@@ -221,7 +237,8 @@ def choose(cands: Mapping[str, Mapping[str, Mapping[str, list]]], cfg: SwaFactor
 
         def total(fam: str) -> float:
             per = times[fam]
-            return sum(min(t.values()) if t else float("inf") for t in per.values())
+            return sum(weight.get(p, 1.0) * min(t.values()) if t else float("inf")
+                       for p, t in per.items())
 
         if not times:
             continue
