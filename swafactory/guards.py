@@ -270,16 +270,27 @@ def slot_check(batch, reads: torch.Tensor | None, kv_host: torch.Tensor | None,
     if reads is None:  # no full-space group: gather [0, end) of each row from the table
         ends = [r.prefix_len + r.nodes if writes is not None else r.kv_end for r in batch.reqs]
         reads, kv_host = _rows(batch, table, ends)
-    parts = []
-    for t in (reads, writes):
-        if t is None or t.numel() == 0:
-            parts += torch.ones(2, dtype=torch.int64, device=table.device).unbind()
-        else:
-            val, idx = t.min(0)  # the first 0 when there is one: min's first index
-            parts += [val.long(), idx]
+    lists = [t if t is not None and t.numel() else None for t in (reads, writes)]
+    if table.is_cuda:  # read late: the first 0's index travels in the word (nothing is kept)
+        parts = []
+        for t in lists:
+            if t is None:
+                parts += torch.ones(2, dtype=torch.int64, device=table.device).unbind()
+            else:
+                val, idx = t.min(0)  # the first 0 when there is one: min's first index
+                parts += [val.long(), idx]
+        word = torch.stack(parts)  # [4]: read min, its index, write's
+    else:  # read at once: the minima alone (a plain reduction); an index only for an error
+        word = torch.stack([torch.ones((), dtype=torch.int64) if t is None else t.min().long()
+                            for t in lists])  # [2]: read min, write min
 
     def explain(w: list[int]) -> MissingSlotError | None:
-        rmin, ridx, wmin, widx = w
+        if len(w) == 2:  # the first 0's index (min's first), found for an error only
+            rmin, wmin = w
+            ridx = int(lists[0].argmin()) if rmin == 0 else None
+            widx = int(lists[1].argmin()) if wmin == 0 else None
+        else:
+            rmin, ridx, wmin, widx = w
         if rmin == 0:
             ptr = kv_host.tolist()
             b = _request_of(ptr, ridx)
@@ -288,7 +299,7 @@ def slot_check(batch, reads: torch.Tensor | None, kv_host: torch.Tensor | None,
         if wmin == 0:
             return _write_error(batch, qo_host, widx)
         return None
-    return DeviceCheck(torch.stack(parts), explain)  # [4]: read min, its index, write's
+    return DeviceCheck(word, explain)
 
 
 def _rows(batch, table: torch.Tensor, ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,16 +325,20 @@ class _Staging:
 
     def __init__(self, n: int) -> None:
         self.n, self.i, self.rows, self.events = n, 0, None, ()
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # (row, width) → view, made once
 
     def stage(self, check: DeviceCheck) -> None:
         word = check.word
-        if not word.is_cuda or word.numel() > self.WIDTH:  # a test's deferred CPU word; a
-            return  # wider word is read from the device at raise_pending (a sync point anyway)
+        w = word.numel()
+        if not word.is_cuda or w > self.WIDTH:  # a test's deferred CPU word; a wider word
+            return  # is read from the device at raise_pending (a sync point anyway)
         if self.rows is None:
             self.rows = torch.empty((self.n, self.WIDTH), dtype=torch.int64, pin_memory=True)
             self.events = [torch.cuda.Event() for _ in range(self.n)]
         i, self.i = self.i, (self.i + 1) % self.n  # row i's last check has been read (MAX)
-        row = self.rows[i, :word.numel()]
+        row = self._views.get((i, w))
+        if row is None:  # no view op per forward: a check's words come in a few widths
+            row = self._views[i, w] = self.rows[i, :w]
         row.copy_(word, non_blocking=True)
         self.events[i].record()
         check.word, check.event = row, self.events[i]

@@ -50,7 +50,7 @@ class AttentionBackend(GraphContract, LayerPath):
         # groups stay (buffers, scale, kernel kwargs), and per forward each group's write rows and
         # which (group, sub-pool) pairs were checked; a check runs once per pair, not per layer
         self._layers: tuple | None = None  # (pool, layer groups, {layer: LayerEntry}, scales)
-        self._writes: dict[str, torch.Tensor | None] = {}
+        self._writes: dict[str, tuple[torch.Tensor | None, int]] = {}  # (rows, n) per group
         self._decode: set[str] = set()
         self._checked: set[tuple[str, str]] = set()
         # guards: each forward's deferred slot check (CUDA), raised at the engine's sync point

@@ -52,6 +52,11 @@ class LayerEntry:
     """The decode kernel may write the step's K/V itself."""
     device: torch.device
     """The pool's device."""
+    dtype: torch.dtype
+    """The K buffer's dtype."""
+    plain: bool
+    """The store is a plain ``index_copy_`` when k and v come in ``dtype``: not fp8, not check
+    mode, V in K's dtype."""
 
 
 class LayerPath:
@@ -68,8 +73,7 @@ class LayerPath:
         the pool or the layer groups changed."""
         self._plan, self._graphed = fplan, graphed
         self._checked = set()
-        self._writes = {key: (None if g.write_locs is None else _rows(g.write_locs.tensor))
-                        for key, g in fplan.groups.items()}
+        self._writes = {key: _rows(g.write_locs) for key, g in fplan.groups.items()}
         # groups whose pass is decode (host facts): a kernel may write their K/V itself
         self._decode = {key for key, g in fplan.groups.items() if g.cascade is None
                         and g.tables.mask is None and g.tables.max_q_len == 1}
@@ -90,9 +94,11 @@ class LayerPath:
                 hkv, d = k_buf.shape[1], k_buf.shape[2]
                 # a decode kernel that writes the step's K/V itself (not fp8: the store quantizes)
                 fuse = getattr(ad, "fuses_writes", False) and not is_fp8(sub.dtype)
+                plain = not is_fp8(sub.dtype) and not sub.check_mode and v_buf.dtype == k_buf.dtype
                 entries[layer] = LayerEntry(key, k_buf, v_buf, sub, kw, (key, sub.pool_id), ad,
                                             scales, (key, sub.pool_id, "w"), hkv, d,
-                                            is_fp8(sub.dtype), fuse, k_buf.device)
+                                            is_fp8(sub.dtype), fuse, k_buf.device, k_buf.dtype,
+                                            plain)
             # the pool is held, so its identity cannot be reused by another one
             self._layers = (pool, dict(fplan.layer_groups), entries, version)
 
@@ -115,38 +121,37 @@ class LayerPath:
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this forward's new tokens of one layer. k, v: [total_q, Hkv, D]."""
-        self._store(layer_id, self._entry(layer_id), k, v)
+        self._store(layer_id, self._entry(layer_id), k, v, k.dtype, v.dtype)
 
-    def _store(self, layer_id: int, e: tuple, k, v, fused: bool = False):
+    def _store(self, layer_id: int, e: LayerEntry, k, v, kd: torch.dtype, vd: torch.dtype,
+               fused: bool = False):
         """The per-layer write (hot: about as much Python as the raw ``index_copy_`` pair).
-        e: the layer's `LayerEntry`. fused: check only, and return the int64 slots for the
-        kernel that writes them (`forward`)."""
-        key, k_buf, v_buf, sub, scales, wpair = e.key, e.k_buf, e.v_buf, e.sub, e.scales, e.wpair
-        hkv, d, fp8 = e.hkv, e.d, e.fp8
-        idx = self._writes[key]
+        e: the layer's `LayerEntry`; kd, vd: k's and v's dtypes (read once, by the caller).
+        fused: check only, and return the int64 slots for the kernel that writes them
+        (`forward`)."""
+        idx, n = self._writes[e.key]
         if idx is None:
             raise SpaceError(f"layer {layer_id}: this runner writes no KV (a read-only view)")
         # the pool's checks (typed space; bounds in check mode, on the device: `_defer`) once
         # per group and sub-pool; a graph's writes were checked at replay planning
-        if self.guards and not self._graphed and wpair not in self._checked:
-            self._defer(self._pool.check(layer_id, self._plan.groups[key].write_locs))
-            self._checked.add(wpair)
+        if self.guards and not self._graphed and e.wpair not in self._checked:
+            self._defer(self._pool.check(layer_id, self._plan.groups[e.key].write_locs))
+            self._checked.add(e.wpair)
         ks = k.shape
-        if len(ks) != 3 or ks[0] != idx.shape[0] or ks[1] != hkv or ks[2] != d or v.shape != ks:
-            raise ValueError(f"layer {layer_id}: k/v must be [{idx.shape[0]}, {hkv}, {d}], got "
+        if ks != (n, e.hkv, e.d) or v.shape != ks:
+            raise ValueError(f"layer {layer_id}: k/v must be [{n}, {e.hkv}, {e.d}], got "
                              f"{list(k.shape)} / {list(v.shape)}")
         if fused:  # the adapter writes, leaving the dummy page as it was
             return idx
-        if sub.check_mode:  # the pool's own write keeps its dummy page poisoned
-            return self._pool.write(layer_id, self._plan.groups[key].write_locs, k, v,
+        if e.plain and kd is e.dtype and vd is e.dtype:  # store_rows's own path, inline
+            e.k_buf.index_copy_(0, idx, k)
+            e.v_buf.index_copy_(0, idx, v)
+        elif e.sub.check_mode:  # the pool's own write keeps its dummy page poisoned
+            return self._pool.write(layer_id, self._plan.groups[e.key].write_locs, k, v,
                                     checked=False)
-        # the pool's store rule (index_copy_; fp8 quantized with the layer's cached scales)
-        if fp8 or k.dtype != k_buf.dtype or v.dtype != v_buf.dtype:
-            store_rows(k_buf, idx, k, scales[0])
-            store_rows(v_buf, idx, v, scales[1])
-        else:  # store_rows's own path, without its two calls
-            k_buf.index_copy_(0, idx, k)
-            v_buf.index_copy_(0, idx, v)
+        else:  # the pool's store rule (cast; fp8 quantized with the layer's cached scales)
+            store_rows(e.k_buf, idx, k, e.scales[0])
+            store_rows(e.v_buf, idx, v, e.scales[1])
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
@@ -168,39 +173,42 @@ class LayerPath:
         """
         del batch
         e = self._entry(layer_id)
-        key, k_buf, v_buf, sub, kw, pair = e.key, e.k_buf, e.v_buf, e.sub, e.kw, e.pair
-        ad, hkv, d, fuse, dev = e.adapter, e.hkv, e.d, e.fuse, e.device
+        key, k_buf, v_buf, kw, ad, d = e.key, e.k_buf, e.v_buf, e.kw, e.adapter, e.d
         g = self._plan.groups[key]
+        kd = vd = None
         if self.guards:
-            if pair not in self._checked:
-                self._check_layer(layer_id, g, sub, pair)
-            # metadata only (ints, dtypes, devices); `guards.forward_error` names what differs
-            rows = self._plan.total_q
+            if e.pair not in self._checked:
+                self._check_layer(layer_id, g, e.sub, e.pair)
+            # metadata only, each property read once (the store takes k's and v's dtypes from
+            # here); `guards.forward_error` names what differs
+            hq, dev = self.q_heads, e.device
             try:
-                qs = q.shape
-                bad = (len(qs) != 3 or qs[0] != rows or qs[1] != self.q_heads or qs[2] != d
-                       or q.dtype not in Q_DTYPES or q.device != dev
-                       or (save_kv and (k is None or v is None or k.device != dev
-                                        or v.device != dev or k.dtype not in Q_DTYPES
-                                        or v.dtype not in Q_DTYPES))
-                       or (sinks is not None and (sinks.shape != (self.q_heads,)
-                                                  or sinks.device != dev
-                                                  or sinks.dtype not in Q_DTYPES)))
-            except AttributeError:  # not a tensor (a list, an array): named below
+                bad = (q.shape != (self._plan.total_q, hq, d) or q.dtype not in Q_DTYPES
+                       or q.device != dev
+                       or save_kv and ((kd := k.dtype) not in Q_DTYPES
+                                       or (vd := v.dtype) not in Q_DTYPES
+                                       or k.device != dev or v.device != dev)
+                       or sinks is not None and (sinks.shape != (hq,)
+                                                 or sinks.dtype not in Q_DTYPES
+                                                 or sinks.device != dev))
+            except AttributeError:  # not a tensor (a list, an array, None): named below
                 bad = True
             if bad:
-                raise forward_error(layer_id, self._plan.mode, rows, self.q_heads, hkv, d, dev,
-                                    q, k, v, save_kv, sinks) or AssertionError(
+                raise forward_error(layer_id, self._plan.mode, self._plan.total_q, hq, e.hkv, d,
+                                    dev, q, k, v, save_kv, sinks) or AssertionError(
                                         f"layer {layer_id}: a guard disagrees with its message")
         if not q.is_contiguous():  # q split from a fused qkv projection: kernels read it dense
             q = q.contiguous()  # (strided k and v: the store's index_copy_ and the fused
             # decode kernels' own writers take them as they are)
         # the scale follows the buffers actually read (a frozen draft layer reads a target layer)
-        if save_kv and fuse and key in self._decode and k.dtype == k_buf.dtype == v.dtype:
-            new_kv = (k, v, self._store(layer_id, e, k, v, fused=True))  # the kernel writes
-            return ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, new_kv=new_kv, **kw)[0]
         if save_kv:
-            self._store(layer_id, e, k, v)
+            if kd is None:
+                kd, vd = k.dtype, v.dtype
+            if e.fuse and kd is e.dtype and vd is e.dtype and key in self._decode:
+                new_kv = (k, v, self._store(layer_id, e, k, v, kd, vd, fused=True))  # it writes
+                return ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, new_kv=new_kv,
+                              **kw)[0]
+            self._store(layer_id, e, k, v, kd, vd)
         if g.cascade is not None:
             pre, exp = g.cascade
             o1, l1 = ad.run(pre, q, k_buf, v_buf, **kw)
@@ -210,6 +218,11 @@ class LayerPath:
         return o
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the store's [n] int64 index: itself when it is one already (the planner's)."""
-    return t if t.dtype is torch.int64 and t.dim() == 1 else t.reshape(-1).long()
+def _rows(locs) -> tuple[torch.Tensor | None, int]:
+    """A group's write `Locs` as the store's [n] int64 index (itself when it is one already:
+    the planner's) and n; (None, 0) for a group that writes nothing."""
+    if locs is None:
+        return None, 0
+    t = locs.tensor
+    t = t if t.dtype is torch.int64 and t.dim() == 1 else t.reshape(-1).long()
+    return t, t.shape[0]

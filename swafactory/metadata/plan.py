@@ -217,11 +217,15 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
                 computed[id(kl.full64)] = kl.swa64
         if fk.wswa64 is not None:
             computed[id(w_full)] = fk.wswa64
-        missing = MissingWord(fk.missing, tuple((pack.host(p["kv_host"]), p["start"])
-                                                for _, p in sets))
     else:
         built = [key_tables(p, pack, flat, h.idx_dtype) for _, p in sets]
         w_full = flat.index_select(0, pack.dev(w_at)).long() if writes else None
+    # each set's key indptr sliced once, shared by its groups (and the missing word)
+    kv_host = [pack.host(p["kv_host"]) for _, p in sets]
+    kv_dev = [pack.dev(p["kv_host"]) for _, p in sets]
+    if fk is not None:
+        missing = MissingWord(fk.missing, tuple((kv_host[i], p["start"])
+                                                for i, (_, p) in enumerate(sets)))
     memo: dict[int, Locs] = {}  # one translation per full-slot tensor
     out = {}
     qo_dev, qo_host, q_pos_dev = pack.dev(qo_h), pack.host(qo_h), pack.dev(q_pos)  # shared
@@ -234,8 +238,8 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
         if fk is not None:  # the kernel wrote the list's int32 rows in the group's space too
             kl = fk.lists[i]
             i32 = kl.full32 if kv.space == "full" else kl.swa32
-        t = AttnTables(qo_dev, pack.dev(p["kv_host"]), kv, q_pos_dev, kv_pos, mask,
-                       mask_indptr, h.max_q, qo_host, pack.host(p["kv_host"]), i32,
+        t = AttnTables(qo_dev, kv_dev[i], kv, q_pos_dev, kv_pos, mask,
+                       mask_indptr, h.max_q, qo_host, kv_host[i], i32,
                        natural=not need_mask)  # chains only: keys end at the last query
         out[key] = GroupPlan(key, sub, window, t, None, w)
     return out, h, missing
