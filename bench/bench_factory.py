@@ -227,7 +227,7 @@ def _spread(r: dict) -> str:
 
 
 def render(rows: list[dict], meta: dict, out: Path) -> str:
-    lines = ["# The factory against raw FlashInfer (H200)", "",
+    lines = [f"# The factory against raw FlashInfer ({card_tag(meta['gpu']).upper()})", "",
              f"Commit `{meta['commit']}`; {meta['gpu']}; torch {meta['torch']}, flashinfer "
              f"{meta['flashinfer']}; copy bandwidth {meta['copy_tbs']:.2f} TB/s (read + write). "
              f"bf16, ctx {meta['ctx']} (a batch whose pools do not fit the GPU runs at the largest "
