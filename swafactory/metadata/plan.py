@@ -231,7 +231,7 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
     qo_dev, qo_host, q_pos_dev = pack.dev(qo_h), pack.host(qo_h), pack.dev(q_pos)  # shared
     for key, (sub, window) in groups.items():
         i = group_set[key]
-        p, (slots, kv_pos, mask, mask_indptr) = sets[i][1], built[i]
+        slots, kv_pos, mask, mask_indptr = built[i]
         kv, w = _space(key, sub, source, skip_translation, batch.full_id, slots, w_full, memo,
                        computed)
         i32 = None
