@@ -60,9 +60,8 @@ import torch
 
 from swafactory.kernels import flashinfer_replan as replan
 from swafactory.kernels.flashinfer_check import check_at_start, check_version
-from swafactory.kernels.flashinfer_passes import (TILE_MAX_ROWS, Pass, Signature,
-                                                  bucket_tiled, graph_buffers, held_bytes,
-                                                  pad_to_bucket, prefill_backend,
+from swafactory.kernels.flashinfer_passes import (Pass, Signature, bucket_tiled, graph_buffers,
+                                                  held_bytes, pad_to_bucket, prefill_backend,
                                                   uses_triton_verify)
 from swafactory.kernels.flashinfer_staging import StagingRing
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
@@ -75,7 +74,7 @@ from swafactory.registry.capabilities import Capabilities
 from swafactory.window import flashinfer_window_left
 
 __all__ = ["CAPABILITIES", "Adapter", "page_table", "custom_mask", "packed_custom_mask",
-           "apply_sinks", "uses_triton_verify", "TILE_MAX_ROWS"]
+           "apply_sinks", "uses_triton_verify"]
 
 _LN2 = math.log(2.0)
 # Split-KV partials of one prefill pass: a 256-token chunk of Gemma 4's full layers (32 q heads ×

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import Reason
+from swafactory.kernels.flashinfer_passes import TILE_MAX_ROWS  # the adapter's own bound
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.table import get_capabilities
 
@@ -30,7 +31,6 @@ PASSES = ("decode", "verify", "extend")
 MODE_PASS = {"decode": "decode", "draft_decode": "decode", "target_verify": "verify",
              "draft_extend": "verify", "extend": "extend"}
 """A forward mode → the pass whose choice serves it."""
-_TILE_ROWS = 64  # flashinfer's own bound (`kernels.flashinfer_passes.TILE_MAX_ROWS`)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def ours_serve(g: GroupFacts, pass_: str) -> bool:
     if g.family == "triton":
         return True
     rows = g.verify_tokens * g.gqa
-    return g.family == "flashinfer" and pass_ == "verify" and rows <= _TILE_ROWS
+    return g.family == "flashinfer" and pass_ == "verify" and rows <= TILE_MAX_ROWS
 
 
 def cuda_kernel(g: GroupFacts, pass_: str, device: DeviceInfo) -> tuple[str | None, list[str]]:
@@ -97,7 +97,7 @@ def cuda_kernel(g: GroupFacts, pass_: str, device: DeviceInfo) -> tuple[str | No
     if g.family not in ("triton", "flashinfer"):
         why.append(f"{g.family} runs its own kernel for verify")
     elif g.family == "flashinfer" and g.verify_tokens and not ours_serve(g, "verify"):
-        why.append(f"under flashinfer our verify tiles serve ≤ {_TILE_ROWS} rows per KV head; "
+        why.append(f"under flashinfer our verify tiles serve ≤ {TILE_MAX_ROWS} rows per KV head; "
                    f"group {g.group} has {g.verify_tokens} tokens × group {g.gqa} = {rows}")
     if g.kv_dtype != "bfloat16" or g.head_dim != 512 or g.gqa != 8:
         why.append(f"the CUDA verify tile serves a bfloat16 pool at head_dim 512 and GQA group 8; "
