@@ -103,7 +103,8 @@ def auto_cycle(model: str, mode: str, bs: int, ctx: int, pool, batch, qs, ks, vs
                auto_diff=float((cycle().float() - factory_out.float()).abs().max()),
                auto_tune_s=None if tuning is None else tuning.tune_s,
                auto_cached=None if tuning is None else tuning.cached,
-               auto_choices=[] if tuning is None else tuning.lines())
+               auto_choices=[] if tuning is None else tuning.lines(),
+               auto_costliest=[] if tuning is None else tuning.costliest())
     g = graph_case(ab, batch, qs, ks, vs, sinks, cycle, do_bench)
     out.update({f"auto_{k}": v for k, v in g.items()})
     return out
@@ -324,7 +325,9 @@ def auto_rows(rows: list[dict]) -> list[str]:
     for r in rs:
         best = min(r["factory_ms"], r.get("triton_ms", math.inf))
         tune = ("-" if r.get("auto_tune_s") is None else
-                f"{r['auto_tune_s']:.1f}" + (" (cached)" if r.get("auto_cached") else ""))
+                f"{r['auto_tune_s']:.1f}" + (" (cached)" if r.get("auto_cached") else
+                                             "".join(f"<br>{c}" for c in
+                                                     r.get("auto_costliest", [])[:2])))
         lines.append(f"| {r['model']} | {r['mode']} | {r['bs']} | {r['auto_ms']:.2f} | "
                      f"{best:.2f} | {r['auto_vs_best']:.2f}× | "
                      f"{r.get('auto_replay_ms', math.nan):.2f} | {tune} | "

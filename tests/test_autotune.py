@@ -85,6 +85,27 @@ def test_the_fastest_candidate_wins_and_the_registry_accepts_it(tmp_path) -> Non
     assert cfg.backend.name == "flashinfer" and t.lines()[0].startswith("decode/")
 
 
+def test_the_tuning_says_which_candidates_its_time_went_to(tmp_path) -> None:
+    """A candidate whose first use compiles (here: sleeps) tops `costliest`, and the cache
+    keeps each candidate's cost, so a slow first tuning names its cause in the record."""
+    import time
+
+    class Compiling(Timer):
+        def __call__(self, cfg, group, pass_):
+            if (group, pass_, cfg.backend.kernel_for(group == "swa")) == ("full", "verify",
+                                                                           "triton"):
+                time.sleep(0.3)
+            return super().__call__(cfg, group, pass_)
+
+    cache = TuneCache(tmp_path / "c.json")
+    _, t = tune(_cfg(), H200, Compiling(), cache, VERSIONS)
+    top = t.costliest()
+    assert len(top) == 3 and top[0].startswith("verify/full triton/"), top
+    assert float(top[0].split()[-2]) >= 0.3
+    _, again = tune(_cfg(), H200, Compiling(), cache, VERSIONS)
+    assert again.cached and again.costliest() == top
+
+
 def test_a_group_whose_passes_are_all_faster_elsewhere_moves_family(tmp_path) -> None:
     class Fast(Timer):
         def __call__(self, cfg, group, pass_):

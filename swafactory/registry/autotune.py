@@ -99,6 +99,9 @@ class Choice:
     ms: float | None
     tried: dict[str, float] = field(default_factory=dict)
     """``"<family>/<kernel>"`` → ms of every candidate timed for this pass."""
+    spent: dict[str, float] = field(default_factory=dict)
+    """``"<family>/<kernel>"`` → wall seconds its timing cost (building its backend, compiling
+    its kernels on first use, capturing, timing): where a slow first tuning went."""
 
     def __str__(self) -> str:
         ms = "-" if self.ms is None else f"{self.ms:.3f} ms"
@@ -118,6 +121,14 @@ class Tuning:
 
     def lines(self) -> list[str]:
         return [str(c) for c in self.choices]
+
+    def costliest(self, n: int = 3) -> list[str]:
+        """The ``n`` candidates whose timing cost the most wall time, ``"pass/group fam/k
+        12.3 s"``, costliest first (the same candidate is timed once per pass)."""
+        every = {f"{c.pass_}/{c.group} {k}": s for c in self.choices
+                 for k, s in c.spent.items()}
+        top = sorted(every.items(), key=lambda kv: -kv[1])[:n]
+        return [f"{k} {s:.1f} s" for k, s in top]
 
 
 class TuneCache:
@@ -227,11 +238,14 @@ def choose(cands: Mapping[str, Mapping[str, Mapping[str, list]]], cfg: SwaFactor
     weight = pass_weights(cfg)
     for g, fams in cands.items():
         times: dict[str, dict[str, dict[str, float]]] = {}  # family → pass → "fam/k" → ms
+        spent: dict[str, dict[str, float]] = {}  # pass → "fam/k" → wall s
         for fam, passes in fams.items():
             for p, kernels in passes.items():
                 tried = times.setdefault(fam, {}).setdefault(p, {})
                 for k in kernels:
+                    t0 = time.perf_counter()
                     ms = timer(_with(cfg, g, fam, {p: k}), g, p)
+                    spent.setdefault(p, {})[f"{fam}/{k}"] = time.perf_counter() - t0
                     if ms is not None:
                         tried[f"{fam}/{k}"] = ms
 
@@ -245,11 +259,12 @@ def choose(cands: Mapping[str, Mapping[str, Mapping[str, list]]], cfg: SwaFactor
         fam = min(times, key=total)
         for p, tried in times[fam].items():
             every = {k: v for f in times.values() for k, v in f.get(p, {}).items()}
+            cost = spent.get(p, {})
             if not tried:
-                picked.append(Choice(g, p, fam, "auto", None, every))
+                picked.append(Choice(g, p, fam, "auto", None, every, cost))
                 continue
             k = min(tried, key=tried.__getitem__)
-            picked.append(Choice(g, p, fam, k.split("/", 1)[1], tried[k], every))
+            picked.append(Choice(g, p, fam, k.split("/", 1)[1], tried[k], every, cost))
     return tuple(picked)
 
 
