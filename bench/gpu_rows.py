@@ -122,19 +122,28 @@ def grid(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def latest(rows: list[dict]) -> list[dict]:
+    """The last row brought back of each combination (backend, model, spec, workload and
+    overrides): what the record shows; the JSONL keeps every row."""
+    last = {}
+    for r in rows:
+        last[(r["backend"], r["model"], r["spec"], r["workload"], r["extra"])] = r
+    return list(last.values())
+
+
 def table(rows: list[dict]) -> str:
     key = {b: i for i, b in enumerate(BACKENDS)}
-    rows = sorted(rows, key=lambda r: (key.get(r["backend"], 9), MODELS.index(r["model"])
+    rows = sorted(latest(rows), key=lambda r: (key.get(r["backend"], 9), MODELS.index(r["model"])
                                        if r["model"] in MODELS else 9,
                                        SPECS.index(r["spec"]) if r["spec"] in SPECS else 9,
                                        r["workload"], r["extra"], r["call"]))
-    out = ["| backend | model | spec | workload | result | details | sweep | commit (call) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| backend | model | spec | workload | result | details | commit |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         wl = r["workload"] + (f", {r['extra']}" if r["extra"] else "")
         details = r["details"].replace("|", "\\|")
         out.append(f"| {r['backend']} | {r['model']} | {r['spec']} | {wl} | **{r['status']}** | "
-                   f"{details} | {r['sweep']} | {r['commit']} ({r['call']}) |")
+                   f"{details} | {r['commit']} |")
     return "\n".join(out)
 
 

@@ -27,6 +27,10 @@ def test_gpu_conformance_doc_shows_the_record_as_rendered() -> None:
     doc = g.DOC.read_text()
     assert g.grid(rows) in doc and g.table(rows) in doc and g.refusals() in doc, (
         "bench/results/gpu-conformance.md is stale: run `python bench/gpu_rows.py render`")
+    # the table shows each combination once, its latest row (the JSONL keeps the others)
+    body = g.table(rows).splitlines()[2:]
+    combos = {(r["backend"], r["model"], r["spec"], r["workload"], r["extra"]) for r in rows}
+    assert len(body) == len(combos) < len(rows)
 
 
 def test_no_recorded_gpu_run_failed_an_oracle_check() -> None:
