@@ -19,7 +19,7 @@ from typing import TextIO
 import torch
 
 from swafactory.engine.dflash_draft import DFlashDraft
-from swafactory.engine.distill import NEW_TOKENS, _data, _masks
+from swafactory.engine.distill import NEW_TOKENS, _data, _masks, data_key
 from swafactory.engine.drafters import EagleDraft, MtpDraft
 from swafactory.engine.formats import load_feature_draft, save_feature_draft
 from swafactory.engine.runner import attn_implementation
@@ -141,6 +141,7 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
     device = next(draft.parameters()).device
     recipe = recipe_for(draft, device)
     fields = {**fields, "recipe": asdict(recipe), "unroll": UNROLL,
+              "prompts": data_key(window),
               "objective": "ce+feature" if isinstance(draft, EagleDraft) else
               "block" if isinstance(draft, DFlashDraft) else "ce",
               "tokens_per_batch": TOKENS_PER_BATCH.get(device.type)}

@@ -37,6 +37,22 @@ def _gen(*overrides: str):
     return run_generate(swafactory.compose([*BASE, *overrides]))
 
 
+@pytest.mark.parametrize("model", ["tiny", "gpt_oss_20b", "gemma4"])
+def test_the_distillation_prompts_reach_both_regimes_of_the_copied_rows(model: str) -> None:
+    """A continuation token copies the one a lag back; the target's hidden state there differs
+    before position lag (nothing to copy yet) and after. The longest distillation sequence
+    must put a copied row past the lag, or a drafter that reads those rows meets unseen
+    features once a prompt is longer than it was trained on (DFlash at window 128: top-1 0.9
+    on trained lengths, 0.0 past them)."""
+    from swafactory.engine.distill import NEW_TOKENS, prompt_over
+    from swafactory.engine.language import lag_for
+
+    window = swafactory.compose([f"model={model}"]).model.sliding_window
+    lo, hi = prompt_over(window)
+    lag = lag_for(window)
+    assert lo >= 8 and window + hi + NEW_TOKENS - lag > lag
+
+
 def test_the_pretrained_target_speaks_its_language() -> None:
     r = _gen("spec=none")
     assert r.status == "ok", r.checks
