@@ -155,7 +155,8 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
     if progress is not None:
         print(f"distilling the {family} draft ({recipe.steps} steps) on the target's "
               "hidden states and greedy continuations", file=progress, flush=True)
-    groups, held = _data(target, target.config.vocab_size, window, seed, device)
+    groups, held = _data(target, target.config.vocab_size, window, seed, device,
+                         fields.get("target"))
     feats = [target_features(target, draft, g) for g in groups]
     hfeat = target_features(target, draft, held)
     frozen = [draft.embed_tokens.weight]  # sglang serves EAGLE, MTP, DFlash with the target's head

@@ -28,8 +28,12 @@ LOAD = ["run=generate", "backend=torch", "model=gemma4", "spec=standalone",
         "workload.prompt_over_window=[4,20]", "workload.output_len=[14,18]",
         "workload.chunk_size=16", "run.hidden_size=32", "run.intermediate_size=32",
         "run.vocab_size=128", "model.sliding_window=16",
-        # the SWA layers' verify on FlashInfer's (faked) prefill: our tile, interpreted on the
-        # CPU at Gemma 4's heads, would triple the test's time (the full layers keep it)
+        # Gemma 4's layer pattern and group sizes at a quarter of its heads and an eighth of
+        # their width: the full layers' verify still runs our tile (64 rows per KV head), which
+        # the Triton interpreter ran for 50 of the test's 55 s at the real heads; the SWA
+        # layers' verify stays on FlashInfer's (faked) prefill, so both paths replay
+        "model.num_attention_heads=8", "model.full.num_kv_heads=1", "model.full.head_dim=64",
+        "model.swa.num_kv_heads=4", "model.swa.head_dim=32",
         "backend.kernels.swa.verify=library"]
 PUSHED = 5  # the token a pushed first draft proposes
 
@@ -53,6 +57,14 @@ def test_graph_replays_feed_the_draft_as_eager_after_short_accepts(monkeypatch) 
         return logits
 
     monkeypatch.setattr(Runner, "forward", draft_rows)
+    tiles: dict[str, int] = {}  # our tile's calls (the full layers' verify and draft passes)
+    tile = flashinfer_adapter.paged_attention
+
+    def counted(*a, **kw):
+        tiles[run] = tiles.get(run, 0) + 1
+        return tile(*a, **kw)
+
+    monkeypatch.setattr(flashinfer_adapter, "paged_attention", counted)
     reports = {}
     for run in ("eager", "graph"):
         cfg = swafactory.compose([*LOAD, f"backend.cuda_graph={run == 'graph'}"])
@@ -65,6 +77,7 @@ def test_graph_replays_feed_the_draft_as_eager_after_short_accepts(monkeypatch) 
     assert [q.accept_lengths for q in graph.requests] == accepts
     assert graph.lossless is True and eager.lossless is True
     assert len(rows["graph"]) == len(rows["eager"])
+    assert tiles.get("eager", 0) > 0 and tiles.get("graph", 0) > 0, tiles
     for (ke, te, le), (kg, tg, lg) in zip(rows["eager"], rows["graph"]):
         assert (ke, te) == (kg, tg)
         torch.testing.assert_close(lg, le, rtol=1e-5, atol=1e-5 * float(le.abs().max()))

@@ -53,6 +53,31 @@ def test_the_distillation_prompts_reach_both_regimes_of_the_copied_rows(model: s
     assert lo >= 8 and window + hi + NEW_TOKENS - lag > lag
 
 
+def test_the_continuations_are_made_once_per_target_window_and_seed(monkeypatch) -> None:
+    """Several drafts of one target share its continuations in a process; another seed or
+    other weights make their own."""
+    import torch
+
+    import swafactory.engine.distill as distill
+    from swafactory.engine.models import load_target
+
+    calls = []
+    real = distill.greedy
+    monkeypatch.setattr(distill, "greedy", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(distill, "_DATA", {})
+    monkeypatch.setattr(distill, "GROUPS", 2)
+    monkeypatch.setattr(distill, "NEW_TOKENS", 4)
+    target = load_target(swafactory.compose(["run=generate", "model=tiny"]), torch.float32,
+                         "cpu")[0]
+    first = distill._data(target, 256, 16, 0, "cpu")
+    assert len(calls) == 3 and distill._data(target, 256, 16, 0, "cpu") is first
+    assert distill._data(target, 256, 16, 1, "cpu") is not first and len(calls) == 6
+    with torch.no_grad():
+        next(target.parameters()).add_(1.0)
+    again = distill._data(target, 256, 16, 0, "cpu")
+    assert again is not first and len(calls) == 9
+
+
 def test_the_pretrained_target_speaks_its_language() -> None:
     r = _gen("spec=none")
     assert r.status == "ok", r.checks
