@@ -194,7 +194,7 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
         return Trained(**{**hit, "what": f"draft {family}", "seconds": 0.0, "cached": True,
                           "path": str(path)})
     vocab, device = target.config.vocab_size, next(draft.parameters()).device
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if progress is not None:
         print(f"distilling the {family} draft ({DISTILL.steps} steps): the target's greedy "
               "continuations of random prompts", file=progress, flush=True)
@@ -231,7 +231,7 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
     agree = float((out.argmax(-1)[keep] == b.labels[keep]).float().mean())
     seconds = time.perf_counter() - t0  # the continuations, the training and the held-out test
     trained = Trained(f"draft {family}", steps, seconds, seconds, loss, agree, False,
-                      str(path), asdict(DISTILL))
+                      str(path), asdict(DISTILL), cpu_s=time.process_time() - c0)
     save_cached(draft, path, fields, trained)
     return trained
 

@@ -151,7 +151,7 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
         loaded = load_feature_draft(path, target, device)
         return loaded, Trained(**{**hit, "what": f"draft {family}", "seconds": 0.0,
                                   "cached": True, "path": str(path)})
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if progress is not None:
         print(f"distilling the {family} draft ({recipe.steps} steps) on the target's "
               "hidden states and greedy continuations", file=progress, flush=True)
@@ -201,7 +201,7 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
     agree = float((first.argmax(-1)[keep] == b.labels[keep]).float().mean())
     seconds = time.perf_counter() - t0
     trained = Trained(f"draft {family}", steps, seconds, seconds, loss, agree, False,
-                      str(path), asdict(recipe))
+                      str(path), asdict(recipe), cpu_s=time.process_time() - c0)
     save_cached(draft, path, fields, trained,
                 save=lambda d: save_feature_draft(draft, d, target.config))
     return draft, trained

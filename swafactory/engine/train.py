@@ -71,6 +71,9 @@ class Trained:
     cached: bool
     path: str
     recipe: dict
+    cpu_s: float | None = None
+    """The process's CPU seconds over ``trained_s`` (on a CPU: the work itself, which other
+    processes beside it do not stretch; a GPU's time is not in it)."""
 
     def as_dict(self) -> dict:
         return asdict(self)

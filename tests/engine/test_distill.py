@@ -2,8 +2,8 @@
 greedy continuations, and a broken draft pool shown by its real symptom, the accept length.
 
 The target is `model=tiny` at run=generate's sizes; each draft family is distilled within the
-60 s budget (``trained_s``: the time it took when it was trained, kept in the cache) and must
-reach its accept-length target. The suite shares one cache (conftest), and these tests run on one
+60 s budget (``trained_s``: the time it took when it was trained, kept in the cache; beside other
+test processes, ``cpu_s``, the CPU time it took) and must reach its accept-length target. The suite shares one cache (conftest), and these tests run on one
 worker with the presets' (`xdist_group`), so each model trains once per clone.
 """
 from __future__ import annotations
@@ -100,7 +100,11 @@ def test_a_distilled_draft_accepts(family: str) -> None:
     assert r.lossless is True
     d = r.draft_training
     assert d is not None and d["what"] == f"draft {family}"
-    assert d["trained_s"] <= BUDGET_S and (d["cached"] or d["seconds"] == d["trained_s"]), d
+    # the budget is the machine's time for the training alone: its wall time, or where other
+    # tests' processes beside it stretched that (one thread a worker), its CPU time
+    assert d["cpu_s"] is not None and d["cpu_s"] > 0, d
+    assert min(d["trained_s"], d["cpu_s"]) <= BUDGET_S, d
+    assert d["cached"] or d["seconds"] == d["trained_s"], d
     assert 0.0 <= d["final_loss"] < 1.0 and d["heldout_top1"] >= 0.8, d
     assert r.accept_len >= target, (r.accept_len, [q.accept_lengths for q in r.requests])
     assert r.max_accept_len == (8 if family == "dflash" else 5)
