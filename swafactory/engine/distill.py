@@ -163,8 +163,7 @@ def _data(target, vocab: int, window: int, seed: int, device, target_key: str | 
     """Training groups ([PROMPTS_PER_GROUP, P + NEW_TOKENS] each, one per prompt length) and a
     held-out group: random prompts (ids ≥ 1) and the target's greedy continuations. Callers
     read them (a batch clones what it changes). target_key: `weights_key(target)`, if known."""
-    key = (target_key or weights_key(target), vocab, window, seed, str(device),
-           *prompt_over(window))
+    key = (target_key or weights_key(target), vocab, window, seed, str(device))
     got = _DATA.get(key)
     if got is not None:
         return got

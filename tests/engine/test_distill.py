@@ -3,8 +3,9 @@ greedy continuations, and a broken draft pool shown by its real symptom, the acc
 
 The target is `model=tiny` at run=generate's sizes; each draft family is distilled within the
 60 s budget (``trained_s``: the time it took when it was trained, kept in the cache; beside other
-test processes, ``cpu_s``, the CPU time it took) and must reach its accept-length target. The suite shares one cache (conftest), and these tests run on one
-worker with the presets' (`xdist_group`), so each model trains once per clone.
+test processes, ``cpu_s``, the CPU time it took) and must reach its accept-length target. The
+suite shares one cache (conftest), and these tests run on one worker with the presets'
+(`xdist_group`), so each model trains once per clone.
 """
 from __future__ import annotations
 
