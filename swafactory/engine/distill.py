@@ -28,14 +28,15 @@ from typing import TextIO
 
 import torch
 
-from swafactory.engine.language import greedy, lag_for
+from swafactory.engine.language import greedy, lag_copy_agreement, lag_for, longest_prompt
 from swafactory.engine.models import attention_modules, draft_from_layers, require_transformers
 from swafactory.engine.train import (TOKENS_PER_BATCH, Batch, Recipe, Trained, batch_size,
-                                     cache_dir, load_cached, load_weights, save_cached, train)
+                                     cache_dir, lm_loss, load_cached, load_weights, save_cached,
+                                     train)
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["DISTILL", "MASK_TOKEN", "prompt_over", "data_key", "make_draft", "load_draft",
-           "check_draft", "distill", "weights_key"]
+           "check_draft", "distill", "weights_key", "PromptLosses", "target_follows"]
 
 MASK_TOKEN = 0
 """The token id of a DFlash block's not-yet-drafted positions (the generator's too)."""
@@ -57,8 +58,9 @@ def prompt_over(window: int) -> tuple[int, int]:
     reads those rows has to have seen both. Distilled on prompts of at most window + 64 tokens,
     a DFlash drafter at GPT-OSS's window (128, lag 136) fell from 0.9 to 0.0 top-1 on prompts
     past 200 tokens, half of run=generate's, and accepted 1.35 of 8; on prompts up to the lag
-    past the window, 8.00 (`model=tiny` at that window on the CPU)."""
-    return 8, max(64, lag_for(window))
+    past the window, 8.00 (`model=tiny` at that window on the CPU). The target is trained on
+    random heads of the same lengths (`language.longest_prompt`)."""
+    return 8, longest_prompt(window) - window
 
 
 def data_key(window: int) -> dict:
@@ -180,6 +182,54 @@ def _data(target, vocab: int, window: int, seed: int, device, target_key: str | 
     return got
 
 
+class PromptLosses:
+    """A training loss that keeps each prompt length's losses: ``group`` is set by the batch
+    function to the batch's group before the loss is taken."""
+
+    LAST = 10
+    """Steps of each length that its figure averages."""
+
+    def __init__(self, loss, groups: Sequence[torch.Tensor]) -> None:
+        self.loss, self.group, self.seen = loss, 0, {}
+        self.lengths = [g.shape[1] - NEW_TOKENS for g in groups]
+
+    def __call__(self, model, b):
+        value = self.loss(model, b)
+        self.seen.setdefault(self.group, []).append(value.detach())  # read once, at the end
+        return value
+
+    def summary(self) -> dict[int, float]:
+        """{prompt length: mean loss of its last `LAST` steps}."""
+        out = {}
+        for g, vals in sorted(self.seen.items()):
+            last = torch.stack(vals[-self.LAST:]).float()
+            out[self.lengths[g]] = round(float(last[torch.isfinite(last)].mean()), 4)
+        return out
+
+    def say(self, label: str, progress: TextIO | None) -> dict[int, float]:
+        got = self.summary()
+        if progress is not None and got:
+            worst = max(got, key=got.get)
+            print(f"  {label}: loss by prompt length from {min(got)} to {max(got)} tokens: "
+                  f"{min(got.values()):.3f} to {got[worst]:.3f} (at {worst})",
+                  file=progress, flush=True)
+        return got
+
+
+def target_follows(groups: Sequence[torch.Tensor], window: int,
+                   progress: TextIO | None = None) -> float:
+    """The lowest share, over the groups (each [N, P + NEW_TOKENS] int64), of the target's
+    continuation tokens that repeat the one a lag back; printed with its prompt length."""
+    shares = {g.shape[1] - NEW_TOKENS: lag_copy_agreement(g.cpu(), g.shape[1] - NEW_TOKENS,
+                                                         lag_for(window)) for g in groups}
+    low = min(shares, key=shares.get)
+    if progress is not None:
+        print(f"  the target's continuations follow the lag-{lag_for(window)} rule at "
+              f"{shares[low]:.2f} of positions or more (lowest at prompt length {low})",
+              file=progress, flush=True)
+    return shares[low]
+
+
 def distill(target, draft, *, family: str, block: int, window: int, seed: int, fields: dict,
             progress: TextIO | None = None) -> Trained:
     """Train ``draft`` (fp32, in place) on ``target``'s greedy continuations, or load the cached
@@ -198,6 +248,7 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
         print(f"distilling the {family} draft ({DISTILL.steps} steps): the target's greedy "
               "continuations of random prompts", file=progress, flush=True)
     groups, held = _data(target, vocab, window, seed, device, fields.get("target"))
+    follows = target_follows(groups, window, progress)
     types = set(getattr(draft.config, "layer_types", None) or ["full_attention"])
     gen = torch.Generator().manual_seed(seed)
 
@@ -215,13 +266,17 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
         return Batch(ids, labels, _masks(types, L + block, (L, L + block), window,
                                          ids.shape[0], device))
 
+    losses = PromptLosses(lm_loss, groups)
+
     def batch(step: int) -> Batch:
-        seqs = groups[step % len(groups)]
+        losses.group = step % len(groups)
+        seqs = groups[losses.group]
         n = batch_size(DISTILL, seqs.shape[1], device)
         rows = torch.randint(0, seqs.shape[0], (n,), generator=gen).to(device)
         return make(seqs[rows], seqs.shape[1] - NEW_TOKENS, None)
 
-    _, loss, steps = train(draft, batch, DISTILL, label=f"{family} draft", progress=progress)
+    _, loss, steps = train(draft, batch, DISTILL, label=f"{family} draft", progress=progress,
+                           loss=losses)
     start = held.shape[1] - NEW_TOKENS
     with torch.no_grad():
         b = make(held, start, start + (NEW_TOKENS - block) // 2)
@@ -230,7 +285,9 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
     agree = float((out.argmax(-1)[keep] == b.labels[keep]).float().mean())
     seconds = time.perf_counter() - t0  # the continuations, the training and the held-out test
     trained = Trained(f"draft {family}", steps, seconds, seconds, loss, agree, False,
-                      str(path), asdict(DISTILL), cpu_s=time.process_time() - c0)
+                      str(path), asdict(DISTILL), cpu_s=time.process_time() - c0,
+                      loss_by_prompt=losses.say(f"{family} draft", progress),
+                      target_follows=follows)
     save_cached(draft, path, fields, trained)
     return trained
 

@@ -19,7 +19,8 @@ from typing import TextIO
 import torch
 
 from swafactory.engine.dflash_draft import DFlashDraft
-from swafactory.engine.distill import NEW_TOKENS, _data, _masks, data_key
+from swafactory.engine.distill import (NEW_TOKENS, PromptLosses, _data, _masks, data_key,
+                                      target_follows)
 from swafactory.engine.drafters import EagleDraft, MtpDraft
 from swafactory.engine.formats import load_feature_draft, save_feature_draft
 from swafactory.engine.runner import attn_implementation
@@ -157,6 +158,7 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
               "hidden states and greedy continuations", file=progress, flush=True)
     groups, held = _data(target, target.config.vocab_size, window, seed, device,
                          fields.get("target"))
+    follows = target_follows(groups, window, progress)
     feats = [target_features(target, draft, g) for g in groups]
     hfeat = target_features(target, draft, held)
     frozen = [draft.embed_tokens.weight]  # sglang serves EAGLE, MTP, DFlash with the target's head
@@ -177,15 +179,17 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
         labels[:, :start - 1] = -100  # the random prompt cannot be predicted
         return Batch(seqs[:, :-1], labels, features=f[:, :-1])
 
+    losses = PromptLosses(_block_loss if block else _loss, groups)
+
     def batch(step: int) -> Batch:
-        i = step % len(groups)
+        i = losses.group = step % len(groups)
         seqs, f = groups[i], feats[i]
         n = batch_size(recipe, seqs.shape[1], device)
         rows = torch.randint(0, seqs.shape[0], (n,), generator=gen).to(device)
         return make(seqs[rows], f[rows], seqs.shape[1] - NEW_TOKENS)
 
     _, loss, steps = train(draft, batch, recipe, label=f"{family} draft",
-                           progress=progress, loss=_block_loss if block else _loss)
+                           progress=progress, loss=losses)
     start = held.shape[1] - NEW_TOKENS
     b = make(held, hfeat, start, start + NEW_TOKENS // 2 - draft.config.block_size // 2
              if block else None)
@@ -201,7 +205,9 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
     agree = float((first.argmax(-1)[keep] == b.labels[keep]).float().mean())
     seconds = time.perf_counter() - t0
     trained = Trained(f"draft {family}", steps, seconds, seconds, loss, agree, False,
-                      str(path), asdict(recipe), cpu_s=time.process_time() - c0)
+                      str(path), asdict(recipe), cpu_s=time.process_time() - c0,
+                      loss_by_prompt=losses.say(f"{family} draft", progress),
+                      target_follows=follows)
     save_cached(draft, path, fields, trained,
                 save=lambda d: save_feature_draft(draft, d, target.config))
     return draft, trained

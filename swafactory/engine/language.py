@@ -1,7 +1,7 @@
 """The built-in synthetic language a ``run.target_weights=pretrained`` target is trained on.
 
-Lag copy: a sequence's first ``lag`` tokens are random, and every later token repeats the one
-``lag`` positions back. A model that has learnt it predicts its next token by attending to
+Lag copy: a sequence's first tokens (its head: ``lag`` of them, or more) are random, and every
+later token repeats the one ``lag`` positions back. A model that has learnt it predicts its next token by attending to
 one key ``lag - 1`` positions back: its greedy continuation of any prompt is the prompt's last
 ``lag`` tokens, repeated. A draft can learn that exactly, but only by reading the right K/V.
 
@@ -23,7 +23,8 @@ from swafactory.engine.runner import attn_implementation
 from swafactory.engine.train import (Batch, Recipe, Trained, batch_size, cache_dir, load_cached,
                                      load_weights, save_cached, train)
 
-__all__ = ["PRETRAIN", "lag_for", "lag_copy", "lag_copy_agreement", "greedy", "pretrain"]
+__all__ = ["PRETRAIN", "lag_for", "longest_prompt", "lag_copy", "lag_copy_agreement", "greedy",
+           "pretrain"]
 
 
 def lag_for(window: int | None) -> int:
@@ -32,11 +33,22 @@ def lag_for(window: int | None) -> int:
     return (window or 0) + 8
 
 
-def lag_copy(batch: int, length: int, vocab: int, gen: torch.Generator, lag: int
-             ) -> torch.Tensor:
-    """[batch, length] int64 sequences of the language, ids in [1, vocab)."""
-    head = torch.randint(1, vocab, (batch, lag), generator=gen)
-    return head.repeat(1, length // lag + 1)[:, :length]
+def longest_prompt(window: int | None) -> int:
+    """The longest random prompt the target is trained to continue, and a draft distilled on:
+    the window plus the lag (at least 64). A prompt of random tokens longer than the lag is not
+    periodic, so it is outside a language of ``lag``-token heads; a target trained only on those
+    may continue it by another rule than the lag's, one no draft can learn."""
+    return (window or 0) + max(64, lag_for(window))
+
+
+def lag_copy(batch: int, length: int, vocab: int, gen: torch.Generator, lag: int,
+             head: int | None = None) -> torch.Tensor:
+    """[batch, length] int64 sequences of the language, ids in [1, vocab): ``head`` random
+    tokens (default ``lag``), then each token the one ``lag`` back."""
+    head = lag if head is None else head
+    first = torch.randint(1, vocab, (batch, head), generator=gen)
+    pos = torch.arange(length)
+    return first[:, torch.where(pos < head, pos, head - lag + (pos - head) % lag)]
 
 
 def lag_copy_agreement(seqs: torch.Tensor, start: int, lag: int) -> float:
@@ -50,7 +62,8 @@ PRETRAIN = Recipe(steps=1500, lr=1e-2, batch=32, stop_loss=0.05)
 steps (measured on the CPU machine); a model whose only full layers must reach a long lag may
 need more, which a GPU gives in seconds."""
 PERIODS = 3
-"""A training sequence holds this many periods of the lag (the first one random)."""
+"""A training sequence holds at least this many periods of the lag, and a period after its
+head, which is random and of ``lag`` to `longest_prompt` tokens (one length per batch)."""
 
 
 def greedy(model, prompts: torch.Tensor, new: int) -> torch.Tensor:
@@ -68,8 +81,10 @@ def pretrain(model, window: int | None, seed: int, key: dict,
     ``window``, or load the cached result for ``key`` (the fields its weights depend on:
     config, seed, post_init)."""
     lag = lag_for(window)
+    heads = (lag, max(lag, longest_prompt(window)))
     fields = {**key, "seed": seed, "recipe": asdict(PRETRAIN), "language": f"lag_copy/{lag}",
-              "periods": PERIODS, "batch": batch_size(PRETRAIN, PERIODS * lag, model.device)}
+              "periods": PERIODS, "heads": list(heads),
+              "batch": batch_size(PRETRAIN, PERIODS * lag, model.device)}
     path = cache_dir("targets", fields)
     hit = load_cached(path, fields)
     if hit is not None:
@@ -81,9 +96,11 @@ def pretrain(model, window: int | None, seed: int, key: dict,
     rows = batch_size(PRETRAIN, PERIODS * lag, model.device)
 
     def batch(step: int) -> Batch:
-        x = lag_copy(rows, PERIODS * lag + 1, vocab, gen, lag).to(model.device)
+        head = int(torch.randint(heads[0], heads[1] + 1, (1,), generator=gen))
+        x = lag_copy(rows, max(PERIODS * lag, head + lag) + 1, vocab, gen, lag, head)
+        x = x.to(model.device)
         labels = x[:, 1:].clone()
-        labels[:, :lag - 1] = -100  # the random head cannot be predicted
+        labels[:, :head - 1] = -100  # the random head cannot be predicted
         return Batch(x[:, :-1], labels)
 
     if progress is not None:
@@ -92,8 +109,10 @@ def pretrain(model, window: int | None, seed: int, key: dict,
               file=progress, flush=True)
     seconds, loss, steps = train(model, batch, PRETRAIN, label="target", progress=progress)
     held = torch.Generator().manual_seed(seed + 1)
-    prompts = torch.randint(1, vocab, (16, lag + 8), generator=held).to(model.device)
-    agree = lag_copy_agreement(greedy(model, prompts, 16).cpu(), prompts.shape[1], lag)
+    agree = 1.0
+    for length in sorted({min(lag + 8, heads[1]), heads[1]}):  # the shortest and longest heads
+        prompts = torch.randint(1, vocab, (16, length), generator=held).to(model.device)
+        agree = min(agree, lag_copy_agreement(greedy(model, prompts, 16).cpu(), length, lag))
     trained = Trained("target", steps, seconds, seconds, loss, agree, False, str(path),
                       asdict(PRETRAIN))
     save_cached(model, path, fields, trained)

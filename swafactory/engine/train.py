@@ -26,7 +26,7 @@ import torch
 
 from swafactory.engine.runner import attn_implementation
 
-__all__ = ["Recipe", "Batch", "Trained", "TOKENS_PER_BATCH", "batch_size", "cache_root",
+__all__ = ["Recipe", "Batch", "Trained", "TOKENS_PER_BATCH", "batch_size", "lm_loss", "cache_root",
            "cache_dir", "load_cached", "save_cached", "load_weights", "train"]
 
 
@@ -74,6 +74,12 @@ class Trained:
     cpu_s: float | None = None
     """The process's CPU seconds over ``trained_s`` (on a CPU: the work itself, which other
     processes beside it do not stretch; a GPU's time is not in it)."""
+    loss_by_prompt: dict | None = None
+    """A draft's: each distillation prompt length's mean loss over its last steps; a length the
+    draft cannot learn stays near chance (ln vocab)."""
+    target_follows: float | None = None
+    """A draft's: the lowest share, over the prompt lengths, of the target's continuation tokens
+    that repeat the one a lag back (the language's rule; a draft learns what the target does)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -159,7 +165,8 @@ def batch_size(recipe: Recipe, seq_len: int, device: torch.device | str) -> int:
     return max(1, min(recipe.batch, TOKENS_PER_BATCH.get(kind, 4096) // seq_len))
 
 
-def _loss(model, b: Batch) -> torch.Tensor:
+def lm_loss(model, b: Batch) -> torch.Tensor:
+    """A causal LM's cross-entropy on ``b``'s labels (the default training loss)."""
     out = model(input_ids=b.ids, attention_mask=b.masks, use_cache=False)
     logits = out.logits.float()
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -183,7 +190,7 @@ def train(model, batches: Callable[[int], Batch], recipe: Recipe, *, label: str,
     # (eager keeps every score: O(T^2) memory per head); eager otherwise (GPT-OSS's sinks)
     with attn_implementation(model, "sdpa" if getattr(model, "_supports_sdpa", False)
                              else "eager"):
-        return _train(model, batches, recipe, label, progress, loss or _loss)
+        return _train(model, batches, recipe, label, progress, loss or lm_loss)
 
 
 ROLLBACKS = 3
