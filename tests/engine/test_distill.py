@@ -79,6 +79,27 @@ def test_the_continuations_are_made_once_per_target_window_and_seed(monkeypatch)
     assert again is not first and len(calls) == 9
 
 
+def test_a_head_longer_than_the_lag_is_random_and_the_rest_repeats_the_lag() -> None:
+    """The target trains on random heads of the lag up to the longest distillation prompt: a
+    random prompt longer than the lag is then in its language (past it, a target trained only on
+    lag-long heads may follow another rule, which no draft learns)."""
+    import torch
+
+    from swafactory.engine.distill import prompt_over
+    from swafactory.engine.language import lag_copy, lag_copy_agreement, lag_for, longest_prompt
+
+    lag, gen = 5, torch.Generator().manual_seed(0)
+    x = lag_copy(64, 30, 50, gen, lag, head=12)
+    assert x.min() >= 1 and lag_copy_agreement(x, 12, lag) == 1.0
+    assert (x[:, lag:12] == x[:, :12 - lag]).float().mean() < 0.2  # the head's own draws
+    same = lag_copy(4, 13, 50, torch.Generator().manual_seed(1), lag)
+    assert (same[:, lag:] == same[:, :-lag]).all()  # the default head is the lag
+    for window in (16, 128, 1024, None):
+        assert longest_prompt(window) >= lag_for(window) + 56
+        if window:  # the distillation's prompts reach exactly as far as the target's heads
+            assert window + prompt_over(window)[1] == longest_prompt(window)
+
+
 def test_the_pretrained_target_speaks_its_language() -> None:
     r = _gen("spec=none")
     assert r.status == "ok", r.checks
@@ -107,6 +128,9 @@ def test_a_distilled_draft_accepts(family: str) -> None:
     assert min(d["trained_s"], d["cpu_s"]) <= BUDGET_S, d
     assert d["cached"] or d["seconds"] == d["trained_s"], d
     assert 0.0 <= d["final_loss"] < 1.0 and d["heldout_top1"] >= 0.8, d
+    # every prompt length learnt, on the target's own rule (trained now, or as cached)
+    assert d["target_follows"] >= 0.9 and len(d["loss_by_prompt"]) >= 8, d
+    assert max(d["loss_by_prompt"].values()) < 1.0, d
     assert r.accept_len >= target, (r.accept_len, [q.accept_lengths for q in r.requests])
     assert r.max_accept_len == (8 if family == "dflash" else 5)
     for q in r.requests:  # the histogram counts every spec step by its length
