@@ -3,8 +3,8 @@
 Runs ``run=generate`` with a pretrained target and a distilled draft, and prints the accept
 length, the draft's loss by distillation prompt length (a length it cannot learn stays near
 chance, ln vocab), and the lowest share of the target's continuation tokens that follow the
-lag-copy rule over those prompts. ``--heads lag`` pretrains the target as it was before its
-random heads reached the longest prompt (every head ``lag`` tokens), for comparison;
+lag-copy rule over those prompts. ``--heads wide`` pretrains the target on random heads up to
+the longest prompt (`language.WIDE_HEADS`) rather than of ``lag`` tokens each;
 ``--lr`` sets the drafts' learning rate.
 
     python bench/probes/distill_prompts.py --model gpt_oss_20b --family dflash [--heads lag]
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="gpt_oss_20b")
     ap.add_argument("--family", default="dflash", help="a bench_generate acceptance family")
     ap.add_argument("--backend", default="flashinfer")
-    ap.add_argument("--heads", choices=("wide", "lag"), default="wide",
+    ap.add_argument("--heads", choices=("wide", "lag"), default="lag",
                     help="the target's training heads: up to the longest prompt, or the lag")
     ap.add_argument("--lr", type=float, default=None, help="the drafts' learning rate")
     ap.add_argument("override", nargs="*")
@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench_generate import FAMILIES
 
-    if a.heads == "lag":
-        language.longest_prompt = lambda window: 0  # pretrain's heads: (lag, lag)
+    language.WIDE_HEADS = a.heads == "wide"
     if a.lr is not None:
         for mod, name in ((distill, "DISTILL"), (distill_features, "FEATURE_DISTILL"),
                           (distill_features, "BLOCK_DISTILL")):

@@ -62,8 +62,13 @@ PRETRAIN = Recipe(steps=1500, lr=1e-2, batch=32, stop_loss=0.05)
 steps (measured on the CPU machine); a model whose only full layers must reach a long lag may
 need more, which a GPU gives in seconds."""
 PERIODS = 3
-"""A training sequence holds at least this many periods of the lag, and a period after its
-head, which is random and of ``lag`` to `longest_prompt` tokens (one length per batch)."""
+"""A training sequence holds at least this many periods of the lag (the first one random)."""
+WIDE_HEADS = False
+"""Train the target on random heads of ``lag`` to `longest_prompt` tokens (one length per
+batch, and a period after the head) rather than of ``lag`` alone. Off: on `model=tiny` such a
+target carries the copied tokens in hidden states inside the window, so a DFlash drafter
+reading them needs no out-of-window key and a pool fault that loses those keys no longer
+lowers its accept length (`bench/probes/distill_prompts.py --heads wide` compares)."""
 
 
 def greedy(model, prompts: torch.Tensor, new: int) -> torch.Tensor:
@@ -81,10 +86,10 @@ def pretrain(model, window: int | None, seed: int, key: dict,
     ``window``, or load the cached result for ``key`` (the fields its weights depend on:
     config, seed, post_init)."""
     lag = lag_for(window)
-    heads = (lag, max(lag, longest_prompt(window)))
+    heads = (lag, max(lag, longest_prompt(window)) if WIDE_HEADS else lag)
     fields = {**key, "seed": seed, "recipe": asdict(PRETRAIN), "language": f"lag_copy/{lag}",
-              "periods": PERIODS, "heads": list(heads),
-              "batch": batch_size(PRETRAIN, PERIODS * lag, model.device)}
+              "periods": PERIODS, "batch": batch_size(PRETRAIN, PERIODS * lag, model.device),
+              **({"heads": list(heads)} if WIDE_HEADS else {})}
     path = cache_dir("targets", fields)
     hit = load_cached(path, fields)
     if hit is not None:
@@ -96,7 +101,8 @@ def pretrain(model, window: int | None, seed: int, key: dict,
     rows = batch_size(PRETRAIN, PERIODS * lag, model.device)
 
     def batch(step: int) -> Batch:
-        head = int(torch.randint(heads[0], heads[1] + 1, (1,), generator=gen))
+        head = int(torch.randint(heads[0], heads[1] + 1, (1,), generator=gen)) \
+            if WIDE_HEADS else lag
         x = lag_copy(rows, max(PERIODS * lag, head + lag) + 1, vocab, gen, lag, head)
         x = x.to(model.device)
         labels = x[:, 1:].clone()
@@ -110,7 +116,7 @@ def pretrain(model, window: int | None, seed: int, key: dict,
     seconds, loss, steps = train(model, batch, PRETRAIN, label="target", progress=progress)
     held = torch.Generator().manual_seed(seed + 1)
     agree = 1.0
-    for length in sorted({min(lag + 8, heads[1]), heads[1]}):  # the shortest and longest heads
+    for length in sorted({lag + 8, heads[1]} if WIDE_HEADS else {lag + 8}):
         prompts = torch.randint(1, vocab, (16, length), generator=held).to(model.device)
         agree = min(agree, lag_copy_agreement(greedy(model, prompts, 16).cpu(), length, lag))
     trained = Trained("target", steps, seconds, seconds, loss, agree, False, str(path),
