@@ -100,6 +100,26 @@ def test_a_head_longer_than_the_lag_is_random_and_the_rest_repeats_the_lag() -> 
             assert window + prompt_over(window)[1] == longest_prompt(window)
 
 
+def test_a_gpu_trains_longer_and_dflash_at_a_lower_learning_rate() -> None:
+    """On a GPU every draft trains up to GPU_STEPS, stopping at GPU_STOP_LOSS; DFlash at
+    GPU_BLOCK_LR (1e-2 left GPT-OSS's drafter at top-1 0.36, 3e-3 reached 0.85), the others at
+    their CPU rate; on the CPU each keeps its own recipe."""
+    import torch
+
+    from swafactory.engine import distill_features as df
+    from swafactory.engine.dflash_draft import DFlashDraft
+    from swafactory.engine.drafters import EagleDraft
+
+    block, feature = object.__new__(DFlashDraft), object.__new__(EagleDraft)
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert df.recipe_for(block, cpu) == df.BLOCK_DISTILL
+    assert df.recipe_for(feature, cpu) == df.FEATURE_DISTILL
+    got = df.recipe_for(block, gpu)
+    assert (got.steps, got.stop_loss, got.lr) == (df.GPU_STEPS, df.GPU_STOP_LOSS, df.GPU_BLOCK_LR)
+    assert df.GPU_BLOCK_LR < df.BLOCK_DISTILL.lr
+    assert df.recipe_for(feature, gpu).lr == df.FEATURE_DISTILL.lr
+
+
 def test_the_pretrained_target_speaks_its_language() -> None:
     r = _gen("spec=none")
     assert r.status == "ok", r.checks
