@@ -284,6 +284,10 @@ def _one(model: str, backend: str, family: str, fault: str, a) -> dict:
             "lossless": r.lossless, "acceptance": acc.status,
             "draft_top1": (r.draft_training or {}).get("heldout_top1"),
             "draft_s": (r.draft_training or {}).get("trained_s"),
+            # a draft that cannot learn some prompt lengths, or a target off its rule, shows here
+            "draft_worst_loss": max(((r.draft_training or {}).get("loss_by_prompt") or {})
+                                    .values(), default=None),
+            "target_follows": (r.draft_training or {}).get("target_follows"),
             "target_s": (r.target_training or {}).get("trained_s"),
             "detail": "" if r.status == "ok" else (r.inert or next(
                 c.detail for c in r.checks if c.name == r.caught_by))[:160]}

@@ -120,6 +120,40 @@ def test_a_gpu_trains_longer_and_dflash_at_a_lower_learning_rate() -> None:
     assert df.recipe_for(feature, gpu).lr == df.FEATURE_DISTILL.lr
 
 
+def test_wide_heads_train_the_target_on_every_head_length(monkeypatch, tmp_path) -> None:
+    """`language.WIDE_HEADS` (the comparison `bench/probes/distill_prompts.py --heads wide`
+    makes): the batches' random heads run from the lag to the longest prompt, and the cache key
+    says so; off, every head is the lag and the key is the one it always was."""
+    import torch
+
+    from swafactory.engine import language
+    from swafactory.engine.models import load_target
+
+    monkeypatch.setenv("SWAFACTORY_CACHE_DIR", str(tmp_path))
+    target = load_target(swafactory.compose(["run=generate", "model=tiny"]), torch.float32,
+                         "cpu")[0]
+    heads, keys = [], []
+
+    def fake_train(model, batches, recipe, **kw):  # the batches' heads, no training
+        for step in range(40):
+            labels = batches(step).labels
+            heads.append(int((labels[0] != -100).nonzero()[0]) + 1)
+        return 0.0, 0.0, 40
+
+    monkeypatch.setattr(language, "train", fake_train)
+    monkeypatch.setattr(language, "save_cached", lambda m, path, fields, t: keys.append(fields))
+    lag, longest = language.lag_for(16), language.longest_prompt(16)
+    for wide in (False, True):
+        monkeypatch.setattr(language, "WIDE_HEADS", wide)
+        heads.clear()
+        language.pretrain(target, 16, 0, {"model": "tiny"})
+        if wide:
+            assert min(heads) >= lag and max(heads) <= longest and len(set(heads)) > 10
+            assert keys[-1]["heads"] == [lag, longest]
+        else:
+            assert set(heads) == {lag} and "heads" not in keys[-1]
+
+
 def test_the_pretrained_target_speaks_its_language() -> None:
     r = _gen("spec=none")
     assert r.status == "ok", r.checks
@@ -151,7 +185,7 @@ def test_a_distilled_draft_accepts(family: str) -> None:
     if not d["cached"] or d["loss_by_prompt"] is not None:  # (a draft cached before these)
         # every prompt length learnt, on the target's own rule
         assert d["target_follows"] >= 0.9 and len(d["loss_by_prompt"]) >= 8, d
-        assert max(d["loss_by_prompt"].values()) < 1.0, d
+        assert max(d["loss_by_prompt"].values()) < 2.0, d  # chance: ln 256 = 5.5; seen ≤ 0.82
     assert r.accept_len >= target, (r.accept_len, [q.accept_lengths for q in r.requests])
     assert r.max_accept_len == (8 if family == "dflash" else 5)
     for q in r.requests:  # the histogram counts every spec step by its length
