@@ -58,8 +58,8 @@ def prompt_over(window: int) -> tuple[int, int]:
     reads those rows has to have seen both. Distilled on prompts of at most window + 64 tokens,
     a DFlash drafter at GPT-OSS's window (128, lag 136) fell from 0.9 to 0.0 top-1 on prompts
     past 200 tokens, half of run=generate's, and accepted 1.35 of 8; on prompts up to the lag
-    past the window, 8.00 (`model=tiny` at that window on the CPU). The target is trained on
-    random heads of the same lengths (`language.longest_prompt`)."""
+    past the window, 8.00 (`model=tiny` at that window on the CPU). `language.longest_prompt`
+    is that bound (the target's heads reach it too under `language.WIDE_HEADS`)."""
     return 8, longest_prompt(window) - window
 
 
@@ -199,11 +199,14 @@ class PromptLosses:
         return value
 
     def summary(self) -> dict[int, float]:
-        """{prompt length: mean loss of its last `LAST` steps}."""
-        out = {}
+        """{prompt length: mean loss of its groups' last `LAST` steps each}."""
+        by_length: dict[int, list[torch.Tensor]] = {}
         for g, vals in sorted(self.seen.items()):
-            last = torch.stack(vals[-self.LAST:]).float()
-            out[self.lengths[g]] = round(float(last[torch.isfinite(last)].mean()), 4)
+            by_length.setdefault(self.lengths[g], []).extend(vals[-self.LAST:])
+        out = {}
+        for length, vals in sorted(by_length.items()):
+            last = torch.stack(vals).float()
+            out[length] = round(float(last[torch.isfinite(last)].mean()), 4)
         return out
 
     def say(self, label: str, progress: TextIO | None) -> dict[int, float]:
@@ -225,7 +228,7 @@ def target_follows(groups: Sequence[torch.Tensor], window: int,
     low = min(shares, key=shares.get)
     if progress is not None:
         print(f"  the target's continuations follow the lag-{lag_for(window)} rule at "
-              f"{shares[low]:.2f} of positions or more (lowest at prompt length {low})",
+              f"{shares[low]:.3f} of positions or more (lowest at prompt length {low})",
               file=progress, flush=True)
     return shares[low]
 

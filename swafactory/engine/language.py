@@ -1,9 +1,10 @@
 """The built-in synthetic language a ``run.target_weights=pretrained`` target is trained on.
 
-Lag copy: a sequence's first tokens (its head: ``lag`` of them, or more) are random, and every
-later token repeats the one ``lag`` positions back. A model that has learnt it predicts its next token by attending to
-one key ``lag - 1`` positions back: its greedy continuation of any prompt is the prompt's last
-``lag`` tokens, repeated. A draft can learn that exactly, but only by reading the right K/V.
+Lag copy: a sequence's first tokens (its head: ``lag`` of them; up to `longest_prompt` under
+`WIDE_HEADS`) are random, and every later token repeats the one ``lag`` positions back. A model
+that has learnt it predicts its next token by attending to one key ``lag - 1`` positions back:
+its greedy continuation of any prompt is the prompt's last ``lag`` tokens, repeated. A draft can
+learn that exactly, but only by reading the right K/V.
 
 The lag is the model's sliding window plus 8 (`lag_for`): the key a token copies lies outside
 the window, so only full-attention layers reach it, in the target and in a full-attention
@@ -34,10 +35,10 @@ def lag_for(window: int | None) -> int:
 
 
 def longest_prompt(window: int | None) -> int:
-    """The longest random prompt the target is trained to continue, and a draft distilled on:
-    the window plus the lag (at least 64). A prompt of random tokens longer than the lag is not
-    periodic, so it is outside a language of ``lag``-token heads; a target trained only on those
-    may continue it by another rule than the lag's, one no draft can learn."""
+    """The longest random prompt a draft is distilled on (and, under `WIDE_HEADS`, the target's
+    longest head): the window plus the lag (at least 64). A random prompt longer than the lag
+    is not periodic, so it lies outside a language of ``lag``-token heads; the distillation
+    measures how closely the target still follows the rule there (`distill.target_follows`)."""
     return (window or 0) + max(64, lag_for(window))
 
 

@@ -26,8 +26,8 @@ import torch
 
 from swafactory.engine.runner import attn_implementation
 
-__all__ = ["Recipe", "Batch", "Trained", "TOKENS_PER_BATCH", "batch_size", "lm_loss", "cache_root",
-           "cache_dir", "load_cached", "save_cached", "load_weights", "train"]
+__all__ = ["Recipe", "Batch", "Trained", "TOKENS_PER_BATCH", "batch_size", "lm_loss",
+           "cache_root", "cache_dir", "load_cached", "save_cached", "load_weights", "train"]
 
 
 @dataclass(frozen=True)
