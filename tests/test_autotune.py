@@ -135,6 +135,12 @@ def test_the_workloads_mix_of_passes_weighs_the_family_choice(tmp_path) -> None:
     assert pass_weights(_cfg("workload.output_len=[1024,1024]", "workload.chunk_size=8192",
                              "workload.max_running_requests=8"))["extend"] == 4 * 2
     assert families("workload.output_len=[8,24]") == ("flashinfer", "flashinfer")
+    # the decode's faster family lost on the sum: its line says so, the winners' lines do not
+    _, t = tune(_cfg("workload.output_len=[8,24]"), H200, DecodeFast(),
+                TuneCache(tmp_path / "c.json"), VERSIONS)
+    lines = {f"{c.pass_}/{c.group}": str(c) for c in t.choices}
+    assert "triton lost on the group's weighted sum of passes" in lines["decode/swa"]
+    assert "lost on" not in lines["extend/swa"]
     assert families("workload.output_len=[1024,1024]", "workload.chunk_size=8192") == (
         "triton", "triton")
 

@@ -107,7 +107,13 @@ class Choice:
         ms = "-" if self.ms is None else f"{self.ms:.3f} ms"
         others = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.tried.items(),
                                                              key=lambda kv: kv[1]))
-        return f"{self.pass_}/{self.group}: {self.family} {self.kernel} ({ms}; tried {others})"
+        why = ""
+        fastest = min(self.tried, key=self.tried.__getitem__, default=None)
+        if self.ms is not None and fastest and not fastest.startswith(self.family + "/") \
+                and self.tried[fastest] < self.ms:  # a faster family lost on the group's sum
+            why = f"; {fastest.split('/')[0]} lost on the group's weighted sum of passes"
+        return (f"{self.pass_}/{self.group}: {self.family} {self.kernel} ({ms}; tried "
+                f"{others}{why})")
 
 
 @dataclass(frozen=True)
