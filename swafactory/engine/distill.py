@@ -223,7 +223,7 @@ def target_follows(groups: Sequence[torch.Tensor], window: int,
                    progress: TextIO | None = None) -> float:
     """The lowest share, over the groups (each [N, P + NEW_TOKENS] int64), of the target's
     continuation tokens that repeat the one a lag back; printed with its prompt length."""
-    shares = {g.shape[1] - NEW_TOKENS: lag_copy_agreement(g.cpu(), g.shape[1] - NEW_TOKENS,
+    shares = {g.shape[1] - NEW_TOKENS: lag_copy_agreement(g, g.shape[1] - NEW_TOKENS,
                                                          lag_for(window)) for g in groups}
     low = min(shares, key=shares.get)
     if progress is not None:

@@ -87,7 +87,7 @@ def pretrain(model, window: int | None, seed: int, key: dict,
     ``window``, or load the cached result for ``key`` (the fields its weights depend on:
     config, seed, post_init)."""
     lag = lag_for(window)
-    heads = (lag, max(lag, longest_prompt(window)) if WIDE_HEADS else lag)
+    heads = (lag, longest_prompt(window) if WIDE_HEADS else lag)  # longest > lag always
     fields = {**key, "seed": seed, "recipe": asdict(PRETRAIN), "language": f"lag_copy/{lag}",
               "periods": PERIODS, "batch": batch_size(PRETRAIN, PERIODS * lag, model.device),
               **({"heads": list(heads)} if WIDE_HEADS else {})}
