@@ -382,7 +382,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=55)
 
 
 def main() -> int:
