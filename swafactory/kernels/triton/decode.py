@@ -73,8 +73,11 @@ def fused_registers(fused: bool, warps: int) -> dict:
 @functools.cache
 def _kernel(interpret: bool) -> Any:
     del interpret  # cache key only: triton.jit reads TRITON_INTERPRET when decorating
+    global online  # the kernel calls its shared steps through the module (see online.py)
     import triton
     import triton.language as tl
+
+    from swafactory.kernels.triton import online
 
     @triton.jit
     def decode_stage1(q_ptr, k_ptr, v_ptr, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
@@ -129,17 +132,14 @@ def _kernel(interpret: bool) -> Any:
                 k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
                             mask=vis[:, None], other=0.0).to(CDT)  # fp8: dequantized in registers
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                if HAS_SOFTCAP:  # cap·tanh(s/cap), tanh written with exp (portable to the interpreter)
-                    s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+                if HAS_SOFTCAP:
+                    s = online.tanh_cap(s, softcap)
                 s = tl.where(vis[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - ref)
+                m_new, ref, alpha = online.online_max(m, tl.max(s, axis=1))
                 p = tl.exp(s - ref[:, None])
                 v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
                             mask=vis[:, None], other=0.0).to(CDT)
-                den = den * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                den, acc = online.accumulate(den, acc, alpha, p, v, PRECISION)
                 m = m_new
         if FUSED:  # this step's K/V of KV head kh: written once, attended from registers
             nrow = qrow * stride_nt + kh * stride_nh
@@ -159,43 +159,27 @@ def _kernel(interpret: bool) -> Any:
                     kt = tl.load(kn_ptr + nrow + same).to(CDT)
                     s1 = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale
                     if HAS_SOFTCAP:
-                        s1 = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s1 / softcap) + 1.0))
+                        s1 = online.tanh_cap(s1, softcap)
                     s1 = tl.where(first[None, :] & hmask[:, None], s1, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(s1, axis=1))
-                    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp(m - ref)
+                    m_new, ref, alpha = online.online_max(m, tl.max(s1, axis=1))
                     p1 = tl.exp(s1 - ref[:, None])
                     vt = tl.load(vn_ptr + nrow + same).to(CDT)
-                    den = den * alpha + tl.sum(p1, axis=1)
-                    acc = acc * alpha[:, None] + tl.dot(p1.to(CDT), vt,
-                                                        input_precision=PRECISION)
+                    den, acc = online.accumulate(den, acc, alpha, p1, vt, PRECISION)
                 else:  # q·kn as a broadcast sum
                     kn = tl.load(kn_ptr + nrow + d)
                     vn = tl.load(vn_ptr + nrow + d)
                     s1 = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
                     if HAS_SOFTCAP:
-                        s1 = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s1 / softcap) + 1.0))
+                        s1 = online.tanh_cap(s1, softcap)
                     s1 = tl.where(hmask, s1, float("-inf"))
-                    m_new = tl.maximum(m, s1)
-                    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp(m - ref)
+                    m_new, ref, alpha = online.online_max(m, s1)
                     p1 = tl.exp(s1 - ref)
                     den = den * alpha + p1
                     acc = acc * alpha[:, None] + p1[:, None] * vn.to(tl.float32)[None, :]
                 m = m_new
-        if not SPLIT:
-            if HAS_SINKS:
-                sk = tl.load(sinks_ptr + heads, mask=hmask, other=float("-inf")).to(tl.float32)
-                m_new = tl.maximum(m, sk)
-                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - ref)
-                acc = acc * alpha[:, None]
-                den = den * alpha + tl.exp(sk - ref)
-                m = m_new
-        ref = tl.where(m == float("-inf"), 0.0, m)
-        ok = den != 0  # NaN stays NaN: a visible stale read must show
-        o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
-        lse = tl.where(ok, ref + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
+        if not SPLIT and HAS_SINKS:
+            m, den, acc = online.add_sink(sinks_ptr, heads, hmask, m, den, acc)
+        o, lse = online.normalize(m, den, acc)
         if not SPLIT:
             tl.store(o_ptr + qrow * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=hmask[:, None])

@@ -47,8 +47,11 @@ __all__ = ["extend_attention", "extend_config", "extend_splits", "dense_runs"]
 @functools.cache
 def _kernel(interpret: bool) -> Any:
     del interpret  # cache key only: triton.jit reads TRITON_INTERPRET when decorating
+    global online  # the kernel calls its shared steps through the module (see online.py)
     import triton
     import triton.language as tl
+
+    from swafactory.kernels.triton import online
 
     @triton.jit
     def dense_range(qo_indptr, kv_indptr, q_pos, kv_pos, mask_ptr, mask_indptr, rng_ptr, window,
@@ -166,15 +169,14 @@ def _kernel(interpret: bool) -> Any:
                         mask=inr[:, None], other=0.0).to(CDT)  # fp8: dequantized in registers
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if HAS_SOFTCAP:
-                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+                s = online.tanh_cap(s, softcap)
             s = tl.where(inr[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_new = tl.maximum(m, tl.max(s, axis=1))  # no -inf guard: every row sees a key here
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
                         mask=inr[:, None], other=0.0).to(CDT)
-            den = den * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            den, acc = online.accumulate(den, acc, alpha, p, v, PRECISION)
             m = m_new
         # the general tiles: [lo, a) (before the run: window edge) and [e, hi) (after it)
         tiles_a = tl.cdiv(a - lo, BLOCK_NG)
@@ -203,12 +205,10 @@ def _kernel(interpret: bool) -> Any:
                 k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :],
                             mask=kvis[:, None], other=0.0).to(CDT)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                if HAS_SOFTCAP:  # cap·tanh(s/cap), tanh written with exp (portable to the interpreter)
-                    s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+                if HAS_SOFTCAP:
+                    s = online.tanh_cap(s, softcap)
                 s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - ref)
+                m_new, ref, alpha = online.online_max(m, tl.max(s, axis=1))
                 p = tl.exp(s - ref[:, None])
                 v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :],
                             mask=kvis[:, None], other=0.0).to(CDT)
@@ -216,25 +216,13 @@ def _kernel(interpret: bool) -> Any:
                 vbad = tl.max(bad.to(tl.int32), axis=1)             # [BLOCK_NG]
                 poisoned = tl.maximum(poisoned, tl.max(tl.where(vis, vbad[None, :], 0), axis=1))
                 v = tl.where(bad, 0.0, v)
-                den = den * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                den, acc = online.accumulate(den, acc, alpha, p, v, PRECISION)
                 m = m_new
-        if not SPLIT:
-            if HAS_SINKS:
-                sk = tl.load(sinks_ptr + heads, mask=rvalid, other=float("-inf")).to(tl.float32)
-                m_new = tl.maximum(m, sk)
-                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - ref)
-                acc = acc * alpha[:, None]
-                den = den * alpha + tl.exp(sk - ref)
-                m = m_new
+        if not SPLIT and HAS_SINKS:
+            m, den, acc = online.add_sink(sinks_ptr, heads, rvalid, m, den, acc)
         if DENSE:  # a NaN that flowed through the dense run poisons the whole row, as elsewhere
             poisoned = tl.maximum(poisoned, tl.max(((acc * 0.0) != 0.0).to(tl.int32), axis=1))
-        ref = tl.where(m == float("-inf"), 0.0, m)
-        ok = den != 0  # NaN stays NaN: a visible stale read must show
-        o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
-        o = tl.where(poisoned[:, None] > 0, float("nan"), o)
-        lse = tl.where(ok, ref + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
+        o, lse = online.normalize(m, den, acc, poisoned)
         if not SPLIT:
             tl.store(o_ptr + qrow[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])

@@ -1,8 +1,8 @@
 """The host side that the Triton decode and extend launches share: the checks both stage-1 kernels
 need, their outputs and split partials, their common launch arguments and the closing merge.
 
-Only host code lives here; the kernels' bodies stay in ``decode.py`` and ``extend.py`` (they are
-built per interpreter setting there, so a shared ``@triton.jit`` helper would not follow it).
+Only host code lives here; the kernels' bodies stay in ``decode.py`` and ``extend.py``, and the
+device steps they share in ``online.py``.
 """
 from __future__ import annotations
 
