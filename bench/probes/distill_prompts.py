@@ -5,10 +5,12 @@ length, the draft's loss by distillation prompt length (a length it cannot learn
 chance, ln vocab), and the lowest share of the target's continuation tokens that follow the
 lag-copy rule over those prompts. ``--heads wide`` pretrains the target on random heads up to
 the longest prompt (`language.WIDE_HEADS`) rather than of ``lag`` tokens each;
-``--lr`` sets the drafts' learning rate.
+``--lr`` sets the drafts' learning rate; ``--target-autocast bf16`` pretrains the target under
+bf16 autocast (is Gemma 4's lag-1032 language, 2.1 s a step in fp32 on an H200, cheap enough
+then, and does it still learn?).
 
     python bench/probes/distill_prompts.py --model gpt_oss_20b --family dflash [--heads lag]
-        [--lr 3e-3] [override ...]
+        [--lr 3e-3] [--target-autocast bf16] [override ...]
 
 Each run is its own process (cache: ``$SWAFACTORY_CACHE_DIR``); prints one JSON line last.
 """
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", choices=("wide", "lag"), default="lag",
                     help="the target's training heads: up to the longest prompt, or the lag")
     ap.add_argument("--lr", type=float, default=None, help="the drafts' learning rate")
+    ap.add_argument("--target-autocast", choices=("bf16",), default=None,
+                    help="pretrain the target under this autocast (weights stay fp32)")
     ap.add_argument("override", nargs="*")
     a = ap.parse_args(argv)
 
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_generate import FAMILIES
 
     language.WIDE_HEADS = a.heads == "wide"
+    language.PRETRAIN = dataclasses.replace(language.PRETRAIN, autocast=a.target_autocast)
     if a.lr is not None:
         for mod, name in ((distill, "DISTILL"), (distill_features, "FEATURE_DISTILL"),
                           (distill_features, "BLOCK_DISTILL")):
@@ -52,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     r = run_generate(swafactory.compose(over), progress=sys.stderr)
     d, t = r.draft_training or {}, r.target_training or {}
     print(json.dumps({"model": a.model, "family": a.family, "heads": a.heads, "lr": a.lr,
+                      "target_autocast": a.target_autocast, "target_steps": t.get("steps"),
                       "status": r.status, "accept": r.accept_len, "most": r.max_accept_len,
                       "target_s": t.get("trained_s"), "target_top1": t.get("heldout_top1"),
                       "draft_s": d.get("trained_s"), "draft_top1": d.get("heldout_top1"),

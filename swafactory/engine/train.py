@@ -34,12 +34,15 @@ __all__ = ["Recipe", "Batch", "Trained", "TOKENS_PER_BATCH", "batch_size", "lm_l
 class Recipe:
     """How a model is trained: AdamW at ``lr`` (linear decay to a tenth over the last half),
     gradients clipped to norm 1, ``steps`` batches of ``batch`` sequences; with ``stop_loss``,
-    it stops early once the mean loss of the last 10 steps is below it."""
+    it stops early once the mean loss of the last 10 steps is below it. ``autocast="bf16"``
+    runs the forward under bf16 autocast (weights, gradients and optimizer state stay fp32): a
+    probe's option for long sequences, where fp32 attention is the cost."""
 
     steps: int
     lr: float
     batch: int
     stop_loss: float | None = None
+    autocast: str | None = None
 
 
 @dataclass(frozen=True)
@@ -216,8 +219,11 @@ def _train(model, batches, recipe: Recipe, label: str, progress, loss_fn
     every = max(1, min(recipe.steps // 10, 25))
     good = _snapshot(model)
     rollbacks = step = 0
+    device_type = next(model.parameters()).device.type
     for step in range(recipe.steps):
-        loss = loss_fn(model, batches(step))
+        with torch.autocast(device_type, dtype=torch.bfloat16,
+                            enabled=recipe.autocast == "bf16"):
+            loss = loss_fn(model, batches(step))
         value = float(loss.detach())
         recent = losses[-25:]
         if not math.isfinite(value) or (len(recent) == 25 and value > 10 * sum(recent) / 25 + 1):
