@@ -27,8 +27,8 @@
 #   pages        bench/bench_pages.py (gpt_oss_20b, bs 64; flash_attn needs FA4)
 #   guards       bench/bench_guards.py           soak   bench/soak.py, 2000 steps
 #   acceptance   bench/bench_generate.py acceptance: distilled drafts on a pretrained target, the
-#                seed faults 2 and 3 with the guards off beside their clean twins (gemma4,
-#                gpt_oss_20b x flashinfer, triton x eagle, dflash, frozen_kv_mtp); MODELS=1
+#                seed faults 2 and 3 with the guards off beside their clean twins (ACC_MODELS,
+#                default gpt_oss_20b, x triton, flashinfer x dflash, eagle, frozen_kv_mtp); MODELS=1
 #   tp           the tensor-parallel sweep on two GPUs, tp 1 then 2, one harness process per
 #                GPU (PHASE=tp1|tp2|all; WORK keeps the sweeps between calls: a later call
 #                skips what has a result.json, RESUME=0 none; MIN_LEFT; DRY=1 plans only).
@@ -52,9 +52,10 @@
 #   LANES        generate: backend:gpu words (default flashinfer:0); GRAPHS: "false true"
 #   OVERRIDES    generate: more overrides for every job (e.g. run.overlap=true)
 #   ROUNDS       factory: interleaved factory/raw rounds (default 5)
-#   ACC_MODELS / ACC_FAMILIES   acceptance: narrow its rows (8 rows and their training took 272 s
-#                on an H100 once FlashInfer was warm;
-#                trained targets and drafts are cached in SWAFACTORY_CACHE_DIR between calls)
+#   ACC_MODELS / ACC_FAMILIES   acceptance: its models (comma list; gemma4's target, lag 1032,
+#                pretrains at 2.1 s a step: it does not fit a call) and the families beside the
+#                pool fault (default dflash,eagle); trained targets and drafts are cached in
+#                SWAFACTORY_CACHE_DIR between calls
 SITE_PATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages  # pip --target skips .pth files:
 # cutlass-dsl's package path (flash-attn-4) is added by hand
 
@@ -220,14 +221,28 @@ suite_pages() {
 suite_guards() { warm 64 256 512 decode; bench 300 python3 bench/bench_guards.py --commit "$COMMIT"; }
 suite_acceptance() {  # SWA pools the full ones' size (the draft's own pool's): a pool fault's
     # slots then stay in bounds and show as sglang's users saw them, an accept-length collapse
-    # (past a smaller draft pool they index out of bounds: a device-side assert). Chunks of
-    # more than 16 tokens load FA3's causal prefill: every kind is warmed
-    warm 64 256 512
-    bench 540 python3 bench/bench_generate.py acceptance \
-        --models "${ACC_MODELS:-gemma4,gpt_oss_20b}" --backends flashinfer,triton \
-        --families "${ACC_FAMILIES:-eagle,dflash,frozen_kv_mtp}" \
-        --faults allocator_pool_for_own_pool_draft,pool_cached_at_init \
-        --swa-as-full --commit "$COMMIT"
+    # (past a smaller draft pool they index out of bounds: a device-side assert). Each family
+    # beside the seed fault that acts on its draft (and its clean row): triton's rows first,
+    # training the target and drafts while FlashInfer's warm-up (every kind: 64-token chunks
+    # load FA3's causal prefill) compiles at low priority, then flashinfer's on the cached
+    # models. GPT-OSS-20b: 12 rows in 489 s on an H200, warm-up included (acceptance-h200.md)
+    local m b w ACC_MODELS=${ACC_MODELS:-gpt_oss_20b}
+    ( nice -n 19 python3 tests/backends/flashinfer_warm.py 64 256 512 > "$D/warm.txt" 2>&1 ) &
+    w=$!
+    for b in triton flashinfer; do
+        [ "$b" = flashinfer ] && wait "$w"
+        # shellcheck disable=SC2086  # a comma list, one model a word
+        for m in ${ACC_MODELS//,/ }; do
+            limit 540 python3 bench/bench_generate.py acceptance --out "$D/${m}_${b}_pool" \
+                --models "$m" --backends "$b" --families "${ACC_FAMILIES:-dflash,eagle}" \
+                --faults allocator_pool_for_own_pool_draft --swa-as-full --commit "$COMMIT" \
+                > "$D/${m}_${b}_pool.txt" 2>&1
+            limit 300 python3 bench/bench_generate.py acceptance --out "$D/${m}_${b}_init" \
+                --models "$m" --backends "$b" --families frozen_kv_mtp \
+                --faults pool_cached_at_init --swa-as-full --commit "$COMMIT" \
+                > "$D/${m}_${b}_init.txt" 2>&1
+        done
+    done
 }
 suite_soak() { limit 300 python3 bench/soak.py --out "$D" --steps 2000 > "$D/soak.txt" 2>&1; }
 suite_runahead() {
