@@ -11,7 +11,9 @@ both groups, ``workload.max_running_requests`` requests (at most 64) of ``worklo
 committed tokens (at most 32K), SWA slots evicted as a serving engine does, random K/V; the plan
 is made once, then the layer's ``forward`` is timed with CUDA events (median of ``reps`` after
 ``warmup``); with ``backend.cuda_graph`` on, decode and verify are timed as one layer's graph
-replay, captured through the backend's graph contract. The pools of a pass are built once per
+replay, captured through the backend's graph contract. The step's planning is timed too (wall
+ms, the device drained: ``init_forward_metadata``, or a replay's planning), with the other
+group's pass on our kernels so that a library's host planning counts where it is chosen. The pools of a pass are built once per
 tuning and shared by every candidate (they differ in kernels only). Decode is one query per
 request, verify the spec's ``num_draft_tokens`` as a chain, extend a ``workload.chunk_size``
 chunk (at most 2048) of up to 4 requests.
@@ -98,14 +100,46 @@ def _world(cfg: SwaFactoryConfig, pass_: str, device: str = "cuda") -> tuple:
     return got
 
 
+def _quiet(cfg: SwaFactoryConfig, group: str, pass_: str) -> SwaFactoryConfig:
+    """``cfg`` with the other group's ``pass_`` handed to our kernels where a library family
+    would plan it on the host: the planning timed is then this group's candidate's, plus what
+    every candidate shares (the planner's tables)."""
+    other = "full" if group == "swa" else "swa"
+    b = cfg.backend
+    fam = b.kernel_for(other == "swa")
+    if fam == "triton" or (fam == "flashinfer" and pass_ == "verify"):
+        return cfg
+    kc = getattr(b.kernels, other).model_copy(update={pass_: "triton"})
+    return cfg.model_copy(update={"backend": b.model_copy(update={
+        "kernels": b.kernels.model_copy(update={other: kc})})})
+
+
+def _plan_ms(plan, reps: int = 10) -> float:
+    """Median wall ms of ``plan()`` (a step's planning), the device drained before and after."""
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 20,
-                 warmup: int = 3) -> float | None:
-    """Median device ms of one ``pass_`` forward of one ``group`` layer under ``cfg`` (a
-    candidate: its family and kernel choices set) on the current CUDA device; None when the
-    candidate fails to build or run there (it is then no candidate)."""
+                 warmup: int = 3) -> tuple[float, float] | None:
+    """(median device ms of one ``pass_`` forward of one ``group`` layer, median wall ms of the
+    step's planning) under ``cfg`` (a candidate: its family and kernel choices set) on the
+    current CUDA device; None when the candidate fails to build or run there (it is then no
+    candidate). The planning is timed with the other group's pass on our kernels (`_quiet`)."""
     import torch
 
     import swafactory
+    from swafactory.errors import ConfigError
     from swafactory.kvcache.factory import compute_dtype
 
     cfg = _cut(cfg)
@@ -113,7 +147,11 @@ def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 2
     layer = (m.swa_layers if group == "swa" else m.full_layers)[0]
     try:
         pool, batch, _ = _world(cfg, pass_)
-        backend = swafactory.build_backend(cfg, pools=pool, guards=False)
+        try:
+            backend = swafactory.build_backend(_quiet(cfg, group, pass_), pools=pool,
+                                               guards=False)
+        except ConfigError:  # the other group cannot run on ours: planned as it is
+            backend = swafactory.build_backend(cfg, pools=pool, guards=False)
         sub = pool.sub_pool(layer)
         dt = compute_dtype(cfg.backend.kv_dtype)
         n = batch.total_q
@@ -121,10 +159,11 @@ def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 2
         k = torch.randn(n, sub.num_kv_heads, sub.head_dim, device="cuda", dtype=dt)
         sinks = (torch.zeros(m.num_attention_heads, device="cuda")
                  if m.attention_sinks else None)
-        run = _replay(backend, batch, lambda: backend.forward(q, k, k, layer, sinks=sinks),
-                      q.device) if cfg.backend.cuda_graph and pass_ in GRAPHED else None
+        run, plan = _replay(backend, batch, lambda: backend.forward(q, k, k, layer, sinks=sinks),
+                            q.device) if cfg.backend.cuda_graph and pass_ in GRAPHED else (None, None)
         if run is None:  # eager: planned once, the layer's forward timed
-            backend.init_forward_metadata(batch)
+            plan = lambda: backend.init_forward_metadata(batch)  # noqa: E731
+            plan()
             run = lambda: backend.forward(q, k, k, layer, sinks=sinks)  # noqa: E731
         for _ in range(warmup):
             run()
@@ -136,7 +175,7 @@ def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 2
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
-        return statistics.median(times)
+        return statistics.median(times), _plan_ms(plan)
     except (RuntimeError, ValueError):  # a kernel that cannot run here: no candidate
         return None
 
@@ -149,9 +188,9 @@ be its eager ones (FlashInfer splits KV in every graph-planned prefill)."""
 
 def _replay(backend, batch, forward, device):
     """``forward`` captured for ``batch``'s bucket as the drivers capture (`graphs.capture_step`,
-    after sizing the graph state for the batch) and planned for ``batch``: a function that
-    replays it; None where the candidate cannot be captured (it is then timed eagerly, as it
-    would run)."""
+    after sizing the graph state for the batch) and planned for ``batch``: (a function that
+    replays it, one that plans a replay); (None, None) where the candidate cannot be captured
+    (it is then timed eagerly, as it would run)."""
     from swafactory.graphs import capture_step
 
     bs, tokens = batch.batch_size, max(r.q_len for r in batch.reqs)
@@ -160,8 +199,8 @@ def _replay(backend, batch, forward, device):
         graph, _ = capture_step(backend, bs, tokens, batch.mode, forward, device)
         backend.init_forward_metadata_replay(batch, bs, tokens)
     except (RuntimeError, ValueError):
-        return None
-    return graph.replay
+        return None, None
+    return graph.replay, lambda: backend.init_forward_metadata_replay(batch, bs, tokens)
 
 
 def autotuned(cfg: SwaFactoryConfig, device: DeviceInfo, cache: TuneCache | None = None

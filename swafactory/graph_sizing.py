@@ -64,6 +64,6 @@ def graph_state_estimate(cfg, *, buckets=BUCKETS, tokens=(1,),
         for n in buckets:
             for window in groups:
                 keys = bucket_keys(window, t, ctx, b.page_size, nodes)
-                kernel = b.kernel_for(window is not None)
+                kernel = b.family_for(window is not None, "decode" if t == 1 else "verify")
                 total += 8 * n * t + _bucket_bytes(kernel, n, t, keys, b.page_size)
     return total

@@ -29,10 +29,10 @@ class Timer:
 
     def __call__(self, cfg, group: str, pass_: str) -> float:
         self.calls += 1
-        fam = cfg.backend.kernel_for(group == "swa")
+        fam = cfg.backend.family_for(group == "swa", pass_)  # the adapter that runs the pass
         choice = getattr(getattr(cfg.backend.kernels, group), pass_)
         if group == "full" and pass_ == "decode" and fam == "triton":
-            return 0.5 if choice == "auto" else 0.7  # auto: the CUDA decode where it fits
+            return 0.5 if choice in ("auto", "cuda") else 0.7  # the CUDA decode where it fits
         return {"flashinfer": 1.0, "flash_attn": 1.2, "triton": 1.5}[fam]
 
 
@@ -77,12 +77,15 @@ def test_the_fastest_candidate_wins_and_the_registry_accepts_it(tmp_path) -> Non
     cfg, t = tune(_cfg(), H200, Timer(), TuneCache(tmp_path / "c.json"), VERSIONS)
     assert check(cfg, H200) == []
     by = {(c.group, c.pass_): c for c in t.choices}
-    # full: triton's decode at 0.5 beats flashinfer's 1.0, but the family's weighed sum decides
-    # (decode and verify 16 steps, extend 32 chunks × 2 forwards): triton full = 0.5·16 +
-    # 1.5·16 + 1.5·64 = 128 > flashinfer 96, so flashinfer keeps the full group
-    assert by[("full", "decode")].family == "flashinfer"
-    assert by[("full", "decode")].tried["triton/auto"] == 0.5  # what lost is shown
+    # full: our CUDA decode at 0.5 beats flashinfer's 1.0, and triton's prefill loses to
+    # flashinfer's (decode and verify 16 steps, extend 32 chunks × 2 forwards): flashinfer keeps
+    # the full group and hands its decode to our kernel (`backend.kernels.full.decode=cuda`)
+    d = by[("full", "decode")]
+    assert (d.family, d.kernel, d.ms) == ("flashinfer", "cuda", 0.5)
+    assert d.tried["flashinfer/auto"] == 1.0 and d.tried["triton/auto"] == 0.5  # all shown
     assert cfg.backend.name == "flashinfer" and t.lines()[0].startswith("decode/")
+    assert cfg.backend.family_for(False, "decode") == "triton"
+    assert cfg.backend.family_for(False, "extend") == "flashinfer"
 
 
 def test_the_tuning_says_which_candidates_its_time_went_to(tmp_path) -> None:
@@ -109,7 +112,7 @@ def test_the_tuning_says_which_candidates_its_time_went_to(tmp_path) -> None:
 def test_a_group_whose_passes_are_all_faster_elsewhere_moves_family(tmp_path) -> None:
     class Fast(Timer):
         def __call__(self, cfg, group, pass_):
-            fam = cfg.backend.kernel_for(group == "swa")
+            fam = cfg.backend.family_for(group == "swa", pass_)
             return 0.4 if (group, fam) == ("swa", "triton") else super().__call__(cfg, group, pass_)
 
     cfg, t = tune(_cfg(), H200, Fast(), TuneCache(tmp_path / "c.json"), VERSIONS)
@@ -122,7 +125,7 @@ def test_the_workloads_mix_of_passes_weighs_the_family_choice(tmp_path) -> None:
     flashinfer, a long answer moves both groups to triton (decode steps outweigh the chunks)."""
     class DecodeFast(Timer):
         def __call__(self, cfg, group, pass_):
-            fam = cfg.backend.kernel_for(group == "swa")
+            fam = cfg.backend.kernel_for(group == "swa")  # the family's own kernels only
             if fam == "triton":
                 return {"decode": 0.25, "verify": 1.0, "extend": 3.0}[pass_]
             return super().__call__(cfg, group, pass_)
@@ -143,6 +146,33 @@ def test_the_workloads_mix_of_passes_weighs_the_family_choice(tmp_path) -> None:
     assert "lost on" not in lines["extend/swa"]
     assert families("workload.output_len=[1024,1024]", "workload.chunk_size=8192") == (
         "triton", "triton")
+
+
+def test_a_pass_is_chosen_with_its_planning_and_decode_moves_to_our_kernels(tmp_path) -> None:
+    """FlashInfer's library verify runs a layer faster than our tile but plans 2 ms a step; our
+    decode is 4× FlashInfer's. GPT-OSS has 12 layers a group: the library verify's step costs
+    12·0.8 + 2 = 11.6 ms against our tile's 12·0.9 + 0.1 = 10.9, so auto keeps the tile; decode
+    moves to our kernel beside FlashInfer's prefill, and the lines show each plan's time."""
+    class Planned(Timer):
+        def __call__(self, cfg, group, pass_):
+            fam = cfg.backend.family_for(group == "swa", pass_)
+            choice = getattr(getattr(cfg.backend.kernels, group), pass_)
+            if pass_ == "verify":
+                return (0.8, 2.0) if choice == "library" else (0.9, 0.1)
+            if pass_ == "decode":
+                return (0.25, 0.0) if fam == "triton" else (1.0, 0.3)
+            return (1.0, 0.2) if fam == "flashinfer" else (3.0, 0.0)
+
+    cfg, t = tune(_cfg(), H200, Planned(), TuneCache(tmp_path / "c.json"), VERSIONS)
+    assert check(cfg, H200) == []
+    by = {(c.group, c.pass_): c for c in t.choices}
+    for g in ("swa", "full"):
+        assert by[(g, "verify")].kernel == "auto" and by[(g, "verify")].family == "flashinfer"
+        assert by[(g, "decode")].kernel in ("cuda", "triton")
+        assert cfg.backend.family_for(g == "swa", "decode") == "triton"
+        assert cfg.backend.family_for(g == "swa", "extend") == "flashinfer"
+    line = str(by[("swa", "verify")])
+    assert "plan 0.100 ms" in line and "planning included" in line, line
 
 
 def test_cpu_has_nothing_to_time() -> None:
@@ -170,7 +200,7 @@ def test_run_plan_shows_each_tuned_choice_with_its_time(tmp_path, monkeypatch) -
     assert cli.run_cli(cfg, tmp_path) == 0
     lines = json.loads((tmp_path / "plan.json").read_text())["autotune"]
     assert lines and all(" ms; tried " in x for x in lines)
-    assert any(x.startswith("decode/full: flashinfer auto (1.000 ms") for x in lines), lines
+    assert any(x.startswith("decode/full: flashinfer cuda (0.500 ms") for x in lines), lines
     calls = timer.calls
     assert cli.run_cli(cfg, tmp_path) == 0 and timer.calls == calls  # cached
 
@@ -237,14 +267,33 @@ def test_a_graphed_pass_is_captured_through_the_graph_contract_and_replayed(monk
 
     reqs = [types.SimpleNamespace(q_len=4, prefix_len=p, nodes=4) for p in (10, 30)]
     batch = types.SimpleNamespace(batch_size=2, reqs=reqs, mode="target_verify")
-    run = at._replay(Backend(), batch, lambda: calls.append("forward"), torch.device("cuda"))
+    run, plan = at._replay(Backend(), batch, lambda: calls.append("forward"),
+                           torch.device("cuda"))
     assert calls == [("state", 2, 4, 34), ("capture plan", 2, 4, "target_verify"), "forward",
                      "capture", "forward", ("replay plan", 2, 4)]
     run()
     assert calls[-1] == "replay"
+    plan()  # the planning timed beside the replay is the replay's
+    assert calls[-1] == ("replay plan", 2, 4)
 
     class Refuses(Backend):
         def init_forward_metadata_capture(self, bs, tokens, mode):
             raise ValueError("no graphs here")
 
-    assert at._replay(Refuses(), batch, lambda: None, torch.device("cuda")) is None
+    assert at._replay(Refuses(), batch, lambda: None, torch.device("cuda")) == (None, None)
+
+
+def test_the_planning_is_timed_with_the_other_groups_pass_on_our_kernels() -> None:
+    """`autotune._quiet`: the other group's pass goes to our kernels where its library would
+    plan it on the host (decode, extend), never FlashInfer's verify (its adapter runs our tiles
+    itself) nor a group already on triton."""
+    import swafactory.autotune as at
+    from swafactory.registry.autotune import _with
+
+    base = _with(_cfg(), "swa", "flashinfer")
+    q = at._quiet(base, "swa", "decode").backend
+    assert q.family_for(False, "decode") == "triton" and q.family_for(True, "decode") == \
+        "flashinfer"
+    assert at._quiet(base, "swa", "verify") == base
+    tri = _with(_with(_cfg(), "full", "triton"), "swa", "flashinfer")
+    assert at._quiet(tri, "swa", "extend") == tri

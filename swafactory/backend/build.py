@@ -11,6 +11,7 @@ from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
 from swafactory.kernels.cuda.prepare import start_adapters
 from swafactory.registry.device import detect_device
+from swafactory.registry.kernel_choice import PASSES
 from swafactory.registry.select import validate
 from swafactory.registry.table import backend_module
 from swafactory.resolve import RunnerView, TargetView
@@ -39,7 +40,8 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
     device = detect_device("cuda" if pool.sub_pools[0].device.type == "cuda" else "cpu")
     cfg = validate(cfg, device)
     b = cfg.backend
-    names = dict.fromkeys((b.name, *(n for n in (b.groups.swa, b.groups.full) if n)))
+    names = dict.fromkeys((b.name, *(n for n in (b.groups.swa, b.groups.full) if n),
+                           *(b.family_for(s, p) for s in (True, False) for p in PASSES)))
     modules = {n: backend_module(n) for n in names}
     for n, module in modules.items():
         if not hasattr(module, "Adapter"):  # check() refused it already; a direct caller may not

@@ -19,6 +19,7 @@ from swafactory.kvcache.quant import query_dtype
 from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, plan
 from swafactory.registry.capabilities import Capabilities
+from swafactory.registry.kernel_choice import MODE_PASS
 from swafactory.resolve import RunnerView, resolve_kv_source
 
 __all__ = ["AttentionBackend"]
@@ -49,7 +50,8 @@ class AttentionBackend(GraphContract, LayerPath):
         # the per-layer hot path (`forward`): what never changes while the pool and the layer
         # groups stay (buffers, scale, kernel kwargs), and per forward each group's write rows and
         # which (group, sub-pool) pairs were checked; a check runs once per pair, not per layer
-        self._layers: tuple | None = None  # (pool, layer groups, {layer: LayerEntry}, scales)
+        self._layers: tuple | None = None  # (pool, groups, {pass: {layer: LayerEntry}}, scales)
+        self._entries: dict | None = None  # the current plan's pass's {layer: LayerEntry}
         self._writes: dict[str, tuple[torch.Tensor | None, int]] = {}  # (rows, n) per group
         self._decode: set[str] = set()
         self._checked: set[tuple[str, str]] = set()
@@ -61,18 +63,24 @@ class AttentionBackend(GraphContract, LayerPath):
         """The declared capabilities of `backend.name`'s adapter."""
         return self.adapter.capabilities
 
-    def kernel_of(self, window: int | None) -> str:
-        """Registry key of the kernel that serves a group with ``window`` (None: full)."""
-        return self.cfg.backend.kernel_for(window is not None)
+    def kernel_of(self, window: int | None, mode: str | None = None) -> str:
+        """Registry key of the adapter that runs a group with ``window`` (None: full) in a
+        forward of ``mode`` (None: the group's family; `BackendSpec.family_for`)."""
+        b = self.cfg.backend
+        if mode is None:
+            return b.kernel_for(window is not None)
+        return b.family_for(window is not None, MODE_PASS.get(mode, "extend"))
 
     def _plan_kernels(self, fplan: ForwardPlan, pool, graph: tuple[int, int] | None) -> None:
-        """Each kernel library's host planning (FlashInfer's), over the groups it serves."""
+        """Each kernel library's host planning (FlashInfer's), over the groups it runs in this
+        forward's pass."""
         sigs = None
         for name, ad in self.adapters.items():
             if not hasattr(ad, "plan"):
                 continue
             mine = fplan if len(self.adapters) == 1 else _only(
-                fplan, {k for k, g in fplan.groups.items() if self.kernel_of(g.window) == name})
+                fplan, {k for k, g in fplan.groups.items()
+                        if self.kernel_of(g.window, fplan.mode) == name})
             if mine.groups:
                 sigs = sigs or self._sigs(pool, fplan)
                 ad.plan(mine, pool, sigs=sigs, graph=graph)

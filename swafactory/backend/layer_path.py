@@ -1,5 +1,7 @@
-"""The per-layer path of `AttentionBackend`: each layer's `LayerEntry`, gathered once per plan,
-then `forward` (checks from tensor metadata only, the K/V store, the kernel) once per layer.
+"""The per-layer path of `AttentionBackend`: each layer's `LayerEntry`, gathered once per pass
+(decode, verify, extend: a pass may run on another family's adapter) while the pool and layer
+groups stay, then `forward` (checks from tensor metadata only, the K/V store, the kernel) once
+per layer.
 
 A base of `AttentionBackend`: it uses the attributes `core.AttentionBackend.__init__` sets and
 the current plan (``_plan``, ``_pool``, ``adapters``, ``kernel_of``)."""
@@ -14,6 +16,7 @@ from swafactory.guards import Q_DTYPES, forward_error
 from swafactory.kvcache.quant import is_fp8, store_rows
 from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan
+from swafactory.registry.kernel_choice import MODE_PASS
 
 __all__ = ["LayerEntry", "LayerPath"]
 
@@ -80,9 +83,14 @@ class LayerPath:
         pool = self._pool
         cached = self._layers
         version = pool.scales_version
+        pass_ = MODE_PASS.get(fplan.mode, "extend")
         if (cached is None or cached[0] is not pool or cached[1] != fplan.layer_groups
                 or cached[3] != version):
-            entries = {}
+            # the pool is held, so its identity cannot be reused by another one
+            cached = self._layers = (pool, dict(fplan.layer_groups), {}, version)
+        entries = cached[2].get(pass_)
+        if entries is None:  # once per pass: a pass may run on another family's adapter
+            entries = cached[2][pass_] = {}
             for layer, key in fplan.layer_groups.items():
                 k_buf, v_buf, sub = pool.get_kv(layer)
                 kw = dict(window=fplan.groups[key].window, scale=self._scale(sub),
@@ -90,7 +98,7 @@ class LayerPath:
                 scales = pool.kv_scales(layer) if is_fp8(sub.dtype) else (1.0, 1.0)
                 if is_fp8(sub.dtype):
                     kw.update(self._read_scales(layer, scales))  # kernels dequantize
-                ad = self.adapters[self.kernel_of(fplan.groups[key].window)]
+                ad = self.adapters[self.kernel_of(fplan.groups[key].window, fplan.mode)]
                 hkv, d = k_buf.shape[1], k_buf.shape[2]
                 # a decode kernel that writes the step's K/V itself (not fp8: the store quantizes)
                 fuse = getattr(ad, "fuses_writes", False) and not is_fp8(sub.dtype)
@@ -99,8 +107,7 @@ class LayerPath:
                                             scales, (key, sub.pool_id, "w"), hkv, d,
                                             is_fp8(sub.dtype), fuse, k_buf.device, k_buf.dtype,
                                             plain)
-            # the pool is held, so its identity cannot be reused by another one
-            self._layers = (pool, dict(fplan.layer_groups), entries, version)
+        self._entries = entries
 
     def _check_layer(self, layer_id: int, g, sub, pair: tuple[str, str]) -> None:
         """The typed-space checks of a layer's reads and writes, once per (group, sub-pool) per
@@ -113,7 +120,7 @@ class LayerPath:
 
     def _entry(self, layer_id: int) -> LayerEntry:
         try:
-            return self._layers[2][layer_id]
+            return self._entries[layer_id]
         except (TypeError, KeyError):  # no plan yet (None), or a layer the plan does not hold
             self.plan  # noqa: B018 - raises before init_forward_metadata
             self._plan.group(layer_id)  # raises naming the plan's layers

@@ -159,7 +159,9 @@ class GroupKernels(_Frozen):
 PassKernel = Literal["auto", "cuda", "triton", "library"]
 """Which kernel serves a pass: `auto` (ours where one fits and builds, else the family's
 default), `cuda` (our CUDA kernel, required), `triton` (our Triton kernel), `library` (the
-backend's own: FlashInfer, flash-attn, …)."""
+backend's own: FlashInfer, flash-attn, …). Under a library family, `triton` or `cuda` on a pass
+it serves with its own kernel hands that pass to the triton family's adapter
+(`BackendSpec.family_for`): a group may decode on our kernels and prefill on FlashInfer's."""
 
 
 class PassKernels(_Frozen):
@@ -218,8 +220,21 @@ class BackendSpec(_Frozen):
         return _known_backend(name, auto=True)
 
     def kernel_for(self, sliding: bool) -> str:
-        """Registry key of the kernel serving layers with (``sliding``) or without a window."""
+        """Registry key of the kernel family serving layers with (``sliding``) or without a
+        window (`backend.groups`, else `backend.name`)."""
         return (self.groups.swa if sliding else self.groups.full) or self.name
+
+    def family_for(self, sliding: bool, pass_: str) -> str:
+        """Registry key of the adapter that runs ``pass_`` (decode, verify, extend) of the
+        group: its family, or `triton` where ``backend.kernels.<group>.<pass>`` asks for our
+        kernels (`triton`, `cuda`) on a pass the family would serve with its own. FlashInfer's
+        adapter runs our verify tiles itself, so its verify passes stay with it."""
+        fam = self.kernel_for(sliding)
+        choice = getattr(self.kernels.swa if sliding else self.kernels.full, pass_)
+        if fam == "triton" or choice not in ("triton", "cuda") or (
+                fam == "flashinfer" and pass_ == "verify"):
+            return fam
+        return "triton"
 
 
 class WorkloadSpec(_Frozen):

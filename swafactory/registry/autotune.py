@@ -10,9 +10,13 @@ stays below the kernels.
   registry accepts for that group (``backend.groups.<g>=<family>``), but the torch reference and
   flex; per pass within it, the `backend.kernels` choices it accepts (`auto`, `cuda`, `triton`,
   `library`), one per distinct kernel they resolve to.
-* **Choice** (`choose`): per group, the family whose passes' best times, each weighed by how many
-  forwards of that pass the workload runs (`pass_weights`), sum lowest, and per pass the fastest
-  choice in it; a pass no candidate could time keeps `auto`.
+* **Choice** (`choose`): a pass of a group costs its layers' time (layers × one layer's) plus
+  the step's planning under that candidate (the host planning an adapter does per forward:
+  FlashInfer's ``plan``, a graph's replay planning). Per group, the family whose passes' lowest
+  costs, each weighed by how many forwards of that pass the workload runs (`pass_weights`), sum
+  lowest, and per pass the cheapest choice in it; a pass no candidate could time keeps `auto`.
+  Under a library family, `triton` and `cuda` hand a pass to our kernels
+  (`BackendSpec.family_for`), so a group can decode on ours and prefill on the library's.
 * **Cache** (`TuneCache`): one JSON file, keyed by the device, the geometry per group, the KV
   dtype, page size, verify tokens, batch, context, chunk and output length, whether passes replay
   from CUDA graphs, the kernel libraries' versions and the project's (`tune_key`). An entry of another schema, or whose recorded key fields differ from
@@ -38,13 +42,14 @@ from swafactory.registry.suggest import AUTO_PREFERENCE
 __all__ = ["SCHEMA", "Choice", "Tuning", "tune_key", "library_versions", "TuneCache",
            "candidates", "pass_weights", "choose", "apply", "tune"]
 
-SCHEMA = 3
+SCHEMA = 4
 """Bumped when what an entry holds, or how it is measured, changes: older entries are stale."""
 CHOICES = ("auto", "cuda", "triton", "library")
 
-Timer = Callable[[SwaFactoryConfig, str, str], "float | None"]
-"""(candidate config, group, pass) → median ms of that pass of one layer of the group, or None
-when it cannot run (it is then not a candidate)."""
+Timer = Callable[[SwaFactoryConfig, str, str], "float | tuple[float, float] | None"]
+"""(candidate config, group, pass) → median ms of that pass of one layer of the group, or (that,
+the median ms of the step's planning under the candidate), or None when it cannot run (it is
+then not a candidate)."""
 
 
 def library_versions() -> dict[str, str | None]:
@@ -102,16 +107,27 @@ class Choice:
     spent: dict[str, float] = field(default_factory=dict)
     """``"<family>/<kernel>"`` → wall seconds its timing cost (building its backend, compiling
     its kernels on first use, capturing, timing): where a slow first tuning went."""
+    plans: dict[str, float] = field(default_factory=dict)
+    """``"<family>/<kernel>"`` → ms of the step's planning under it (where the timer gave it)."""
+    cost: dict[str, float] = field(default_factory=dict)
+    """``"<family>/<kernel>"`` → ms a step of this pass costs the group under it: its layers'
+    time plus the planning."""
 
     def __str__(self) -> str:
         ms = "-" if self.ms is None else f"{self.ms:.3f} ms"
+        me = f"{self.family}/{self.kernel}"
+        if me in self.plans:
+            ms += f", plan {self.plans[me]:.3f} ms"
         others = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.tried.items(),
                                                              key=lambda kv: kv[1]))
         why = ""
-        fastest = min(self.tried, key=self.tried.__getitem__, default=None)
-        if self.ms is not None and fastest and not fastest.startswith(self.family + "/") \
-                and self.tried[fastest] < self.ms:  # a faster family lost on the group's sum
-            why = f"; {fastest.split('/')[0]} lost on the group's weighted sum of passes"
+        cost = self.cost or self.tried
+        cheapest = min(cost, key=cost.__getitem__, default=None)
+        if self.ms is not None and cheapest and not cheapest.startswith(self.family + "/") \
+                and me in cost and cost[cheapest] < cost[me]:  # it lost on the group's sum
+            why = f"; {cheapest.split('/')[0]} lost on the group's weighted sum of passes"
+        elif cost is self.cost and me in cost and min(self.tried.values()) < self.ms:
+            why = "; planning included"  # a faster layer lost on the step's planning
         return (f"{self.pass_}/{self.group}: {self.family} {self.kernel} ({ms}; tried "
                 f"{others}{why})")
 
@@ -237,40 +253,58 @@ def pass_weights(cfg: SwaFactoryConfig) -> dict[str, float]:
 def choose(cands: Mapping[str, Mapping[str, Mapping[str, list]]], cfg: SwaFactoryConfig,
            timer: Timer) -> tuple[Choice, ...]:
     """Time every candidate with ``timer`` and pick, per group, the family with the lowest sum
-    of its passes' best times weighed by `pass_weights`, and per pass its fastest choice. Each
-    `Choice` lists every candidate timed for its pass (all families), so the report shows what
-    lost."""
+    of its passes' cheapest steps (the group's layers plus the planning) weighed by
+    `pass_weights`, and per pass its cheapest choice. Each `Choice` lists every candidate timed
+    for its pass (all families), so the report shows what lost."""
     picked: list[Choice] = []
     weight = pass_weights(cfg)
+    m = cfg.model
     for g, fams in cands.items():
+        n = len(m.swa_layers if g == "swa" else m.full_layers)
         times: dict[str, dict[str, dict[str, float]]] = {}  # family → pass → "fam/k" → ms
+        steps: dict[str, dict[str, dict[str, float]]] = {}  # the same → a step's ms
+        plans: dict[str, dict[str, float]] = {}  # pass → "fam/k" → planning ms
         spent: dict[str, dict[str, float]] = {}  # pass → "fam/k" → wall s
         for fam, passes in fams.items():
             for p, kernels in passes.items():
                 tried = times.setdefault(fam, {}).setdefault(p, {})
+                step = steps.setdefault(fam, {}).setdefault(p, {})
                 for k in kernels:
                     t0 = time.perf_counter()
-                    ms = timer(_with(cfg, g, fam, {p: k}), g, p)
+                    got = timer(_with(cfg, g, fam, {p: k}), g, p)
                     spent.setdefault(p, {})[f"{fam}/{k}"] = time.perf_counter() - t0
-                    if ms is not None:
-                        tried[f"{fam}/{k}"] = ms
+                    if got is None:
+                        continue
+                    ms, plan = got if isinstance(got, tuple) else (got, None)
+                    tried[f"{fam}/{k}"] = ms
+                    step[f"{fam}/{k}"] = n * ms + (plan or 0.0)
+                    if plan is not None:
+                        plans.setdefault(p, {})[f"{fam}/{k}"] = plan
 
         def total(fam: str) -> float:
-            per = times[fam]
+            per = steps[fam]
             return sum(weight.get(p, 1.0) * min(t.values()) if t else float("inf")
                        for p, t in per.items())
 
+        def handed(fam: str) -> int:  # passes it would hand to our kernels: on a tie, fewer
+            return sum(1 for p, t in steps[fam].items() if t and _with(
+                cfg, g, fam, {p: min(t, key=t.__getitem__).split("/", 1)[1]}
+            ).backend.family_for(g == "swa", p) != fam)
+
         if not times:
             continue
-        fam = min(times, key=total)
+        fam = min(times, key=lambda f: (total(f), handed(f)))
         for p, tried in times[fam].items():
             every = {k: v for f in times.values() for k, v in f.get(p, {}).items()}
-            cost = spent.get(p, {})
+            costs = {k: v for f in steps.values() for k, v in f.get(p, {}).items()}
+            wall = spent.get(p, {})
             if not tried:
-                picked.append(Choice(g, p, fam, "auto", None, every, cost))
+                picked.append(Choice(g, p, fam, "auto", None, every, wall, plans.get(p, {}),
+                                     costs))
                 continue
-            k = min(tried, key=tried.__getitem__)
-            picked.append(Choice(g, p, fam, k.split("/", 1)[1], tried[k], every, cost))
+            k = min(steps[fam][p], key=steps[fam][p].__getitem__)
+            picked.append(Choice(g, p, fam, k.split("/", 1)[1], tried[k], every, wall,
+                                 plans.get(p, {}), costs))
     return tuple(picked)
 
 

@@ -18,7 +18,7 @@ from swafactory.registry.fault_needs import faults_rule
 from swafactory.registry.kernel_choice import kernel_choice
 from swafactory.registry.table import get_capabilities, has_adapter
 
-__all__ = ["check"]
+__all__ = ["check", "kernel_groups", "routed_passes"]
 
 
 def check(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[Reason]:
@@ -35,6 +35,11 @@ def check(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[Reason]:
         for rule in _KERNEL_RULES:
             for r in rule(cfg, caps, device, groups):
                 reasons.append(_scoped(r, rule, cfg, name, groups))
+    tri = get_capabilities("triton")
+    for group, passes in routed_passes(cfg).items():  # a library's passes on our kernels
+        for rule in _KERNEL_RULES:
+            for r in rule(cfg, tri, device, (group,)):
+                reasons.append(_routed(r, rule, group, passes))
     caps = get_capabilities(cfg.backend.name)
     for rule in _CONFIG_RULES:
         reasons.extend(replace(r, rule=rule.__name__.lstrip("_")) for r in rule(cfg, caps, device, ()))
@@ -56,6 +61,30 @@ def kernel_groups(cfg: SwaFactoryConfig) -> dict[str, tuple[str, ...]]:
     if not out[b.name] and len(out) > 1:
         del out[b.name]  # every group has its own kernel: backend.name serves none of them
     return out
+
+
+def routed_passes(cfg: SwaFactoryConfig) -> dict[str, tuple[str, ...]]:
+    """Layer group → its passes that ``backend.kernels`` hands from the group's library family
+    to the triton family's adapter (`BackendSpec.family_for`): checked as triton's."""
+    m, b = cfg.model, cfg.backend
+    out: dict[str, tuple[str, ...]] = {}
+    for group, layers in (("swa", m.swa_layers), ("full", m.full_layers)):
+        sliding = group == "swa"
+        if layers and b.kernel_for(sliding) != "triton":
+            passes = tuple(p for p in ("decode", "verify", "extend")
+                           if b.family_for(sliding, p) == "triton")
+            if passes:
+                out[group] = passes
+    return out
+
+
+def _routed(r: Reason, rule, group: str, passes: tuple[str, ...]) -> Reason:
+    """A reason of the triton adapter serving a routed pass names the field that routed it."""
+    field = f"backend.kernels.{group}." + "/".join(passes)
+    return replace(r, part="backend", rule=rule.__name__.lstrip("_"),
+                   field=field if r.field == "backend.name" else r.field,
+                   message=f"{field} runs on the triton family's kernels: {r.message}",
+                   fix=f"{field}=auto" if r.field == "backend.name" else r.fix)
 
 
 def _scoped(r: Reason, rule, cfg: SwaFactoryConfig, name: str, groups: tuple[str, ...]) -> Reason:

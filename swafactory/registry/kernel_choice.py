@@ -12,6 +12,11 @@ Our kernels, by pass, inside the family `backend.groups` gives a group:
   flashinfer our tiles serve verify of ≤ 64 rows per KV head, eagerly and in CUDA graphs
   (`kernels.flashinfer.uses_triton_verify`); FlashInfer's prefill serves wider ones.
 - extend: the family's kernel (no CUDA kernel of ours holds a prefill chunk).
+
+Under a library family, `triton` or `cuda` on a pass it serves with its own kernel (decode,
+extend; any pass outside FlashInfer) hands the pass to the triton family's adapter
+(`BackendSpec.family_for`, `routed`): the pass is then resolved and checked as the triton
+family's, so a group can decode on our kernels and prefill on FlashInfer's.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from swafactory.kernels.flashinfer_passes import TILE_MAX_ROWS  # the adapter's 
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.table import get_capabilities
 
-__all__ = ["PASSES", "MODE_PASS", "PassResolution", "KernelPolicy", "cuda_kernel",
+__all__ = ["PASSES", "MODE_PASS", "PassResolution", "KernelPolicy", "cuda_kernel", "routed",
            "ours_serve", "kernel_choice", "resolve_passes", "group_facts", "worker_lines"]
 
 PASSES = ("decode", "verify", "extend")
@@ -56,6 +61,15 @@ def group_facts(cfg: SwaFactoryConfig) -> list[GroupFacts]:
                               b.kv_dtype, m.logit_softcap is not None,
                               cfg.spec.num_draft_tokens))
     return out
+
+
+def routed(g: GroupFacts, pass_: str, choice: str) -> GroupFacts:
+    """``g`` as the adapter running ``pass_`` under ``choice`` sees it: the triton family where
+    the choice hands a library family's pass to our kernels (`BackendSpec.family_for`)."""
+    if g.family == "triton" or choice not in ("triton", "cuda") or (
+            g.family == "flashinfer" and pass_ == "verify"):
+        return g
+    return replace(g, family="triton")
 
 
 def ours_serve(g: GroupFacts, pass_: str) -> bool:
@@ -136,16 +150,17 @@ def kernel_choice(cfg: SwaFactoryConfig, caps, device: DeviceInfo,
                              f"{'sliding' if group == 'swa' else 'full'} layers", f"{field}=auto",
                              rule="kernel_choice")
                 continue
+            gp = routed(g, pass_, c)  # a library's decode or extend handed to our kernels
             if c == "library" and g.family == "triton":
                 yield Reason("backend", field, "library: group " + group + " runs on triton, "
                              "our own kernels; `library` picks a kernel library's (flashinfer, "
                              "flash_attn, …)", f"{field}=auto", rule="kernel_choice")
-            elif c == "triton" and not ours_serve(g, pass_):
+            elif c == "triton" and not ours_serve(gp, pass_):
                 yield Reason("backend", field, f"triton: {g.family} serves group {group}'s "
                              f"{pass_} passes with its own kernel", f"backend.groups.{group}"
                              f"=triton or {field}=auto", rule="kernel_choice")
             elif c == "cuda":
-                name, why = cuda_kernel(g, pass_, device)
+                name, why = cuda_kernel(gp, pass_, device)
                 if name is None:
                     alt = replace_family(g, "triton")
                     ok = (cuda_kernel(alt, pass_, device)[0] is not None
@@ -191,12 +206,14 @@ def resolve_passes(cfg: SwaFactoryConfig, device: DeviceInfo, *, nvcc: bool,
     CUDA kernel did not build (filled by `kernels.cuda.prepare`)."""
     out = []
     override, failures = override or {}, failures or {}
-    for g in group_facts(cfg):
-        choice = getattr(cfg.backend.kernels, g.group)
+    for gf in group_facts(cfg):
+        choice = getattr(cfg.backend.kernels, gf.group)
         for pass_ in PASSES:
-            if pass_ == "verify" and g.verify_tokens == 0:
+            if pass_ == "verify" and gf.verify_tokens == 0:
                 continue
             c = getattr(choice, pass_)
+            g = routed(gf, pass_, c)  # resolved as the adapter that runs it sees it
+            beside = "" if g is gf else f", beside {gf.family}"
             ours = ours_serve(g, pass_) and c != "library"
             tri = ("triton decode" if pass_ == "decode" else "triton extend tile")
             if not ours:
@@ -211,8 +228,8 @@ def resolve_passes(cfg: SwaFactoryConfig, device: DeviceInfo, *, nvcc: bool,
                 name, _ = cuda_kernel(g, "verify", device)  # the dense run of ≤ 64-row chunks
                 words = f"triton extend tile + cuda {name} for chunks of ≤ 64 rows per KV head"
             if name is None or c == "triton":
-                why = ("config" if c == "triton" else "auto: cpu" if device.kind != "cuda"
-                       else "auto: no CUDA kernel for this pass")
+                why = ("config" + beside if c == "triton" else "auto: cpu"
+                       if device.kind != "cuda" else "auto: no CUDA kernel for this pass")
                 out.append(PassResolution(pass_, g.group, tri, why, False, True,
                                           allow_cuda=c != "triton"))
                 continue
@@ -224,7 +241,7 @@ def resolve_passes(cfg: SwaFactoryConfig, device: DeviceInfo, *, nvcc: bool,
                 out.append(PassResolution(pass_, g.group, tri, blocked, False, True,
                                           name))
             else:
-                why = "config" if c == "cuda" else "auto: nvcc present"
+                why = "config" + beside if c == "cuda" else "auto: nvcc present"
                 out.append(PassResolution(pass_, g.group, words, why, True, True, name, True))
     return tuple(out)
 

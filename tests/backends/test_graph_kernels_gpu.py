@@ -1,6 +1,7 @@
 """A captured step replays the eager step's kernels: the profiler's kernel names of one graph
 replay equal those of one eager step (the same batch, every layer's `forward`), for chain and tree
-verify and draft extend, through FlashInfer and through our Triton kernels.
+verify, draft extend and decode on our kernels (under flashinfer: handed to the triton adapter by
+``backend.kernels``), through FlashInfer and through our Triton kernels.
 
 A graph that ran other kernels than eager (FlashInfer's masked prefill where eager runs its
 causal prefill or our verify tile) was 1.6× slower than eager at Gemma 4 bs 64; FlashInfer's
@@ -30,6 +31,9 @@ MODES = {  # name → (forward mode, tokens per request, spec)
     "verify_chain": ("target_verify", 4, CHAIN),
     "verify_tree": ("target_verify", 6, TREE),
     "draft_extend": ("draft_extend", 4, CHAIN),
+    # decode on our Triton kernel; under flashinfer handed to the triton adapter beside it
+    "decode_ours": ("decode", 1, [*CHAIN, "backend.kernels.swa.decode=triton",
+                                  "backend.kernels.full.decode=triton"]),
 }
 
 

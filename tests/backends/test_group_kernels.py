@@ -118,3 +118,70 @@ def test_an_unknown_group_kernel_names_the_field() -> None:
     with pytest.raises(CE) as info:
         swafactory.compose(["backend.groups.full=nope"])
     assert "backend.groups.full" in str(info.value) and "nope" in str(info.value)
+
+
+def routed_world(extra):
+    """Gemma 4's split on FlashInfer (the fake) with passes handed to our Triton kernels by
+    ``backend.kernels`` (``extra``), each adapter spied."""
+    base = [*GEMMA, "backend=torch", "backend.kv_dtype=float32", "spec=none"]
+    world = World(swafactory.compose(base), size_full=256, size_swa=128, seed=1)
+    cfg = swafactory.compose([*GEMMA, "backend=flashinfer", "backend.kv_dtype=float32",
+                              "spec=none", *extra])
+    spies = {n: PassSpy(backend_module(n).Adapter()) for n in ("flashinfer", "triton")}
+    world.backend = AttentionBackend(cfg, spies["flashinfer"], TargetView(world.pool),
+                                     model_windows(cfg), adapters=spies)
+    for spy in spies.values():
+        spy.backend = world.backend
+    return world, cfg, spies
+
+
+class PassSpy(Spy):
+    """A `Spy` that records (the planned forward's mode, window) of every pass it runs."""
+
+    backend = None
+
+    def run(self, tables, q, k_buf, v_buf, *, window, **kw):
+        self.windows.add((self.backend.plan.mode, window))
+        return self.inner.run(tables, q, k_buf, v_buf, window=window, **kw)
+
+
+@pytest.mark.parametrize("mode", ["decode", "draft_decode", "extend", "verify_chain"])
+def test_a_pass_handed_to_our_kernels_runs_on_the_triton_adapter_beside_flashinfer(
+        fakes, mode: str) -> None:
+    """``backend.kernels.swa.decode=triton`` and ``full.extend=triton`` under flashinfer: those
+    passes run on the triton family's adapter, every other on FlashInfer's, all equal to the
+    oracle (what `backend=auto` picks when our decode is faster and FlashInfer prefills
+    faster)."""
+    extra = ["backend.kernels.swa.decode=triton", "backend.kernels.full.extend=triton"]
+    world, cfg, spies = routed_world(extra)
+    served = swafactory.compose([*GEMMA, "backend=flashinfer", "spec=none", *extra])
+    assert swafactory.check(served, H200) == []  # the same geometry in bf16, as served
+    assert_close(run_mode(world, mode, [0, 5], 8))
+    ran = {n: {} for n in spies}  # adapter → mode → windows it ran
+    for n, spy in spies.items():
+        for m, w in spy.windows:
+            ran[n].setdefault(m, set()).add(w)
+    for m, ws in ran["triton"].items():  # ours: the SWA layers' decode, the full extend
+        assert ws == ({8} if m.endswith("decode") else {None} if m == "extend" else "?"), (m, ws)
+    for m, ws in ran["flashinfer"].items():  # FlashInfer: the rest, never a routed pass
+        assert ws == ({None} if m.endswith("decode") else {8} if m == "extend"
+                      else {8, None}), (m, ws)
+    last = world.backend.plan.mode  # the mode under test ran where its choice says
+    assert last in ran["triton"] or (last, mode) == ("target_verify", "verify_chain"), last
+
+
+def test_a_pass_handed_to_triton_is_checked_as_triton_and_named_by_its_field() -> None:
+    """A routed pass meets the triton family's rules: on a CPU without the Triton interpreter
+    the reason names ``backend.kernels.<group>.<pass>`` and resets it; with the interpreter the
+    same config passes."""
+    from swafactory.registry.device import DeviceInfo
+
+    cfg = swafactory.compose(["backend=torch", "model=tiny", "spec=none",
+                              "backend.kernels.swa.decode=triton"])
+    reasons = swafactory.check(cfg, DeviceInfo("cpu", packages=frozenset({"triton"})))
+    named = [r for r in reasons if r.field == "backend.kernels.swa.decode"]
+    assert named and all(r.fix == "backend.kernels.swa.decode=auto" for r in named), reasons
+    assert "runs on the triton family's kernels" in named[0].message
+    interp = DeviceInfo("cpu", packages=frozenset({"triton"}), triton_interpret=True)
+    assert swafactory.check(cfg.model_copy(update={"backend": cfg.backend.model_copy(
+        update={"kv_dtype": "float32"})}), interp) == []

@@ -160,11 +160,12 @@ def test_a_choice_the_backend_or_geometry_cannot_run_is_refused_with_every_reaso
     with pytest.raises(ConfigError) as err:
         validate(cfg, H200)
     by = {r.field: r for r in err.value.reasons}
-    assert set(by) == {"backend.kernels.swa.verify", "backend.kernels.full.decode",
-                       "backend.kernels.full.extend"}  # library under flashinfer is fine
+    # library under flashinfer is fine, and so is its extend handed to our Triton kernel
+    assert set(by) == {"backend.kernels.swa.verify", "backend.kernels.full.decode"}
     assert "head_dim 256" in by["backend.kernels.swa.verify"].message
-    assert "flashinfer runs its own decode kernel" in by["backend.kernels.full.decode"].message
-    assert by["backend.kernels.full.extend"].fix.startswith("backend.groups.full=triton")
+    assert "the CUDA decode serves head_dim 64 over bfloat16" in \
+        by["backend.kernels.full.decode"].message
+    assert by["backend.kernels.full.decode"].fix == "backend.kernels.full.decode=auto"
     with pytest.raises(ConfigError, match="backend.kernels.full.decode.*library"):
         validate(compose([*GEMMA_VERIFY, "backend.kernels.full.decode=library"]), H200)
     with pytest.raises(ConfigError, match="need a CUDA device"):
@@ -240,3 +241,25 @@ def test_the_gpu_builds_what_the_config_picks_and_falls_back_on_a_timeout(tmp_pa
     finally:
         verify.verify_d512_kernel.cache_clear()
         launch.set_build_timeout(launch.DEFAULT_BUILD_TIMEOUT_S)
+
+
+def test_a_library_pass_handed_to_our_kernels_resolves_as_ours_beside_the_library():
+    """GPT-OSS on flashinfer, its decode on our kernels (what `backend=auto` measures): the
+    resolution names the kernel and the family it runs beside; verify stays FlashInfer's adapter
+    (which runs our tiles itself), extend FlashInfer's prefill."""
+    cfg = validate(compose(["backend=flashinfer", "model=gpt_oss_20b", "spec=eagle3",
+                            "backend.kernels.swa.decode=triton",
+                            "backend.kernels.full.decode=cuda"]), H200)
+    lines = [str(r) for r in resolve_passes(cfg, H200, nvcc=True)]
+    assert "decode/swa: triton decode (config, beside flashinfer)" in lines
+    assert "decode/full: cuda decode_d64 (config, beside flashinfer)" in lines
+    assert "extend/full: flashinfer BatchPrefill (library)" in lines
+    b = cfg.backend
+    assert [b.family_for(s, p) for s in (True, False) for p in ("decode", "verify", "extend")] \
+        == ["triton", "flashinfer", "flashinfer"] * 2
+    # a verify wider than our tile stays refused under flashinfer (no adapter of ours takes it)
+    wide = compose(["backend=flashinfer", "model=gpt_oss_20b", "spec=eagle3",
+                    "spec.topk=1", "spec.num_steps=15", "spec.num_draft_tokens=16",
+                    "backend.kernels.full.verify=triton"])
+    with pytest.raises(ConfigError, match="backend.kernels.full.verify.*its own kernel"):
+        validate(wide, H200)
