@@ -1,6 +1,7 @@
 // Helpers shared by our decode kernels (decode_d64.cu, decode_fp8.cu): cp.async copies,
-// ldmatrix / movmatrix, the m16n8k16 MMAs, 2^x, reductions over a lane % 4 class, and the
-// distributed-shared-memory loads of a cluster merge. launch.build_cubin hashes every .cuh
+// ldmatrix / movmatrix, the m16n8k16 MMAs, 2^x, reductions over a lane % 4 class, the
+// distributed-shared-memory loads of a cluster merge, the launch parameters and attributes, and
+// the ring of a tile's pool rows and positions. launch.build_cubin hashes every .cuh
 // beside a kernel's source, so a change here rebuilds the kernels that include it.
 #pragma once
 #include <cuda_bf16.h>
@@ -93,4 +94,68 @@ __device__ __forceinline__ float4 ld_rank4(uint32_t addr, int rank) {  // 16-byt
   asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
                : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(map_rank(addr, rank)));
   return x;
+}
+
+// The launch parameters both decode kernels take from -D flags (launch.py), with their defaults,
+// and the launch attributes they imply: NT threads a CTA (the kernel defines NT), in clusters of
+// CLUSTER CTAs along x (1: no cluster).
+#ifndef GROUP
+#define GROUP 8  // query heads per KV head (<= 8: the MMA's N)
+#endif
+#ifndef CLUSTER
+#define CLUSTER 1  // splits of one (request, KV head); 1, 2, 4 or 8
+#endif
+#ifndef NS
+#define NS 3  // shared-memory stages
+#endif
+#if CLUSTER > 1
+#define KERNEL_ATTRS __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NT)
+#else
+#define KERNEL_ATTRS __launch_bounds__(NT)
+#endif
+
+// The pool rows and positions of tile t, keys lo + t BN_ + [0, BN_) of a request's list (from
+// kv0; keys past hi are zero-filled, not read), into the shared-memory ring slot at sb: [2][BN_]
+// int32, rows then positions. NT_ threads share the copy, one 4-byte cp.async each per pass.
+// UNROLLED: as a fixed count per thread, unrolled (2 BN_ a multiple of NT_); else a strided
+// loop. Each kernel keeps the form it was measured with (the cubins are byte-identical to it).
+template <int BN_, int NT_, bool UNROLLED>
+__device__ __forceinline__ void load_tab(uint32_t sb, const int* kv_indices, const int* kv_pos,
+                                         int kv0, int lo, int t, int hi, int tid) {
+  if constexpr (UNROLLED) {
+    static_assert((2 * BN_) % NT_ == 0, "an unrolled copy needs whole passes");
+#pragma unroll
+    for (int j = 0; j < (2 * BN_) / NT_; ++j) {
+      const int x = tid + j * NT_, r = x % BN_;  // x < BN_: the row; else the position
+      const int e = lo + t * BN_ + r;
+      const int* src = (x < BN_ ? kv_indices : kv_pos) + kv0 + (e < hi ? e : 0);
+      cp_async4(sb + x * 4, src, e < hi);
+    }
+  } else {
+    for (int x = tid; x < 2 * BN_; x += NT_) {
+      const int r = x % BN_, e = lo + t * BN_ + r;
+      const int* src = (x < BN_ ? kv_indices : kv_pos) + kv0 + (e < hi ? e : 0);
+      cp_async4(sb + x * 4, src, e < hi);
+    }
+  }
+}
+
+// The start of the cp.async ring both kernels pipeline their tiles through, NS_ stages deep:
+// tab(t) brings tile t's pool rows and positions into the ring, issue(t) its K/V rows into stage
+// t % NS_. Fills the first NS_ - 1 stages (group t: tile t's K/V and tile t + NS_ - 1's rows);
+// each tile's turn then waits for it and issues tile t + NS_ - 1, in the kernel's own loop (as a
+// helper here, nvcc scheduled decode_d64's loop differently).
+template <int NS_, class Tab, class Issue>
+__device__ __forceinline__ void ring_start(const Tab& tab, const Issue& issue, int ntiles) {
+#pragma unroll
+  for (int t = 0; t < NS_ - 1; ++t) tab(t);
+  cp_commit();
+  cp_wait<0>();
+  __syncthreads();  // the first NS_ - 1 tiles' rows are in the ring
+#pragma unroll
+  for (int t = 0; t < NS_ - 1; ++t) {
+    if (t < ntiles) issue(t);
+    tab(t + NS_ - 1);
+    cp_commit();
+  }
 }

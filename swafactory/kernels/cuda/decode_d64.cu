@@ -28,15 +28,6 @@
 // Grid (CLUSTER, Hkv, B), clusters along x; 128 threads; dynamic shared memory SMEM_BYTES.
 #include "decode_common.cuh"
 
-#ifndef GROUP
-#define GROUP 8  // query heads per KV head (<= 8: the MMA's N)
-#endif
-#ifndef CLUSTER
-#define CLUSTER 1  // splits of one (request, KV head); 1, 2, 4 or 8
-#endif
-#ifndef NS
-#define NS 3  // shared-memory stages
-#endif
 #ifndef BN
 #define BN 64  // keys per tile: 64 or 128 (each warp takes 16 of every 64)
 #endif
@@ -57,11 +48,6 @@ static_assert(NS * STAGE_BYTES >= 4 * 8 * D * 4 + 2 * 4 * 8 * 4, "merge buffers 
 // ldmatrix's eight rows hit eight different bank groups
 __device__ __forceinline__ uint32_t swz(int r, int c) { return r * ROWB + ((c ^ (r & 7)) << 4); }
 
-#if CLUSTER > 1
-#define KERNEL_ATTRS __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NT)
-#else
-#define KERNEL_ATTRS __launch_bounds__(NT)
-#endif
 
 // q: [B, Hq, 64] bf16 (strides sqt, sqh elements; last dim contiguous), one query per request
 // k, v: [pool rows, Hkv, 64] bf16 (strides skr, skh / svr, svh elements)
@@ -129,14 +115,8 @@ extern "C" __global__ void KERNEL_ATTRS
   const int lrow = tid >> 3, lch = tid & 7;
   auto tab = [&](int t) {  // pool rows and positions of tile t into ring slot t % TR
     if (t * BN >= hi - lo) return;
-    const uint32_t sb = s_base + TAB_OFF + (t % TR) * (2 * BN * 4);
-#pragma unroll
-    for (int j = 0; j < (2 * BN) / NT; ++j) {
-      const int x = tid + j * NT, r = x % BN;  // x < BN: the row; else the position
-      const int e = lo + t * BN + r;
-      const int* src = (x < BN ? kv_indices : kv_pos) + kv0 + (e < hi ? e : 0);
-      cp_async4(sb + x * 4, src, e < hi);
-    }
+    load_tab<BN, NT, true>(s_base + TAB_OFF + (t % TR) * (2 * BN * 4), kv_indices, kv_pos, kv0,
+                           lo, t, hi, tid);
   };
   auto issue = [&](int t) {  // tile t into stage t % NS, its rows from ring slot t % TR
     const int st = t % NS;
@@ -165,17 +145,7 @@ extern "C" __global__ void KERNEL_ATTRS
     }
   };
 
-#pragma unroll
-  for (int t = 0; t < NS - 1; ++t) tab(t);
-  cp_commit();
-  cp_wait<0>();
-  __syncthreads();  // the first NS - 1 tiles' rows are in the ring
-#pragma unroll
-  for (int t = 0; t < NS - 1; ++t) {  // group t: tile t's K/V and tile t + NS - 1's rows
-    if (t < ntiles) issue(t);
-    tab(t + NS - 1);
-    cp_commit();
-  }
+  ring_start<NS>(tab, issue, ntiles);
 
   float oacc[4][4];
 #pragma unroll

@@ -31,15 +31,6 @@
 #ifndef D
 #define D 512  // head_dim: 256 or 512
 #endif
-#ifndef GROUP
-#define GROUP 8  // query heads per KV head (<= 8: the MMA's N)
-#endif
-#ifndef CLUSTER
-#define CLUSTER 1  // splits of one (request, KV head); 1, 2, 4 or 8
-#endif
-#ifndef NS
-#define NS 3  // shared-memory stages
-#endif
 #ifndef BN
 #define BN 32  // keys per tile: 32 or 64
 #endif
@@ -75,11 +66,6 @@ __device__ __forceinline__ uint32_t prmt(uint32_t x, uint32_t sel) {
   return y;
 }
 
-#if CLUSTER > 1
-#define KERNEL_ATTRS __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NT)
-#else
-#define KERNEL_ATTRS __launch_bounds__(NT)
-#endif
 
 // q: [B, Hq, D] bf16 (strides sqt, sqh elements; last dim contiguous), one query per request
 // k, v: [pool rows, Hkv, D] e4m3 bytes (strides skr, skh / svr, svh)
@@ -134,12 +120,8 @@ extern "C" __global__ void KERNEL_ATTRS
   const int lrow = tid / CH, lch = tid % CH;
   auto tab = [&](int t) {  // pool rows and positions of tile t into ring slot t % TR
     if (t * BN >= hi - lo) return;
-    const uint32_t sb = s_base + TAB_OFF + (t % TR) * (2 * BN * 4);
-    for (int x = tid; x < 2 * BN; x += NT) {  // x < BN: the row; else the position
-      const int r = x % BN, e = lo + t * BN + r;
-      const int* src = (x < BN ? kv_indices : kv_pos) + kv0 + (e < hi ? e : 0);
-      cp_async4(sb + x * 4, src, e < hi);
-    }
+    load_tab<BN, NT, false>(s_base + TAB_OFF + (t % TR) * (2 * BN * 4), kv_indices, kv_pos, kv0,
+                           lo, t, hi, tid);
   };
   auto issue = [&](int t) {  // tile t into stage t % NS, its rows from ring slot t % TR
     const int st = t % NS;
@@ -159,17 +141,7 @@ extern "C" __global__ void KERNEL_ATTRS
     }
   };
 
-#pragma unroll
-  for (int t = 0; t < NS - 1; ++t) tab(t);
-  cp_commit();
-  cp_wait<0>();
-  __syncthreads();  // the first NS - 1 tiles' rows are in the ring
-#pragma unroll
-  for (int t = 0; t < NS - 1; ++t) {  // group t: tile t's K/V and tile t + NS - 1's rows
-    if (t < ntiles) issue(t);
-    tab(t + NS - 1);
-    cp_commit();
-  }
+  ring_start<NS>(tab, issue, ntiles);
 
   float oacc[DW / 16][4];  // O^T of this warp's d: chunk y, rows d 16y + 2g (+1) x heads 2c, 2c+1
 #pragma unroll
