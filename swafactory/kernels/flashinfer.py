@@ -66,7 +66,7 @@ from swafactory.kernels.flashinfer_passes import (Pass, Signature, bucket_tiled,
 from swafactory.kernels.flashinfer_staging import StagingRing
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
-from swafactory.kernels.triton.adapter import static_tables
+from swafactory.kernels.triton.adapter import chain_bucket, static_tables
 from swafactory.kernels.triton.ops import paged_attention
 from swafactory.kernels.triton.sinks import sink_output
 from swafactory.metadata.plan import PassCache
@@ -199,7 +199,9 @@ class Adapter:
                     st = None
                     if graph is not None:  # the same tile over static tables: eager's kernels
                         st = static_tables(self._static, (key, role, *graph, id(pool)), t,
-                                           t.qo_indptr.device, self._keys(g.window, graph[1]))
+                                           t.qo_indptr.device, self._keys(g.window, graph[1]),
+                                           chain_bucket(self.graph_chains, self._mode)
+                                           and g.cascade is None, self._capturing)
                     self._passes.put(t, Pass(key, role, g.window, False, t.qo_host, t.kv_host,
                                               t.kv_indices.tensor, self._ones[:0], None,
                                               planned_for=sig, graph=graph, triton=True,

@@ -131,6 +131,53 @@ def test_a_verify_bucket_is_captured_as_eager_runs_its_batches(tree_spec, monkey
             backend.init_forward_metadata_replay(batch((-1, 0, 0)), 8, 3)
 
 
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+@pytest.mark.parametrize("tree_spec", [False, True])
+def test_our_tiles_capture_a_chain_specs_verify_bucket_without_a_mask(backend, tree_spec,
+                                                                      monkeypatch) -> None:
+    """Our tile's target-verify bucket under a chain spec holds no mask: its replay runs the
+    kernel's maskless variant, as eager runs a chain (a masked capture replayed GPT-OSS-20b's
+    chain verify 1.19× slower than eager), equal to the reference; a tree replayed there is
+    refused by name. A tree spec's bucket keeps the mask and replays both."""
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+    spec = (["spec=eagle3", "spec.topk=2", "spec.num_steps=2", "spec.num_draft_tokens=3"]
+            if tree_spec else ["spec=eagle", "spec.num_steps=2", "spec.num_draft_tokens=3"])
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5", *spec], backend=backend)
+    if backend == "flashinfer":
+        set_policy(world, "tiny")  # our tile serves verify, as a registry build would
+    _open(world, [7, 4, 9])
+    backend_, ad = world.backend, world.backend.adapter
+
+    def batch(parents):
+        reqs = [world.req(r, n, 3, parents=parents) for r, n in enumerate([7, 4, 9])]
+        return ForwardBatch.of("target_verify", reqs, world.slots.req_to_token.table,
+                               world.alloc.full_id)
+    for r in range(3):
+        world.slots.extend(r, 3)
+    backend_.init_cuda_graph_state(8, 4)
+    backend_.init_forward_metadata_capture(8, 3, "target_verify")
+    statics = [st for k, st in ad._static.items() if k[2:4] == (8, 3)]
+    assert statics and all((st.mask is None) is (not tree_spec) for st in statics)
+    for parents in (None, (-1, 0, 0)):
+        if parents is not None and not tree_spec:
+            with pytest.raises(ValueError, match="captured for plain chains"):
+                backend_.init_forward_metadata_replay(batch(parents), 8, 3)
+            continue
+        b = batch(parents)
+        backend_.init_forward_metadata_replay(b, 8, 3)
+        gen = torch.Generator().manual_seed(5)
+        layer = 0
+        k_buf, v_buf, sub = world.pool.get_kv(layer)
+        m = world.cfg.model
+        q = torch.randn(24, m.num_attention_heads, sub.head_dim, generator=gen)
+        k, v = (torch.randn(24, sub.num_kv_heads, sub.head_dim, generator=gen) for _ in "kv")
+        out = backend_.forward(q, k, v, layer)  # the bucket's 24 rows; the batch's K/V written
+        g = backend_.init_forward_metadata(b).group(layer)  # the reference: eager's tables
+        ref, _ = attend(g.tables, q[:b.total_q], k_buf, v_buf, window=g.window,
+                        scale=sub.head_dim ** -0.5)
+        torch.testing.assert_close(out[:b.total_q], ref)
+
+
 def test_graph_contract_refusals(monkeypatch) -> None:
     world, _ = make_world("tiny", 1)
     ad = world.backend.adapter

@@ -40,7 +40,7 @@ from swafactory.kernels.triton.decode import decode_config
 from swafactory.kernels.triton.merge import plan_splits
 from swafactory.metadata.plan import PassCache
 
-__all__ = ["Adapter", "StaticTables", "static_tables"]
+__all__ = ["Adapter", "StaticTables", "static_tables", "chain_bucket"]
 
 
 @dataclass(eq=False)
@@ -79,10 +79,13 @@ class StaticTables:
                     self.mask, self.mask_indptr, self.ar) if t is not None)
 
     @classmethod
-    def empty(cls, n: int, max_kv: int, device, tokens: int = 1) -> StaticTables:
+    def empty(cls, n: int, max_kv: int, device, tokens: int = 1,
+              masked: bool = True) -> StaticTables:
+        """masked=False: a chain bucket, no mask (the kernel's causal rule by position, as
+        eager runs a chain: its maskless variant)."""
         i32 = dict(dtype=torch.int32, device=device)
         mask = mask_indptr = None
-        if tokens > 1:
+        if tokens > 1 and masked:
             mask = torch.zeros(n * tokens * (max_kv // max(n, 1)), dtype=torch.uint8,
                                device=device)
             mask_indptr = torch.zeros(n + 1, **i32)
@@ -91,10 +94,11 @@ class StaticTables:
                    torch.zeros(n * tokens, **i32), torch.zeros(max_kv, **i32), mask, mask_indptr,
                    tokens, ar if tokens > 1 else None)
 
-    def fill(self, t) -> None:
+    def fill(self, t, capture: bool = False) -> None:
         """Copy ``t`` (the planner's tables of B ≤ n requests of ≤ tokens queries) in; requests
         past B read one key, the dummy row 0 at position 0, from ``tokens`` queries at position
-        0 (a multi-token bucket's padding queries are the bucket's last rows)."""
+        0 (a multi-token bucket's padding queries are the bucket's last rows). A chain bucket
+        (no mask) refuses a batch with a structure, but for a capture's shapes (``capture``)."""
         n = self.kv_indptr.numel() - 1
         tokens = self.max_q_len
         nb = t.batch_size
@@ -113,7 +117,12 @@ class StaticTables:
         self.q_pos[:total_q].copy_(t.q_pos)
         if tokens > 1:
             self.qo_indptr[:nb + 1].copy_(t.qo_indptr)
-            self._fill_mask(t, nb)
+            if self.mask is not None:
+                self._fill_mask(t, nb)
+            elif t.mask is not None and not capture:
+                raise ValueError("this graph bucket was captured for plain chains (the spec "
+                                 "makes no trees), but the batch has a structure (a tree or a "
+                                 "block): run it eagerly, or capture with a tree spec")
         if nb < n:  # padding requests: one key each, after the batch's
             ones = self.ar if self.ar is not None else self.qo_indptr  # 0, 1, 2, ...
             torch.add(self.kv_indptr[nb:nb + 1], ones[1:n - nb + 1],
@@ -160,6 +169,9 @@ class Adapter:
         self.graph_keys = None
         """(window, tokens) → most keys one request of a graph bucket lists (set by
         `AttentionBackend.init_cuda_graph_state`); None: the largest sub-pool's rows."""
+        self.graph_chains = False
+        """The spec drafts chains (set by `AttentionBackend.init_cuda_graph_state`): a target
+        verify bucket is captured without a mask (`chain_bucket`)."""
 
     def plan(self, forward_plan, pool, *, sigs=None, graph: tuple[int, int] | None = None) -> None:
         """Host work of one forward: none eagerly; for a graph bucket, refill its static tables
@@ -173,12 +185,15 @@ class Adapter:
         bucket, tokens = graph
         dev = next(iter(forward_plan.groups.values())).tables.qo_indptr.device
         max_rows = max(sp.rows for sp in pool.sub_pools)
+        chain = chain_bucket(self.graph_chains, self._mode)
+        capture = getattr(forward_plan, "source_rule", None) == "graph capture"
         for key, g in forward_plan.groups.items():
             for role, t in g.passes:
                 self._passes.put(t, static_tables(self._static, (key, role, bucket, tokens,
                                                                  id(pool)), t, dev, max_rows
                                                   if self.graph_keys is None else
-                                                  self.graph_keys(g.window, tokens)))
+                                                  self.graph_keys(g.window, tokens),
+                                                  chain and g.cascade is None, capture))
 
     def graph_bytes(self) -> int:
         """Bytes of every graph bucket's static tables."""
@@ -212,15 +227,28 @@ class Adapter:
         return merge_attention_states(o1, lse1, o2, lse2, sinks)[0]
 
 
-def static_tables(cache: dict, key: tuple, t, device, keys: int) -> StaticTables:
+def static_tables(cache: dict, key: tuple, t, device, keys: int, chain: bool = False,
+                  capture: bool = False) -> StaticTables:
     """The bucket's `StaticTables` under ``key`` (group, role, bucket, tokens, pool id), made on
-    first use with ``keys`` per request, refilled from ``t``."""
+    first use with ``keys`` per request, refilled from ``t``. chain: a bucket of plain chains
+    (`chain_bucket`), held without a mask, so its replay runs eager's maskless kernel; capture:
+    ``t`` is a capture's shapes."""
+    key = (*key, chain)
     st = cache.get(key)
     if st is None:
         bucket, tokens = key[2], key[3]
-        st = cache[key] = StaticTables.empty(bucket, bucket * keys, device, tokens)
-    st.fill(t)
+        st = cache[key] = StaticTables.empty(bucket, bucket * keys, device, tokens,
+                                             masked=not chain)
+    st.fill(t, capture)
     return st
+
+
+def chain_bucket(chains: bool, mode: str | None) -> bool:
+    """Whether a graph bucket of ``mode`` holds plain chains: target verify under a spec that
+    makes no trees (``chains``: `AttentionBackend.init_cuda_graph_state` sets it). Eager runs
+    those through the kernel's maskless variant; a masked capture of them ran GPT-OSS-20b's chain
+    verify at bs 64 1.19× slower than eager (H200, `1b933cc`), where a tree's replay matched."""
+    return chains and mode == "target_verify"
 
 
 def window_splits(q: torch.Tensor, k_buf: torch.Tensor, window: int) -> int:
