@@ -42,7 +42,7 @@ from swafactory.registry.suggest import AUTO_PREFERENCE
 __all__ = ["SCHEMA", "Choice", "Tuning", "tune_key", "library_versions", "TuneCache",
            "candidates", "pass_weights", "choose", "apply", "tune"]
 
-SCHEMA = 4
+SCHEMA = 5
 """Bumped when what an entry holds, or how it is measured, changes: older entries are stale."""
 CHOICES = ("auto", "cuda", "triton", "library")
 
