@@ -12,12 +12,12 @@ committed tokens (at most 32K), SWA slots evicted as a serving engine does, rand
 is made once, then the layer's ``forward`` is timed with CUDA events, `BACK_TO_BACK` forwards
 between the events as a step runs its layers (median of ``reps`` after ``warmup``); with
 ``backend.cuda_graph`` on, decode and verify are timed as one layer's graph replay, captured
-through the backend's graph contract. The step's planning is timed too (wall
-ms, the device drained: ``init_forward_metadata``, or a replay's planning), with the other
-group's pass on our kernels so that a library's host planning counts where it is chosen. The pools of a pass are built once per
-tuning and shared by every candidate (they differ in kernels only). Decode is one query per
-request, verify the spec's ``num_draft_tokens`` as a chain, extend a ``workload.chunk_size``
-chunk (at most 2048) of up to 4 requests.
+through the backend's graph contract. The step's planning is timed too (wall ms, the device
+drained: ``init_forward_metadata``, or a replay's planning), with the other group's pass on our
+kernels so that a library's host planning counts where it is chosen. The pools of a pass are
+built once per tuning and shared by every candidate (they differ in kernels only). Decode is one
+query per request, verify the spec's ``num_draft_tokens`` as a chain, extend a
+``workload.chunk_size`` chunk (at most 2048) of up to 4 requests.
 """
 from __future__ import annotations
 
@@ -160,8 +160,9 @@ def measure_pass(cfg: SwaFactoryConfig, group: str, pass_: str, *, reps: int = 2
         k = torch.randn(n, sub.num_kv_heads, sub.head_dim, device="cuda", dtype=dt)
         sinks = (torch.zeros(m.num_attention_heads, device="cuda")
                  if m.attention_sinks else None)
+        graphed = cfg.backend.cuda_graph and pass_ in GRAPHED
         run, plan = _replay(backend, batch, lambda: backend.forward(q, k, k, layer, sinks=sinks),
-                            q.device) if cfg.backend.cuda_graph and pass_ in GRAPHED else (None, None)
+                            q.device) if graphed else (None, None)
         if run is None:  # eager: planned once, the layer's forward timed
             plan = lambda: backend.init_forward_metadata(batch)  # noqa: E731
             plan()
