@@ -97,18 +97,18 @@ def test_padding_to_the_bucket_reads_the_dummy_row(monkeypatch) -> None:
         backend.init_forward_metadata_capture(8, 3, "decode")
 
 
-@pytest.mark.parametrize("tree_spec", [False, True])
-def test_a_verify_bucket_is_captured_as_eager_runs_its_batches(tree_spec, monkeypatch) -> None:
-    """A chain spec makes every verify batch a plain chain: its graph bucket is captured causal,
-    the pass eager runs (no mask built per replay), and a tree replayed there is refused by
-    name. A tree spec's bucket keeps the mask, and replays chains through it."""
-    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+def _verify_bucket(tree_spec: bool, backend: str = "flashinfer"):
+    """A ``tiny`` world (W = 5) under a 3-token chain or tree spec on ``backend``'s adapter."""
     spec = (["spec=eagle3", "spec.topk=2", "spec.num_steps=2", "spec.num_draft_tokens=3"]
             if tree_spec else ["spec=eagle", "spec.num_steps=2", "spec.num_draft_tokens=3"])
-    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5", *spec])
-    library(world)
+    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5", *spec], backend=backend)
+    return world
+
+
+def _verify_batches(world):
+    """Open three requests, grow each by 3 verify slots, capture a verify bucket of 8 × 3:
+    returns a function making the target-verify batch of given ``parents`` (None: chains)."""
     _open(world, [7, 4, 9])
-    backend, ad = world.backend, world.backend.adapter
 
     def batch(parents):
         reqs = [world.req(r, n, 3, parents=parents) for r, n in enumerate([7, 4, 9])]
@@ -116,8 +116,21 @@ def test_a_verify_bucket_is_captured_as_eager_runs_its_batches(tree_spec, monkey
                                world.alloc.full_id)
     for r in range(3):
         world.slots.extend(r, 3)
-    backend.init_cuda_graph_state(8, 4)
-    backend.init_forward_metadata_capture(8, 3, "target_verify")
+    world.backend.init_cuda_graph_state(8, 4)
+    world.backend.init_forward_metadata_capture(8, 3, "target_verify")
+    return batch
+
+
+@pytest.mark.parametrize("tree_spec", [False, True])
+def test_a_verify_bucket_is_captured_as_eager_runs_its_batches(tree_spec, monkeypatch) -> None:
+    """A chain spec makes every verify batch a plain chain: its graph bucket is captured causal,
+    the pass eager runs (no mask built per replay), and a tree replayed there is refused by
+    name. A tree spec's bucket keeps the mask, and replays chains through it."""
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
+    world = _verify_bucket(tree_spec)
+    library(world)
+    batch = _verify_batches(world)
+    backend, ad = world.backend, world.backend.adapter
     plan = backend.init_forward_metadata_replay(batch(None), 8, 3)
     p = ad._passes[id(plan.group(0).tables)]
     assert p.causal is (not tree_spec) and (p.mask is None) is (not tree_spec)
@@ -140,22 +153,11 @@ def test_our_tiles_capture_a_chain_specs_verify_bucket_without_a_mask(backend, t
     chain verify 1.19× slower than eager), equal to the reference; a tree replayed there is
     refused by name. A tree spec's bucket keeps the mask and replays both."""
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
-    spec = (["spec=eagle3", "spec.topk=2", "spec.num_steps=2", "spec.num_draft_tokens=3"]
-            if tree_spec else ["spec=eagle", "spec.num_steps=2", "spec.num_draft_tokens=3"])
-    world, _ = adapter_world("tiny", 1, ["model.sliding_window=5", *spec], backend=backend)
+    world = _verify_bucket(tree_spec, backend)
     if backend == "flashinfer":
         set_policy(world, "tiny")  # our tile serves verify, as a registry build would
-    _open(world, [7, 4, 9])
+    batch = _verify_batches(world)
     backend_, ad = world.backend, world.backend.adapter
-
-    def batch(parents):
-        reqs = [world.req(r, n, 3, parents=parents) for r, n in enumerate([7, 4, 9])]
-        return ForwardBatch.of("target_verify", reqs, world.slots.req_to_token.table,
-                               world.alloc.full_id)
-    for r in range(3):
-        world.slots.extend(r, 3)
-    backend_.init_cuda_graph_state(8, 4)
-    backend_.init_forward_metadata_capture(8, 3, "target_verify")
     statics = [st for k, st in ad._static.items() if k[2:4] == (8, 3)]
     assert statics and all((st.mask is None) is (not tree_spec) for st in statics)
     for parents in (None, (-1, 0, 0)):
