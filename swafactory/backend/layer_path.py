@@ -72,8 +72,8 @@ class LayerPath:
 
     def _set_plan(self, fplan: ForwardPlan, graphed: bool) -> None:
         """Make ``fplan`` the current forward's: each group's write rows as the int64 index the
-        store takes (once per group, not per layer), and the per-layer entries rebuilt only when
-        the pool or the layer groups changed."""
+        store takes (once per group, not per layer), and the pass's per-layer entries, built
+        once per pass and again only when the pool, the layer groups or the fp8 scales change."""
         self._plan, self._graphed = fplan, graphed
         self._checked = set()
         self._writes = {key: _rows(g.write_locs) for key, g in fplan.groups.items()}
