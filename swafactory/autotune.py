@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 
-from swafactory.config.schema import SwaFactoryConfig
+from swafactory.config.schema import SwaFactoryConfig, hands_to_ours
 from swafactory.registry.autotune import TuneCache, Tuning, tune
 from swafactory.registry.device import DeviceInfo
 
@@ -107,8 +107,7 @@ def _quiet(cfg: SwaFactoryConfig, group: str, pass_: str) -> SwaFactoryConfig:
     every candidate shares (the planner's tables)."""
     other = "full" if group == "swa" else "swa"
     b = cfg.backend
-    fam = b.kernel_for(other == "swa")
-    if fam == "triton" or (fam == "flashinfer" and pass_ == "verify"):
+    if not hands_to_ours(b.kernel_for(other == "swa"), pass_, "triton"):
         return cfg
     kc = getattr(b.kernels, other).model_copy(update={pass_: "triton"})
     return cfg.model_copy(update={"backend": b.model_copy(update={

@@ -19,7 +19,8 @@ from swafactory.errors import FieldError
 __all__ = ["Geometry", "ModelSpec", "SpecConfig", "NoSpec", "EagleSpec", "Eagle3Spec", "NextNSpec",
            "FrozenKVMTPSpec", "DFlashSpec", "StandaloneSpec", "BackendSpec", "WorkloadSpec",
            "GroupKernels", "PassKernels", "KernelChoice", "PassKernel", "RunSpec", "FaultsSpec",
-           "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES"]
+           "ParallelSpec", "SwaFactoryConfig", "LayerType", "SPEC_ALGORITHMS", "KV_DTYPE_BYTES",
+           "hands_to_ours"]
 
 LayerType = Literal["sliding_attention", "full_attention"]
 _PATTERN_CODES = {"S": "sliding_attention", "F": "full_attention"}
@@ -231,10 +232,15 @@ class BackendSpec(_Frozen):
         adapter runs our verify tiles itself, so its verify passes stay with it."""
         fam = self.kernel_for(sliding)
         choice = getattr(self.kernels.swa if sliding else self.kernels.full, pass_)
-        if fam == "triton" or choice not in ("triton", "cuda") or (
-                fam == "flashinfer" and pass_ == "verify"):
-            return fam
-        return "triton"
+        return "triton" if hands_to_ours(fam, pass_, choice) else fam
+
+
+def hands_to_ours(family: str, pass_: str, choice: str) -> bool:
+    """Whether ``backend.kernels.<group>.<pass_>=choice`` hands a pass of a ``family`` group to
+    the triton family's adapter: our kernels asked for on a pass the library would serve with
+    its own (FlashInfer's adapter runs our verify tiles itself)."""
+    return (family != "triton" and choice in ("triton", "cuda")
+            and not (family == "flashinfer" and pass_ == "verify"))
 
 
 class WorkloadSpec(_Frozen):

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
-from swafactory.config.schema import SwaFactoryConfig
+from swafactory.config.schema import SwaFactoryConfig, hands_to_ours
 from swafactory.errors import Reason
 from swafactory.kernels.flashinfer_passes import TILE_MAX_ROWS  # the adapter's own bound
 from swafactory.registry.device import DeviceInfo
@@ -66,10 +66,7 @@ def group_facts(cfg: SwaFactoryConfig) -> list[GroupFacts]:
 def routed(g: GroupFacts, pass_: str, choice: str) -> GroupFacts:
     """``g`` as the adapter running ``pass_`` under ``choice`` sees it: the triton family where
     the choice hands a library family's pass to our kernels (`BackendSpec.family_for`)."""
-    if g.family == "triton" or choice not in ("triton", "cuda") or (
-            g.family == "flashinfer" and pass_ == "verify"):
-        return g
-    return replace(g, family="triton")
+    return replace(g, family="triton") if hands_to_ours(g.family, pass_, choice) else g
 
 
 def ours_serve(g: GroupFacts, pass_: str) -> bool:
