@@ -16,6 +16,43 @@ REPO = Path(__file__).resolve().parents[1]
 if "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
+
+
+def _interpreter_patches_builtins_by_name() -> None:
+    """Triton's interpreter re-patches `triton.language` at every launch and at every call of a
+    jitted helper inside a kernel: each time `inspect.getmembers` over the language modules, a
+    quarter of an interpreted test's time. The builtins of a module are the same names every
+    time, so list them once per module and patch by name: the same attributes, in the same
+    order, get the same wrappers (tests/kernels/test_interpreter_patch.py checks it)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import inspect
+
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    original = getattr(ti, "_patch_builtin", None)
+    if original is None or not hasattr(ti, "_patch_attr") or not hasattr(ti, "tl"):
+        return  # another triton: leave it as it is
+    names: dict[int, tuple[object, list[str]]] = {}
+
+    def patch_builtin(pkg, builder, scope):
+        held = names.get(id(pkg))
+        if held is None or held[0] is not pkg:
+            held = names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
+                                           if ti.tl.core.is_builtin(m)])
+        for name in held[1]:
+            member = getattr(pkg, name, None)
+            if ti.tl.core.is_builtin(member):
+                ti._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.original = original
+    ti._patch_builtin = patch_builtin
+
+
+_interpreter_patches_builtins_by_name()
+
 # trained targets and drafts (run.target_weights=pretrained, spec.draft_weights=distilled) are
 # cached by what their weights depend on: one cache for the suite, so each trains once per clone
 os.environ.setdefault("SWAFACTORY_CACHE_DIR", str(REPO / "build" / "test-cache"))

@@ -4,6 +4,7 @@ root), any other option or an unknown suite exits 2, and sourced it only sets th
 Every bench and probe answers ``--help`` on a machine without a GPU and makes nothing."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -72,13 +73,45 @@ def test_sourced_it_sets_the_environment_only(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("script", PY, ids=lambda p: p.relative_to(ROOT / "bench").as_posix())
-def test_every_bench_and_probe_answers_help(script: Path, tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+# every script's `--help` in one process (runpy, as `python SCRIPT --help` runs it): one torch
+# import for all of them instead of one each
+HELP_ALL = """
+import contextlib, io, json, os, runpy, sys
+out = {}
+for path in sys.argv[1:]:
+    sys.argv, so, se, rc = [path, "--help"], io.StringIO(), io.StringIO(), 0
+    saved = list(sys.path)
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:  # noqa: BLE001 - reported per script
+        rc, se = 1, io.StringIO(se.getvalue() + repr(e))
+    sys.path[:] = saved
+    out[path] = {"rc": rc, "stdout": so.getvalue(), "stderr": se.getvalue()[-2000:],
+                 "made": sorted(os.listdir("."))}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory) -> dict:
+    cwd = tmp_path_factory.mktemp("help")
+    r = subprocess.run([sys.executable, "-c", HELP_ALL, *map(str, PY)], cwd=cwd,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip()
-    assert list(tmp_path.iterdir()) == []
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+@pytest.mark.xdist_group("bench_help")
+@pytest.mark.parametrize("script", PY, ids=lambda p: p.relative_to(ROOT / "bench").as_posix())
+def test_every_bench_and_probe_answers_help(script: Path, helps: dict) -> None:
+    r = helps[str(script)]
+    assert r["rc"] == 0, r["stderr"]
+    assert r["stdout"].strip()
+    assert r["made"] == [], r["made"]  # nothing made in the working folder
 
 
 def test_bench_guards_help_makes_nothing_and_out_is_required(tmp_path: Path) -> None:
