@@ -17,7 +17,6 @@ if "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
 
-
 def _interpreter_patches_builtins_by_name() -> None:
     """Triton's interpreter re-patches `triton.language` at every launch and at every call of a
     jitted helper inside a kernel: each time `inspect.getmembers` over the language modules, a
