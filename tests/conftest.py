@@ -52,6 +52,39 @@ def _interpreter_patches_builtins_by_name() -> None:
 
 _interpreter_patches_builtins_by_name()
 
+
+def _compose_once_per_overrides() -> None:
+    """Hydra takes about 60 ms to compose a config, and the suite composes about a thousand, a
+    third of them repeats. A composition is a function of the search path, the version base, the
+    config name and the overrides (the shipped YAML does not change while the suite runs): keep
+    each result and hand out deep copies, so no test sees another's. Errors are not kept."""
+    import copy
+
+    import hydra
+    from hydra import version
+    from hydra.core.global_hydra import GlobalHydra
+
+    real = hydra.compose
+    done: dict = {}
+
+    def compose(config_name=None, overrides=None, return_hydra_config=False, strict=None):
+        gh = GlobalHydra.instance()
+        if strict is not None or not gh.is_initialized():
+            return real(config_name=config_name, overrides=overrides,
+                        return_hydra_config=return_hydra_config, strict=strict)
+        key = (tuple((s.provider, s.path) for s in gh.config_loader().get_sources()),
+               str(version.getbase()), config_name, tuple(overrides or ()), return_hydra_config)
+        if key not in done:
+            done[key] = real(config_name=config_name, overrides=list(overrides or ()),
+                             return_hydra_config=return_hydra_config)
+        return copy.deepcopy(done[key])
+
+    compose.original = real
+    hydra.compose = compose
+
+
+_compose_once_per_overrides()
+
 # trained targets and drafts (run.target_weights=pretrained, spec.draft_weights=distilled) are
 # cached by what their weights depend on: one cache for the suite, so each trains once per clone
 os.environ.setdefault("SWAFACTORY_CACHE_DIR", str(REPO / "build" / "test-cache"))
