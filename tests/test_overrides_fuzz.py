@@ -45,25 +45,3 @@ def test_random_overrides_succeed_or_raise_config_error(overrides: list[str]) ->
     except ConfigError as exc:
         assert str(exc) and exc.reasons
 
-
-def test_the_suites_kept_compositions_equal_fresh_ones() -> None:
-    """tests/conftest.py keeps each composition: a kept one equals a fresh one, and a change
-    to what a test got is not seen by the next."""
-    import hydra
-
-    assert hasattr(hydra.compose, "original"), "the conftest cache is not installed"
-    overrides = ["model=gemma4", "spec=eagle3", "backend=flashinfer", "spec.num_steps=4"]
-    first, again = swafactory.compose(overrides), swafactory.compose(overrides)
-    assert first == again and first is not again
-    real, hydra.compose = hydra.compose, hydra.compose.original
-    try:
-        assert swafactory.compose(overrides) == first
-    finally:
-        hydra.compose = real
-    from hydra import compose as hc, initialize_config_dir
-
-    from swafactory.config.paths import conf_dir
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        got = hc(config_name="config", overrides=overrides)
-        got.spec.num_steps = 7
-        assert hc(config_name="config", overrides=overrides).spec.num_steps == 4
