@@ -33,6 +33,11 @@
 #                GPU (PHASE=tp1|tp2|all; WORK keeps the sweeps between calls: a later call
 #                skips what has a result.json, RESUME=0 none; MIN_LEFT; DRY=1 plans only).
 #                Back here: tar xzf tp.tgz -C /tmp/tp && python bench/tp_scaling.py /tmp/tp/*
+#   core         the serving core on the GPU: planning without a host sync over every CUDA
+#                backend, the overlap loop at zero syncs (flashinfer, triton, every spec),
+#                engine graphs, run=generate under the attention oracle, and a graph replayed
+#                for another mode (bench/probes/graph_routes.py: DFlash block 16, clean and
+#                faults=graph_key_without_mode, eager against graphs)
 #   runahead     a host two forwards ahead, bit-identical to the serial run, and no-sync tests
 #   graphs       the 1M-row start-up capture, fp8 scales after capture, the graph tests (a
 #                replay runs the eager step's kernels: tests/backends/test_graph_kernels_gpu.py)
@@ -77,6 +82,8 @@ gpu_env() {  # install the carried wheels once into /tmp/site; export what the h
     fi
     # expandable segments: a dozen harness processes share one GPU, and each one's caching
     # allocator otherwise keeps its fragmented peak (serve runs ran out of memory without it)
+    # run=generate checks its attention rows (graph replays included) against the fp32 oracle
+    export SWAFACTORY_ORACLE=${SWAFACTORY_ORACLE:-true}
     export TRITON_INTERPRET=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
         PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
         SWAFACTORY_GPU_ENV=1 PYTHONUNBUFFERED=1
@@ -245,6 +252,13 @@ suite_acceptance() {  # SWA pools the full ones' size (the draft's own pool's): 
     done
 }
 suite_soak() { limit 300 python3 bench/soak.py --out "$D" --steps 2000 > "$D/soak.txt" 2>&1; }
+suite_core() {
+    warm 64 256 512
+    gpu_tests 300 tests/backends/test_planning_no_sync.py tests/engine/test_overlap_gpu.py \
+        tests/backends/test_engine_graphs.py tests/engine/test_generate_oracle.py \
+        > "$D/pytest.txt" 2>&1
+    bench 420 python3 bench/probes/graph_routes.py --commit "$COMMIT"
+}
 suite_runahead() {
     gpu_tests 300 tests/backends/test_run_ahead_gpu.py tests/backends/test_planning_no_sync.py \
         tests/kvcache/test_books_no_sync_gpu.py tests/backends/test_misuse.py \

@@ -30,6 +30,7 @@ constants is recorded at capture: fp8 K/V scales (`GraphState.record_scales`); a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -41,12 +42,42 @@ from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardMode
 from swafactory.metadata.plan import AttnTables, ForwardPlan, GroupPlan, group_key
 
-__all__ = ["GraphState", "StaleGraphError", "capture_plan", "bucket_writes", "check_graphable",
-           "check_padding", "bucket_keys"]
+__all__ = ["GraphState", "GraphKey", "Captured", "StaleGraphError", "GraphRouteError",
+           "capture_plan", "bucket_writes", "check_graphable", "check_padding", "bucket_keys"]
 
 
 class StaleGraphError(ValueError):
     """A captured bucket baked in what has changed since (a layer's fp8 K/V scales)."""
+
+
+class GraphRouteError(SpaceError):
+    """A replay would run a graph captured for another route (the kernels and buffers a forward
+    mode decides) over this batch: its kernels would read buffers this replay never refilled."""
+
+
+class GraphKey(NamedTuple):
+    """What a captured graph is keyed by: the forward mode (it decides the pass, and so the
+    kernels and the buffers they read), requests and queries per request. Keying by the shape
+    alone lets one mode's graph replay over another mode's tables."""
+
+    mode: str
+    bs: int
+    tokens: int
+
+    def __str__(self) -> str:
+        return f"{self.mode} bucket of {self.bs} requests × {self.tokens} tokens"
+
+
+@dataclass(frozen=True, eq=False)
+class Captured:
+    """One captured bucket: the pool it was captured against (its buffers are in the graph), its
+    route (each kernel's pass and variant, `AttentionBackend.graph_route`) and the binding its
+    kernels hold (the capture plan and each adapter's static tables:
+    `AttentionBackend.graph_binding`), which an emulated replay runs over."""
+
+    pool: object
+    route: tuple
+    binding: object
 
 
 
@@ -96,12 +127,12 @@ class GraphState:
     filled: dict[tuple[str, int, int], int] = field(default_factory=dict)
     """Same keys → rows of the buffer that hold slots a replay wrote (fault accounting: the
     rows past a batch that ``stale_swa`` leaves unpadded)."""
-    captured: dict[tuple[int, int], object] = field(default_factory=dict)
-    """(bs, tokens) → the pool the bucket was captured against (its buffers are in the graph)."""
-    scales: dict[tuple[int, int], tuple[int, dict[int, tuple[float, float]]]] = \
+    captured: dict[GraphKey, Captured] = field(default_factory=dict)
+    """(mode, bs, tokens) → what the bucket was captured with (`Captured`)."""
+    scales: dict[GraphKey, tuple[int, dict[int, tuple[float, float]]]] = \
         field(default_factory=dict)
-    """(bs, tokens) → (the pool's ``scales_version``, fp8 layer → (k_scale, v_scale)) at its
-    capture: the kernels take the scales as host floats, so a graph holds the ones it had."""
+    """(mode, bs, tokens) → (the pool's ``scales_version``, fp8 layer → (k_scale, v_scale)) at
+    its capture: the kernels take the scales as host floats, so a graph holds the ones it had."""
 
     def keys(self, window: int | None, tokens: int) -> int:
         """Most keys per request of a group with ``window`` in a bucket of ``tokens`` queries."""
@@ -123,10 +154,11 @@ class GraphState:
                     "pass a larger max_context to init_cuda_graph_state before capturing, or run "
                     "this forward eagerly")
 
-    def stale(self, bs: int, tokens: int, pool) -> str | None:
-        """Why bucket (bs, tokens) cannot replay over ``pool``'s current fp8 scales (the layer,
-        the captured and current scales and versions), or None when it can."""
-        version, scales = self.scales.get((bs, tokens), (None, {}))
+    def stale(self, key: GraphKey, pool) -> str | None:
+        """Why bucket ``key`` cannot replay over ``pool``'s current fp8 scales (the layer, the
+        captured and current scales and versions), or None when it can."""
+        bs, tokens = key.bs, key.tokens
+        version, scales = self.scales.get(key, (None, {}))
         now = pool.scales_version
         if version is None or version == now:
             return None
@@ -139,9 +171,9 @@ class GraphState:
                         "(init_forward_metadata_capture + your capture) after set_kv_scales")
         return None
 
-    def record_scales(self, bs: int, tokens: int, pool, fp8_layers) -> None:
-        """Note ``pool``'s scales of ``fp8_layers`` as bucket (bs, tokens)'s, at its capture."""
-        self.scales[(bs, tokens)] = (pool.scales_version,
+    def record_scales(self, key: GraphKey, pool, fp8_layers) -> None:
+        """Note ``pool``'s scales of ``fp8_layers`` as bucket ``key``'s, at its capture."""
+        self.scales[key] = (pool.scales_version,
                                      {l: tuple(pool.kv_scales(l)) for l in fp8_layers})
 
     @property

@@ -8,7 +8,7 @@ a side stream, then the capture of each layer's K/V write and attention. Every b
 with `init_forward_metadata_replay` (which refills the captured buffers: tables, masks and write
 slots), copies its q, k and v into the graph's static inputs and replays. Padding rows write the
 dummy row and come back as garbage, cut off. On CPU (a backend with ``graph_emulation``) a
-bucket's step is recorded instead of captured and each replay re-runs it over the same buffers.
+bucket's step is emulated (`EmulatedGraph`): a replay runs it over the buffers its capture bound.
 Batches may shrink or grow between replays; each request may have up to ``tokens`` queries. An
 engine whose layer l's q comes from layer l − 1 captures its own step with the same three calls.
 `GraphedAttention.capture_all` captures every bucket at start-up (an engine's way: graph state
@@ -26,23 +26,31 @@ from swafactory.errors import ConfigError, Reason
 from swafactory.graph_sizing import BUCKETS
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 
-__all__ = ["GraphedAttention", "RecordedStep", "BUCKETS", "capture_step", "refill"]
+__all__ = ["GraphedAttention", "EmulatedGraph", "BUCKETS", "capture_step", "refill"]
 
 
 
-class RecordedStep:
-    """A CPU stand-in for a captured graph (``graph_emulation``): replay re-runs the recorded
-    step over the same static inputs and copies into the same static outputs, so the backend's
-    replay planning (the buffers refilled in place, the padding rows) runs as on a GPU.
+class EmulatedGraph:
+    """A CPU stand-in for a captured CUDA graph (``graph_emulation``), as faithful as one: the
+    capture runs ``step`` once over the bucket's capture plan and keeps the backend's binding
+    (`AttentionBackend.graph_binding`: the capture plan, its write slots, each adapter's static
+    tables); a replay runs ``step`` again with that binding put back (`bound_as`), so every
+    launch reads the buffers its capture bound, as their contents stand at replay time, and
+    never re-plans. A replay whose planning refilled other buffers (another route) or left one
+    unrefilled then computes from stale tables, on CPU as on a GPU. Outputs are copied into the
+    capture's (``out``), whose tensors keep their identity as a graph's static outputs do.
 
-    step: reads only static inputs; returns a tensor or ``key → tensor`` (kept as ``out``)."""
+    step: reads only static inputs and calls the backend's `forward` per layer; returns a tensor
+    or ``key → tensor``."""
 
-    def __init__(self, step: Callable[[], torch.Tensor | dict[int, torch.Tensor]]) -> None:
-        self.step = step
+    def __init__(self, backend, step: Callable[[], torch.Tensor | dict]) -> None:
+        self.backend, self.step = backend, step
+        self.binding = backend.graph_binding()
         self.out = step()
 
     def replay(self) -> None:
-        new = self.step()
+        with self.backend.bound_as(self.binding):
+            new = self.step()
         if isinstance(new, torch.Tensor):
             self.out.copy_(new)
             return
@@ -52,15 +60,16 @@ class RecordedStep:
 
 def capture_step(backend, bs: int, tokens: int, mode: ForwardMode,
                  step: Callable[[], object], device: torch.device) -> tuple[object, object]:
-    """Plan bucket (``bs`` requests × ``tokens`` queries) for capture and capture ``step``
-    (which reads only static inputs and calls the backend's `forward` per layer): one warm-up
-    run on a side stream (kernel JIT and library set-up stay outside the graph), then the
-    capture. Returns (the graph, or a `RecordedStep` off CUDA, its static output). Both graph
-    drivers capture through here: `GraphedAttention` (attention only) and the engine's runner
-    (whole model calls)."""
+    """Plan bucket (``bs`` requests × ``tokens`` queries) of ``mode`` for capture and capture
+    ``step`` (which reads only static inputs and calls the backend's `forward` per layer): one
+    warm-up run on a side stream (kernel JIT and library set-up stay outside the graph), then
+    the capture. Returns (the graph, or an `EmulatedGraph` off CUDA, its static output). Both
+    graph drivers capture through here: `GraphedAttention` (attention only) and the engine's
+    runner (whole model calls); each files the graph under `backend.graph_key(mode, bs,
+    tokens)` and replays it with ``captured_mode=mode``."""
     backend.init_forward_metadata_capture(bs, tokens, mode)
     if device.type != "cuda":  # emulated: the backend's graph_emulation (CPU)
-        rec = RecordedStep(step)
+        rec = EmulatedGraph(backend, step)
         return rec, rec.out
     cur = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
@@ -83,7 +92,7 @@ def refill(static: torch.Tensor, new: torch.Tensor, rows: int) -> None:
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph | RecordedStep
+    graph: torch.cuda.CUDAGraph | EmulatedGraph
     q: dict[int, torch.Tensor]
     """layer → [n·tokens, Hq, D] static input."""
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -147,9 +156,9 @@ class GraphedAttention:
         """
         n = self.bucket(batch.batch_size)
         st = self._graphs.get(n)
-        if st is None or self.backend.graph_stale(n, self.tokens) is not None:
+        if st is None or self.backend.graph_stale(n, self.tokens, self.mode) is not None:
             st = self._graphs[n] = self._capture(n, q, kv)  # stale: the scales it baked in
-        self.backend.init_forward_metadata_replay(batch, n, self.tokens)
+        self.backend.init_forward_metadata_replay(batch, n, self.tokens, captured_mode=self.mode)
         rows = batch.total_q
         for layer, x in q.items():
             refill(st.q[layer], x, rows)

@@ -15,6 +15,9 @@ LACKS: dict[str, tuple[str, str]] = {
     # fault → (what the workload lacked, what to try)
     "graph_pad_stale_swa_loc": ("no batch shrank inside a graph bucket",
                                 "workload=smoke (four requests at once)"),
+    "graph_key_without_mode": ("no graph replayed a batch of another route than its capture's "
+                               "(no two modes shared a bucket)",
+                               "run=generate backend.cuda_graph=true spec=dflash"),
     "window_off_by_one": ("no sliding layer listed the key W positions back (no request passed "
                           "its window)", "workload=smoke"),
     "plan_without_window": ("no SWA group listed more keys than its window (a chunk's later "

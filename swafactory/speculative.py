@@ -26,9 +26,12 @@ import random
 from collections.abc import Hashable, Sequence
 from typing import Literal, Protocol
 
+import torch
+
 from swafactory.errors import CapacityError
 from swafactory.kvcache.locs import Locs
 from swafactory.kvcache.move import move_kv
+from swafactory.kvcache.pool import host_to_device
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.metadata.batch import ForwardMode, ReqForward
@@ -226,7 +229,10 @@ class SpecStep:
         if path != list(range(len(path))):
             table = self.slots.req_to_token.table[self.slots.reqs[r.rid].row]
             fid = self.slots.allocator.full_id
-            src = Locs("full", fid, table[[L + i for i in path]].long())
+            # the path's columns travel pinned and asynchronously: a Python list as an index
+            # would be a blocking host→device copy on every tree commit
+            cols = host_to_device(torch.tensor(path, dtype=torch.int64).add_(L), table.device)
+            src = Locs("full", fid, table.index_select(0, cols).long())
             dst = Locs("full", fid, table[L:L + len(path)].long())
             for pool in self.pools:
                 move_kv(pool, src, dst)

@@ -88,6 +88,9 @@ _compose_once_per_overrides()
 # trained targets and drafts (run.target_weights=pretrained, spec.draft_weights=distilled) are
 # cached by what their weights depend on: one cache for the suite, so each trains once per clone
 os.environ.setdefault("SWAFACTORY_CACHE_DIR", str(REPO / "build" / "test-cache"))
+# run=generate checks its attention rows against the fp32 oracle in every test (run.oracle's
+# default reads it; a user's default is off)
+os.environ.setdefault("SWAFACTORY_ORACLE", "true")
 
 # under pytest-xdist each worker is one process: one thread each keeps the cores from thrashing
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -1,5 +1,5 @@
 """Imports point down: storage never imports kernels or the harness, and the sharding, the spec
-table and the kernels never import the drivers that use them. Every import counts, those inside
+table, the serving core and the kernels never import the drivers that use them. Every import counts, those inside
 functions too (a lazy import is still an arrow)."""
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ FORBIDDEN = {
     "parallel": DRIVERS | {"kernels", "backend"},
     "speculative": DRIVERS | {"kernels", "backend", "integrations"},
     "integrations": DRIVERS | {"kernels", "kvcache"},
+    # the serving core and its parts: the payloads (harness, engine) plug in, never imported
+    "scheduler": DRIVERS | {"kernels", "integrations"},
+    "serving": DRIVERS | {"kernels", "integrations"},
 }
 
 

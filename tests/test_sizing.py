@@ -188,7 +188,7 @@ def test_harness_sizes_through_size_pools_as_tight_as_before(model: str) -> None
             with pytest.raises(ConfigError, match="swa_full_tokens_ratio"):
                 pool_sizes(cfg, prompts, outs)
             continue
-        got = pool_sizes(cfg, prompts, outs)
-        assert (got.full, got.swa, got.full_pages_per_req, got.swa_pages_per_req) == want, \
+        got, P = pool_sizes(cfg, prompts, outs), cfg.backend.page_size
+        assert (got.full, got.swa, got.full_per_request // P, got.swa_per_request // P) == want, \
             (model, spec, extra)
-        assert got.max_context == got.full_pages_per_req * cfg.backend.page_size
+        assert got.full_per_request % P == 0 and got.swa_per_request % P == 0

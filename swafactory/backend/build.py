@@ -9,6 +9,7 @@ from swafactory.backend.core import AttentionBackend
 from swafactory.backend.faulty import FaultyBackend
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
+from swafactory.kernels.cuda import KernelEnv
 from swafactory.kernels.cuda.prepare import start_adapters
 from swafactory.registry.device import detect_device
 from swafactory.registry.kernel_choice import PASSES
@@ -53,10 +54,16 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
         if view.role != "draft_reads_target":  # a FROZEN_KV view's pool is a dummy until swapped
             check_own_pool(view, windows)
     adapters = {n: m.Adapter() for n, m in modules.items()}
+    # the kernels' environment overrides, read here once: a layer's call reads no os.environ
+    env = KernelEnv.read()
+    for ad in adapters.values():
+        if hasattr(ad, "env"):
+            ad.env = env
     # our CUDA kernels are built here (or fall back, warned), never in a forward
     kernels = start_adapters(cfg, adapters, pool.sub_pools[0].device, device)
     # a fault's code lives in FaultyBackend only: the default class carries none
     cls = FaultyBackend if cfg.faults.active else AttentionBackend
     backend = cls(cfg, adapters[b.name], view, windows, guards, adapters=adapters)
     backend.kernels = kernels  # what serves each pass × group (KernelPolicy; .lines())
+    backend.kernel_env = env  # the overrides its adapters' kernels obey (`KernelEnv`)
     return backend

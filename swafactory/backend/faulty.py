@@ -10,6 +10,7 @@ so the default path carries no fault code at all.
 | allocator_pool_for_own_pool_draft | `_source`: an own-pool draft resolved to the allocator's pool, its reads keyed on it (sglang #27737) |
 | skip_spec_translation, plan_without_window, tree_mask_not_rebased | `_tables`: the planner's switches (sglang #24402, #31501, #39160) |
 | graph_pad_stale_swa_loc | `_bucket_writes`: padding rows keep an earlier replay's SWA slots (sglang #24743) |
+| graph_key_without_mode | `graph_key`: an engine files graphs by shape alone, so one mode's graph replays another's batch |
 | fp8_descale_dropped | `_read_scales`: full layers read fp8 K/V without their scales |
 | sink_dropped | `forward`: sinks are taken and ignored |
 
@@ -25,7 +26,7 @@ import torch
 from swafactory.backend.core import AttentionBackend
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.fault_counts import FAULT_COUNTS
-from swafactory.graph_state import GraphState, bucket_writes
+from swafactory.graph_state import GraphKey, GraphState, bucket_writes
 from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
 from swafactory.resolve import RunnerView, resolve_kv_source
@@ -80,6 +81,19 @@ class FaultyBackend(AttentionBackend):
                        tokens: int) -> ForwardPlan:
         return bucket_writes(st, fplan, bs, tokens,
                              stale_swa=self.faults.graph_pad_stale_swa_loc)
+
+    def graph_key(self, mode, bs: int, tokens: int) -> GraphKey:
+        if self.faults.graph_key_without_mode:  # FAULT: every mode of a shape shares one graph
+            return GraphKey("any mode", bs, tokens)
+        return super().graph_key(mode, bs, tokens)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, bs: int, tokens: int,
+                                     captured_mode=None) -> ForwardPlan:
+        if (self.faults.graph_key_without_mode and captured_mode is not None
+                and self.graph_route(captured_mode, tokens)
+                != self.graph_route(batch.mode, tokens)):
+            FAULT_COUNTS.acted("graph_key_without_mode")  # another route's graph replays it
+        return super().init_forward_metadata_replay(batch, bs, tokens, captured_mode)
 
     def _read_scales(self, layer_id: int, scales: tuple[float, float]) -> dict:
         if self.faults.fp8_descale_dropped and self.windows.get(layer_id) is None:

@@ -8,15 +8,35 @@ from __future__ import annotations
 
 import torch
 
-from swafactory.graph_state import (GraphState, StaleGraphError, bucket_writes, capture_plan,
-                                   check_graphable, check_padding)
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from swafactory.graph_state import (Captured, GraphKey, GraphRouteError, GraphState,
+                                   StaleGraphError, bucket_writes, capture_plan, check_graphable,
+                                   check_padding)
 from swafactory.guards import CallOrderError
 from swafactory.kvcache.quant import is_fp8
 from swafactory.kvcache.sizing import step_nodes
-from swafactory.metadata.batch import ForwardBatch, ForwardMode
+from swafactory.metadata.batch import MODE_PASS, ForwardBatch, ForwardMode
 from swafactory.metadata.plan import ForwardPlan
 
-__all__ = ["GraphContract"]
+__all__ = ["GraphContract", "GraphBinding"]
+
+
+@dataclass(frozen=True, eq=False)
+class GraphBinding:
+    """What a captured step's kernels hold, taken right after its capture planning: the capture
+    plan (its groups' tables, write slots and layer entries) and each adapter's host state (which
+    static tables its launches read). A GPU graph holds these as addresses; an emulated replay
+    (`graphs.EmulatedGraph`) runs the step with this binding put back, so it reads what the
+    capture bound, refilled or not, never what the replay planned."""
+
+    plan: ForwardPlan
+    pool: object
+    entries: dict
+    writes: dict
+    decode: frozenset
+    adapters: dict
 
 
 class GraphContract:
@@ -74,12 +94,57 @@ class GraphContract:
         return self._graph.bytes + sum(ad.graph_bytes() for ad in self.adapters.values()
                                        if hasattr(ad, "graph_bytes"))
 
-    def graph_stale(self, bs: int, tokens: int) -> str | None:
-        """Why captured bucket (bs, tokens) may not replay now (a layer's fp8 scales changed
-        since its capture: `set_kv_scales`), or None. An engine re-captures it on a reason."""
+    def graph_stale(self, bs: int, tokens: int, mode: ForwardMode | None = None) -> str | None:
+        """Why captured bucket (bs, tokens) of ``mode`` (None: of any mode) may not replay now (a
+        layer's fp8 scales changed since its capture: `set_kv_scales`), or None. An engine
+        re-captures it on a reason."""
         st = self._graph
-        pool = st.captured.get((bs, tokens)) if st is not None else None
-        return None if pool is None else st.stale(bs, tokens, pool)
+        for key, cap in ({} if st is None else st.captured).items():
+            if (key.bs, key.tokens) == (bs, tokens) and mode in (None, key.mode):
+                why = st.stale(key, cap.pool)
+                if why is not None:
+                    return why
+        return None
+
+    def graph_key(self, mode: ForwardMode, bs: int, tokens: int) -> GraphKey:
+        """The key an engine files its captured graph of this bucket under: the mode decides
+        the pass, and so the kernels and the buffers they read (`graph_route`)."""
+        return GraphKey(mode, bs, tokens)
+
+    def graph_route(self, mode: ForwardMode, tokens: int) -> tuple:
+        """(kernel, its route) for each kernel that serves a layer group in a bucket of ``mode``
+        with ``tokens`` queries per request (a pass may run on another family's kernel): the
+        buffers the kernel binds for it (its pass's tables or wrapper, and the variant: decode,
+        causal chain, masked). Two modes may share a graph only when their routes are equal."""
+        used = sorted({self.kernel_of(w, mode) for w in set(self.windows.values())})
+        return tuple((name, ad.graph_route(mode, tokens) if hasattr(ad, "graph_route")
+                      else MODE_PASS.get(mode, "extend"))
+                     for name, ad in self.adapters.items() if name in used)
+
+    def graph_binding(self) -> GraphBinding:
+        """The current plan's binding (`GraphBinding`): taken after a capture's planning."""
+        return GraphBinding(self._plan, self._pool, self._entries, dict(self._writes),
+                            frozenset(self._decode),
+                            {n: ad.graph_binding() for n, ad in self.adapters.items()
+                             if hasattr(ad, "graph_binding")})
+
+    @contextmanager
+    def bound_as(self, binding: GraphBinding):
+        """Run the block over ``binding`` (an emulated replay of the step captured with it), then
+        put back the plan the replay made (its guards' checks and write accounting stay)."""
+        now = self.graph_binding()
+        self._install(binding)
+        try:
+            yield
+        finally:
+            self._install(now)
+
+    def _install(self, b: GraphBinding) -> None:
+        self._plan, self._pool, self._entries = b.plan, b.pool, b.entries
+        self._writes, self._decode = dict(b.writes), set(b.decode)
+        self._graphed = True
+        for name, state in b.adapters.items():
+            self.adapters[name].restore_binding(state)
 
     def _graph_state(self) -> GraphState:
         if self._graph is None:
@@ -99,30 +164,41 @@ class GraphContract:
         fplan = capture_plan(st, pool, pool.layers_mapping, self.windows, bs=bs, tokens=tokens,
                              mode=mode, writes=not pool.read_only)
         self._plan_kernels(fplan, pool, (bs, tokens))
-        st.captured[(bs, tokens)] = pool
-        st.record_scales(bs, tokens, pool, [l for l in pool.layers_mapping
-                                            if is_fp8(pool.sub_pool(l).dtype)])
+        key = GraphKey(mode, bs, tokens)
+        st.record_scales(key, pool, [l for l in pool.layers_mapping
+                                     if is_fp8(pool.sub_pool(l).dtype)])
         self._pool = pool
         self._set_plan(fplan, graphed=True)
+        st.captured[key] = Captured(pool, self.graph_route(mode, tokens), self.graph_binding())
         return fplan
 
-    def init_forward_metadata_replay(self, batch: ForwardBatch, bs: int,
-                                     tokens: int) -> ForwardPlan:
+    def init_forward_metadata_replay(self, batch: ForwardBatch, bs: int, tokens: int,
+                                     captured_mode: ForwardMode | None = None) -> ForwardPlan:
         """Plan ``batch`` for the captured bucket (``bs``, ``tokens``) and refill the buffers its
         graph reads, in place; the engine then copies its inputs and replays. The batch has at
-        most ``bs`` requests of at most ``tokens`` queries each."""
+        most ``bs`` requests of at most ``tokens`` queries each.
+
+        captured_mode: the mode the graph the engine will replay was captured in (None: the
+        batch's, or another mode of the same route). With guards on, a graph captured for
+        another route raises `GraphRouteError` here, on the host, before anything is planned:
+        its kernels read buffers this replay would not refill."""
         st = self._graph_state()
-        captured = st.captured.get((bs, tokens))
-        if captured is None:
-            raise ValueError(f"no graph was captured for {bs} requests × {tokens} tokens; "
-                             f"captured: {sorted(st.captured)}")
+        key, captured = self._captured(st, batch.mode, bs, tokens, captured_mode)
+        if self.guards:
+            route = self.graph_route(batch.mode, tokens)
+            if route != captured.route:
+                raise GraphRouteError(
+                    f"graph {key} replayed for a {batch.mode} batch: it was captured for route "
+                    f"{_route(captured.route)}, the batch plans {_route(route)}; its kernels "
+                    "would read buffers this replay does not refill. Key captured graphs by "
+                    "backend.graph_key(mode, bs, tokens) and capture each mode at start-up")
         if batch.batch_size > bs:
             raise ValueError(f"{batch.batch_size} requests do not fit the graph bucket of {bs}")
-        stale = st.stale(bs, tokens, captured)
+        stale = st.stale(key, captured.pool)
         if stale is not None:  # the graph's kernels hold the captured scales as constants
             raise StaleGraphError(stale)
         fplan = self._plan_forward(batch, (bs, tokens))
-        if self._pool is not captured:  # the graph holds the captured pool's buffer addresses
+        if self._pool is not captured.pool:  # the graph holds the captured pool's addresses
             raise ValueError("the runner's active pool is not the one this graph was captured "
                              "against; capture per pool (a FROZEN_KV draft's frozen view)")
         padded = self._bucket_writes(st, fplan, bs, tokens)
@@ -139,8 +215,30 @@ class GraphContract:
         self._set_plan(padded, graphed=True)
         return self._plan
 
+    def _captured(self, st: GraphState, mode: ForwardMode, bs: int, tokens: int,
+                  captured_mode: ForwardMode | None) -> tuple[GraphKey, Captured]:
+        """The captured bucket a replay runs: ``captured_mode``'s, else ``mode``'s, else one of
+        the same (bs, tokens) whose route is ``mode``'s (an engine that captured once per
+        route); ValueError naming what was captured."""
+        key = GraphKey(captured_mode or mode, bs, tokens)
+        cap = st.captured.get(key)
+        if cap is None and captured_mode is None:
+            route = self.graph_route(mode, tokens)
+            key, cap = next(((k, c) for k, c in st.captured.items()
+                             if (k.bs, k.tokens) == (bs, tokens) and c.route == route),
+                            (key, None))
+        if cap is None:
+            have = ", ".join(map(str, st.captured)) or "none"
+            raise ValueError(f"no graph was captured for the {key}; captured: {have}")
+        return key, cap
+
     def _bucket_writes(self, st: GraphState, fplan: ForwardPlan, bs: int,
                        tokens: int) -> ForwardPlan:
         """``fplan`` padded to the bucket: padding rows write the dummy row
         (`graph_state.bucket_writes`)."""
         return bucket_writes(st, fplan, bs, tokens)
+
+
+def _route(route: tuple) -> str:
+    return ", ".join(f"{name}: {r if isinstance(r, str) else '/'.join(map(str, r))}"
+                     for name, r in route)

@@ -52,6 +52,11 @@ class FaultsSpec(_Frozen):
     graph_pad_stale_swa_loc: bool = False
     """On CUDA-graph replay, the SWA groups' padding rows keep the write slots of an earlier,
     larger replay: padding K/V lands in live SWA slots of other requests (sglang #24743)."""
+    graph_key_without_mode: bool = False
+    """Captured graphs are keyed by their shape (requests × tokens) alone: a graph captured in
+    one forward mode replays another mode's batch of that shape, its kernels reading the tables
+    of the captured mode's pass, which that replay never refilled (a captured FlashInfer wrapper
+    of draft_decode replayed over draft_extend's plan)."""
 
     @property
     def active(self) -> list[str]:

@@ -331,6 +331,17 @@ class RunSpec(_Frozen):
     before forward N's tokens come back (a non-blocking copy into pinned memory and an event,
     one step late), so host-runs-ahead races show. A twin run without overlap gives the
     tokens/s to compare and must generate the same tokens."""
+    oracle: bool = False
+    """`generate`: also check the attention rows against the fp32 oracle, as the conformance run
+    does (`swafactory.engine.oracle_watch`): each request's logical K/V history is kept beside
+    the pools from what every forward writes, and the outputs of sampled passes (target extend,
+    decode, verify, draft decode, draft extend, graph replays) are compared with attention over
+    it; a row beyond the harness's tolerance fails the run, naming runner, mode, layer, request
+    and error. Off by default (it keeps a copy of the K/V); conf/run/generate.yaml reads its
+    default from the environment, SWAFACTORY_ORACLE=true (the test suite and the GPU suite)."""
+    oracle_rate: float = Field(default=1.0, gt=0, le=1)
+    """`generate` with ``oracle``: the fraction of passes checked past the first of each runner ×
+    mode × eager/replay, which is always checked (seeded by ``workload.seed``)."""
 
     @model_validator(mode="after")
     def _experts(self) -> RunSpec:

@@ -17,7 +17,6 @@ Drafts, per family (what each one is, and the pool it owns or reads):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -34,40 +33,20 @@ from swafactory.engine.formats import load_feature_draft
 from swafactory.errors import ConfigError, Reason
 from swafactory.engine.models import (config_key, draft_copy, draft_from_layers,
                                       last_full_layer, load_target, serving_model)
-from swafactory.engine.train import Trained
-from swafactory.engine.runner import Runner
+from swafactory.engine.runner import Runner, graph_modes
 from swafactory.kvcache.draft import draft_layer_types
 from swafactory.kvcache.factory import compute_dtype
-from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import size_pools
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.layout import frozen_draft_binding
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.select import validate
-from swafactory.serving import build_serving
+from swafactory.serving import Parts, build_serving
 
-__all__ = ["Parts", "build", "serving_config", "model_dtype", "OWN_COPY", "copies"]
+__all__ = ["Parts", "build", "capture_graphs", "serving_config", "model_dtype", "OWN_COPY", "copies"]
 
 OWN_COPY = ("eagle", "eagle3", "nextn", "standalone")
 """Families whose draft is a copy of the target's weights with its own pool."""
-
-
-@dataclass
-class Parts:
-    """What the generator drives."""
-
-    cfg: SwaFactoryConfig
-    """The serving config: the model spec read from the HF model, the draft's layer count."""
-    target: Runner
-    draft: Runner | None
-    pool: object
-    alloc: object
-    draft_pool: object | None
-    slots: RequestSlots
-    hf_config: dict
-    draft_desc: str
-    draft_training: Trained | None = None
-    """A distilled draft's training record (None: no training)."""
 
 
 def model_dtype(cfg: SwaFactoryConfig) -> torch.dtype:
@@ -96,7 +75,7 @@ def copies(spec) -> bool:
 
 
 def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: list[int],
-          *, model=None, progress=None) -> Parts:
+          *, model=None, progress=None) -> Parts[Runner]:
     """Everything for one generation run of ``cfg`` (validated). ``model``: reuse an already
     loaded target (the reference runs share its weights). ``progress``: where a distillation's
     progress lines go."""
@@ -126,16 +105,13 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
     layout = "copy" if copies(s) else "config"
     # EAGLE heads are Llama layers, DFlash's Qwen3 ones: the draft's backend serves their scale
     dmodel = _llama_spec(scfg.model) if feature in ("eagle", "eagle3", "dflash") else None
-    sv = build_serving(scfg, sizes.full, sizes.swa, sizes.max_requests, sizes.full_per_request,
-                       dev, check_mode=guards, guards=guards, draft_layout=layout,
+    sv = build_serving(scfg, sizes, dev, check_mode=guards, guards=guards, draft_layout=layout,
                        gen=torch.Generator().manual_seed(scfg.workload.seed), draft_model=dmodel)
-    pool, alloc = sv.pool, sv.alloc
     target = Runner("target", model, sv.target, guards=guards, graphs=graphs,
                     max_context=longest)
-    parts = Parts(scfg, target, None, pool, alloc, sv.draft_pool, sv.slots,
-                  model.config.to_dict(), "-")
+    parts = Parts.of(scfg, sizes, sv, target)  # the draft's runner is set below
     if s.algorithm == "none":
-        return parts
+        return capture_graphs(parts)
     n = m.num_layers
     if feature is not None:
         model_d, parts.draft_desc, parts.draft_training = _feature_draft(
@@ -158,6 +134,19 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
                              guards=guards, graphs=graphs, max_context=longest)
         parts.draft_desc = (f"the target's {len(frozen_draft_binding(scfg))} layers reading its "
                             "frozen K/V (writes none); step k queries position L+k over keys < L")
+    return capture_graphs(parts)
+
+
+def capture_graphs(parts: Parts) -> Parts:
+    """Capture every graph bucket × mode the runners meet (`runner.graph_modes`), up to the
+    bucket that holds ``workload.max_running_requests``, before the first step: graph state is
+    allocated once, and nothing is captured inside the generation loop (a capture synchronizes
+    the device). A no-op without ``backend.cuda_graph``."""
+    cfg = parts.cfg
+    for runner in (parts.target, parts.draft):
+        if runner is not None:
+            runner.capture_all(graph_modes(cfg.spec, runner.name, runner.writes),
+                               max_bs=cfg.workload.max_running_requests)
     return parts
 
 

@@ -1,12 +1,12 @@
-"""A small continuous-batching generator: greedy (speculative) decoding on HF model definitions.
+"""The generate payload on the serving core (`swafactory.scheduler`): greedy (speculative)
+decoding on HF model definitions.
 
-Each scheduler step admits requests up to ``workload.max_running_requests``, then either
-prefills a chunk of every prefilling request (target extend, and draft extend for a draft that
-writes its own pool), or decodes (``spec=none``), or runs one step of the spec table
-(`swafactory.speculative.SpecStep`, shared with the conformance harness) with this module's
-hooks: greedy drafts (a tree grows by the draft's top-k, its greedy child first) and greedy
-acceptance (the drafted token must be the target's argmax). Then finished requests release
-their slots and every running request evicts its out-of-window SWA slots.
+The scheduler admits requests up to ``workload.max_running_requests``, prefills in chunks,
+decodes (``spec=none``) or runs one step of the spec table (`swafactory.speculative.SpecStep`),
+finishes requests and evicts out-of-window SWA slots, as it does for the conformance harness.
+This payload runs each forward through a `Runner` (an HF model whose attention is the backend)
+and supplies the spec table's hooks: greedy drafts (a tree grows by the draft's top-k, its
+greedy child first) and greedy acceptance (the drafted token must be the target's argmax).
 
 A request's ``tokens`` are its prompt and generated tokens; positions ``[0, committed)`` have K/V
 in the pools, and ``tokens[committed]`` (the root of the next step) is generated but not yet
@@ -24,48 +24,41 @@ counted on the host (``GenReq.pending``), so stopping needs no token value.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from swafactory.engine.build import Parts, model_dtype
+from swafactory.engine.build import model_dtype
 from swafactory.engine.distill import MASK_TOKEN
 from swafactory.engine.features import FeatureBook
 from swafactory.engine.readback import Readback, pinned_ids
 from swafactory.engine.report_model import GenStep
 from swafactory.engine.requests import (GenReq, argmax_tie, logit_gap, pack_ids, rejection,
                                         tie_tolerance)
-from swafactory.engine.runner import NonFinite
-from swafactory.kvcache.allocator import pool_use
+from swafactory.engine.runner import NonFinite, Runner
 from swafactory.metadata.batch import ForwardMode, ReqForward
-from swafactory.speculative import (SpecStep, alloc_upto, eviction_floor, fault_switches,
-                                    greedy_path, level_bounds, req_forward)
+from swafactory.scheduler import Payload, Scheduler, StepKind
+from swafactory.serving import Parts
+from swafactory.speculative import greedy_path, level_bounds
 
 __all__ = ["GenReq", "Generator", "MASK_TOKEN", "logit_gap", "rejection", "tie_tolerance"]
 
 
-class Generator:
-    """Drives `Parts` until every request has generated its tokens."""
+class Generator(Payload):
+    """Every request through the scheduler (``core``) until it has generated its tokens;
+    ``on_step(generator)`` after each step."""
 
-    def __init__(self, parts: Parts, prompts: list[list[int]], outs: list[int],
+    frozen_query = "mtp"
+
+    def __init__(self, parts: Parts[Runner], prompts: list[list[int]], outs: list[int],
                  on_step: Callable[[Generator], None] | None = None) -> None:
         self.p, self.cfg = parts, parts.cfg
-        self.waiting = deque(GenReq(i, pr, o) for i, (pr, o) in enumerate(zip(prompts, outs)))
-        self.running: list[GenReq] = []
-        self.done: list[GenReq] = []
         self.by_id: dict[Hashable, GenReq] = {}
-        self.step = 0
         self.history: list[GenStep] = []
-        self.evicted = 0
         self.current = ("-", "setup")
         self.on_step = on_step
         s = self.cfg.spec
-        self.frozen = s.draft_kv == "target_pool"
         self.tie = tie_tolerance(model_dtype(self.cfg))
-        self.spec = None if s.algorithm == "none" else SpecStep(
-            s, parts.slots, (parts.pool, parts.draft_pool),
-            draft_writes=parts.draft is not None and parts.draft.writes, frozen_query="mtp",
-            **fault_switches(self.cfg))
         self.nodes: dict[Hashable, list[int]] = {}     # this step's node tokens, host (as known)
         self.scores: dict[Hashable, list[float]] = {}  # a tree's cumulative log-probs
         # on the device, what later forwards read: each request's last token ([1] int64), this
@@ -92,86 +85,38 @@ class Generator:
         self.fb = None if d is None or not d.reads_features else FeatureBook(
             d.model.feature_width, d.device, next(d.model.parameters()).dtype,
             shifted=d.model.shifted)
+        self.core = Scheduler(parts, self, (GenReq(i, pr, o) for i, (pr, o)
+                                            in enumerate(zip(prompts, outs))))
 
-    # ------------------------------------------------------------------ the loop
-    def run(self) -> None:
-        while self.waiting or self.running:
-            self.step_once()
-        self._drain(why="end")
+    # ------------------------------------------------------------------ scheduler hooks
+    def admitted(self, r: GenReq) -> None:
+        self.by_id[r.rid] = r
 
-    def step_once(self) -> None:
-        R = self.cfg.workload.max_running_requests
-        while self.waiting and len(self.running) < R:
-            r = self.waiting.popleft()
-            self.p.slots.open(r.rid)
-            self.by_id[r.rid] = r
-            self.running.append(r)
-        prefill = [r for r in self.running if r.prefilling]
-        accepts: list[int] = []
-        evicted, kind = self.evicted, "prefill" if prefill else "decode"
-        if prefill:
-            self._prefill(prefill)
-        elif self.spec is None:
-            self._decode(self.running)
-        else:
-            kind = "spec"
-            self._seed_nodes()
-            for r in self.running:
-                r.spec_at.append(r.committed)
-            accepts = self.spec.run(self.running, self)
-            for r, a in zip(self.running, accepts):
-                r.committed += a
-                r.accepts.append(a)
-        use = {sp: pool_use(self.p.alloc, sp) for sp in ("swa", "full")}  # after the forwards
-        for r in list(self.running):
-            if len(r.generated) + r.pending >= r.out:  # host counts, no token values
-                self.p.slots.finish(r.rid)
-                if self.fb is not None:
-                    self.fb.drop(r.rid)
-                self.running.remove(r)
-                self.done.append(r)
-        self._evict()
-        self.step += 1
+    def before_spec(self, reqs: Sequence[GenReq]) -> None:
+        self._seed_nodes(reqs)
+        for r in reqs:
+            r.spec_at.append(r.committed)
+
+    def advanced(self, r: GenReq, n: int, kind: StepKind) -> None:
+        if kind == "spec":
+            r.accepts.append(n)
+
+    def released(self, r: GenReq) -> None:
+        if self.fb is not None:
+            self.fb.drop(r.rid)
+
+    def stepped(self, kind: StepKind, accepts: list[int]) -> None:
+        core = self.core
         self.history.append(GenStep(
-            step=self.step, kind=kind, running=len(self.running),
+            step=core.step, kind=kind, running=len(core.running),
             accept_len=sum(accepts) / len(accepts) if accepts else None,
-            accept_min=min(accepts) if accepts else None, evicted=self.evicted - evicted,
-            swa_use=use["swa"], full_use=use["full"]))
+            accept_min=min(accepts) if accepts else None, evicted=core.step_evicted,
+            swa_use=core.swa_use, full_use=core.full_use))
         if self.on_step is not None:
             self.on_step(self)
 
-    def _evict(self) -> None:
-        m = self.cfg.model
-        if not (m.swa_layers and m.hybrid_pool) or self.cfg.faults.no_swa_eviction:
-            return
-        W, I = m.sliding_window, self.cfg.workload.eviction_interval
-        for r in self.running:
-            self.evicted += self.p.slots.evict_out_of_window(
-                r.rid, eviction_floor(r.committed, r.prefilling, self.frozen), W, I,
-                paged_free_stale_mapping=self.cfg.faults.paged_free_stale_mapping)
-
-    def _prefill(self, reqs: list[GenReq]) -> None:
-        chunk = self.cfg.workload.chunk_size
-        fw = []
-        for r in reqs:
-            n = min(chunk, len(r.prompt) - r.committed)
-            alloc_upto(self.p.slots, r.rid, r.committed + n)
-            fw.append(self._rf(r, r.committed, n))
-        self.forward("target", "extend", fw)
-        if self.p.draft is not None and self.p.draft.writes:
-            self.forward("draft", "draft_extend", fw)
-        for r, f in zip(reqs, fw):
-            r.committed += f.nodes
-
-    def _decode(self, reqs: list[GenReq]) -> None:
-        for r in reqs:
-            alloc_upto(self.p.slots, r.rid, r.committed + 1)
-        self.forward("target", "decode", [self._rf(r, r.committed, 1) for r in reqs])
-        for r in reqs:
-            r.committed += 1
-
-    def _rf(self, r: GenReq, prefix: int, nodes: int, **kw) -> ReqForward:
-        return req_forward(self.p.slots, r.rid, prefix, nodes, **kw)
+    def ended(self) -> None:
+        self._drain(why="end")
 
     def _take(self, r: GenReq, row: torch.Tensor, pos: int, tok: int) -> None:
         """The target's logits at ``pos`` (row: [vocab] fp32, host) gave the next token ``tok``
@@ -183,10 +128,12 @@ class Generator:
         r.tokens.append(tok)
 
     # ------------------------------------------------------------------ SpecHooks
-    def forward(self, worker: str, mode: ForwardMode, reqs: list[ReqForward]) -> None:
+    def forward(self, worker: str, mode: ForwardMode, reqs: list[ReqForward],
+                check: bool = True) -> None:
         """Pack the query rows' tokens (device tensors where an earlier forward made them) and
         positions (host), launch the worker, start its readback; then, one forward late under
-        ``run.overlap``, act on the earlier forwards' results."""
+        ``run.overlap``, act on the earlier forwards' results. ``check`` (the harness's oracle
+        sampling) is not read: what this payload checks comes back with every readback."""
         if mode == "draft_extend" and self.extended:  # ran right after the verify
             self.extended = False
             return
@@ -380,10 +327,10 @@ class Generator:
     def on_commit(self, rid, committed: int, path: list[int]) -> None:
         return None
 
-    def _seed_nodes(self) -> None:
+    def _seed_nodes(self, reqs: Sequence[GenReq]) -> None:
         """Each step's nodes start at the root (a DFlash block: the root, then mask tokens)."""
         dflash = self.cfg.spec.algorithm == "dflash"
-        for r in self.running:
+        for r in reqs:
             # the root's host value may still be in flight: no host decision compares it
             self.nodes[r.rid] = [-1] + [self.mask] * len(self.masks)
             self.dnodes[r.rid] = self.roots[r.rid]

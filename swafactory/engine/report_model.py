@@ -12,10 +12,12 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = ["Rejection", "RequestRecord", "GenStep", "CheckResult", "GenerateReport", "CHECK_ORDER"]
 
-CHECK_ORDER = ("space", "nan", "kernel", "capacity", "leak", "logits", "draft_logits",
+CHECK_ORDER = ("space", "nan", "oracle", "kernel", "capacity", "leak", "logits", "draft_logits",
                "lossless", "overlap", "acceptance")
 """Every check, in the order that names the one that caught a failure (`GenerateReport.caught_by`;
-`failed_checks` lists all): the guards and a kernel fault stop the run where they happen; then
+`failed_checks` lists all): the guards, the attention oracle (``run.oracle``: a pass's rows
+against the fp32 oracle over each request's logical history) and a kernel fault stop the run
+where they happen; then
 the logits against transformers (the target's, then a writing draft's own), which locate a wrong
 read most precisely; then what a user sees: tokens that differ from spec=none (or, with
 ``run.overlap=true``, from the same run without overlap), acceptance."""

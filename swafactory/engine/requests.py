@@ -22,7 +22,7 @@ def tie_tolerance(dtype: torch.dtype) -> float:
 
 @dataclass
 class GenReq:
-    """One request's progress."""
+    """One request's progress (a `scheduler.Request`)."""
 
     rid: int
     prompt: list[int]
@@ -47,8 +47,17 @@ class GenReq:
         self.tokens = list(self.prompt)
 
     @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
     def prefilling(self) -> bool:
         return self.committed < len(self.prompt)
+
+    @property
+    def complete(self) -> bool:
+        """Every token asked for is launched: counted on the host, values may be in flight."""
+        return len(self.generated) + self.pending >= self.out
 
     @property
     def generated(self) -> list[int]:

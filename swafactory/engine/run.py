@@ -44,6 +44,8 @@ from swafactory.engine.checks import (acceptance_check, ideal_accept, logits_che
                                       logits_tolerance, lossless_check, mean_accept, most_accept)
 from swafactory.engine.generator import Generator
 from swafactory.engine.models import load_target, require_transformers
+from swafactory.engine.oracle_watch import attach_oracle
+from swafactory.harness.watch import OracleMismatch
 from swafactory.guards import GuardError
 from swafactory.engine.report import GenProgress
 from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateReport,
@@ -112,6 +114,7 @@ def _generate(cfg: SwaFactoryConfig, device: DeviceInfo, model, prompts, outs,
                       progress=progress)
         t0 = time.perf_counter()  # a draft's distillation is reported on its own
         gen = Generator(parts, prompts, outs, on_step)
+        attach_oracle(parts, gen)  # run.oracle: attention rows against the fp32 oracle
         gen.run()
     except ConfigError:
         raise  # a refusal (a saved draft that does not fit): before anything was allocated
@@ -134,6 +137,8 @@ def _kind(exc: BaseException) -> str:
         return "space"
     if isinstance(exc, CapacityError):
         return "capacity"
+    if isinstance(exc, OracleMismatch):  # run.oracle: an attention row off the fp32 oracle
+        return "oracle"
     return "kernel"
 
 

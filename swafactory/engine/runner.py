@@ -6,10 +6,15 @@ A forward packs the batch's query tokens into one sequence ``[1, T]`` with per-t
 `routing(backend)`: every attention module attends through the backend, which holds the K/V.
 
 With ``graphs=True`` (``backend.cuda_graph=true``) every forward but a prefill (``extend``)
-replays a CUDA graph of the whole model call, captured per bucket (requests rounded up to
-`BUCKETS`, queries per request to a power of two) through the backend's graph contract
-(`swafactory.graph_state`): the engine's own step, each layer's q from the layer before. On CPU
-(the torch backend's ``graph_emulation``) the step is recorded and re-run over its buffers.
+replays a CUDA graph of the whole model call through the backend's graph contract
+(`swafactory.graph_state`): the engine's own step, each layer's q from the layer before. A graph
+is filed under `backend.graph_key` (the mode, requests rounded up to `BUCKETS`, queries per
+request to a power of two): the mode decides the pass, and so the kernels and the buffers they
+read, so one mode's graph never replays over another mode's tables. Every bucket × mode the
+spec meets (`graph_modes`) is captured at start-up (`capture_all`, called by `engine.build`);
+none is captured inside the generation loop: a forward whose bucket was not captured runs
+eagerly, counted. On CPU (the torch backend's ``graph_emulation``) a replay runs the captured
+step over the buffers its capture bound (`graphs.EmulatedGraph`).
 """
 from __future__ import annotations
 
@@ -21,14 +26,49 @@ import torch
 from swafactory.engine.readback import pinned_ids
 from swafactory.errors import SpaceError
 from swafactory.graph_sizing import BUCKETS
+from swafactory.graph_state import GraphKey
 from swafactory.graphs import capture_step, refill
+from swafactory.harness.watch import capture_io, replayed
 from swafactory.integrations.transformers import ATTENTION, register, routing
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
+from swafactory.speculative import level_bounds
 
-__all__ = ["Runner", "NonFinite", "attn_implementation", "BUCKETS"]
+__all__ = ["Runner", "NonFinite", "attn_implementation", "graph_modes", "graph_tokens", "BUCKETS"]
 
 MAX_GRAPH_TOKENS = 16
 """Queries per request a graph holds at most (verify, draft steps); more run eagerly."""
+
+
+def graph_tokens(q: int, masked: bool) -> int:
+    """The queries per request of the bucket that holds ``q``: a power of two, at least 2 for
+    a masked batch (it needs the prefill kernel)."""
+    return 1 << (max(q, 2 if masked else 1) - 1).bit_length()
+
+
+def graph_modes(spec, role: str, writes: bool = True) -> list[tuple[ForwardMode, int]]:
+    """(mode, queries per request) of every graph bucket a ``role`` (``target`` or ``draft``)
+    runner of ``spec`` (a `SpecConfig`) replays after its prefill, as `speculative.SpecStep`
+    shapes its forwards: what the engine captures at start-up. writes: the draft writes its own
+    pool (not a FROZEN_KV draft), so it runs draft_extend over the accepted tokens."""
+    if spec.algorithm == "none":
+        return [("decode", 1)] if role == "target" else []
+    dflash, tree = spec.algorithm == "dflash", spec.is_tree
+    verify_n = spec.block_size if dflash else spec.num_draft_tokens
+    if role == "target":
+        got = [("target_verify", graph_tokens(verify_n, dflash or tree))]
+    elif dflash:
+        got = [("draft_decode", graph_tokens(spec.block_size, True))]
+    elif tree:
+        widths = {hi - lo for lo, hi in (level_bounds(spec.topk, lvl)
+                                          for lvl in range(spec.num_steps))}
+        got = [("draft_decode", graph_tokens(w, True)) for w in sorted(widths)]
+    else:
+        got = [("draft_decode", 1)]
+    if role == "draft" and writes:  # over the accepted tokens: 1 … verify_n of them; first, as
+        # an engine meets them (the prefill's draft_extend comes before any draft step)
+        top = graph_tokens(verify_n, False)
+        got = [("draft_extend", 1 << i) for i in range(top.bit_length())] + got
+    return [(m, t) for m, t in dict.fromkeys(got) if t <= MAX_GRAPH_TOKENS]
 
 
 class NonFinite(SpaceError):
@@ -75,8 +115,10 @@ class Runner:
         self.device = next(model.parameters()).device
         self.forwards = 0
         self.graphs = graphs
-        self._graphs: dict[tuple[int, int], tuple] = {}  # (bs, tokens) → graph, ids, pos, logits
-        self.graph_use = {"captures": 0, "replays": 0, "eager": 0}
+        # backend.graph_key(mode, bs, tokens) → (the mode it was captured in, graph, ids, pos,
+        # features, outputs)
+        self._graphs: dict[GraphKey, tuple] = {}
+        self.graph_use = {"captures": 0, "replays": 0, "eager": 0, "uncaptured": 0}
         if graphs:
             # graph buffers sized by what a bucket reads (max_context: the longest request)
             backend.init_cuda_graph_state(BUCKETS[-1], MAX_GRAPH_TOKENS, max_context)
@@ -102,7 +144,8 @@ class Runner:
                    else pinned_ids(list(tokens), self.device).view(1, -1))
             pos = pinned_ids(list(positions), self.device).view(1, -1)
             bucket = self._bucket(batch)
-            if bucket is None:
+            graph = None if bucket is None else self._graph(batch, bucket)
+            if graph is None:
                 self.backend.init_forward_metadata(batch)
                 kw = {} if features is None else {"features": features.view(1, len(features), -1)}
                 with routing(self.backend, writes=self.writes):
@@ -111,7 +154,7 @@ class Runner:
                 self.features = self._features_of(out)
                 self.graph_use["eager"] += 1
             else:
-                logits = self._replay(batch, bucket, ids, pos, features)
+                logits = self._replay(batch, bucket, graph, ids, pos, features)
         self.forwards += 1
         logits = logits.float()
         if check:  # this read back is a sync point: the guards' deferred checks report first
@@ -131,45 +174,61 @@ class Runner:
         """(requests, queries per request) of the graph that serves ``batch``, or None (eager)."""
         if not self.graphs or batch.mode == "extend":
             return None
-        q = max(r.q_len for r in batch.reqs)
-        # a masked batch needs the prefill kernel: 2 rows per request at least
-        tokens = 1 << (max(q, 2 if batch.needs_mask else 1) - 1).bit_length()
+        tokens = graph_tokens(max(r.q_len for r in batch.reqs), batch.needs_mask)
         bs = next((n for n in BUCKETS if n >= batch.batch_size), None)
         if bs is None or tokens > MAX_GRAPH_TOKENS:
             return None
         return bs, tokens
 
     @torch.no_grad()
-    def capture_all(self, modes: Sequence[tuple[ForwardMode, int]] = (("decode", 1),)) -> int:
-        """Capture every bucket of `BUCKETS` for each (mode, queries per request) at start-up,
-        as an engine does (graph state is allocated once, sized by bucket and context); returns
-        how many were captured. Buckets captured already are kept."""
-        todo = [(m, bs, t) for m, t in modes for bs in BUCKETS if (bs, t) not in self._graphs]
+    def capture_all(self, modes: Sequence[tuple[ForwardMode, int]] = (("decode", 1),),
+                    max_bs: int | None = None) -> int:
+        """Capture every bucket of `BUCKETS` (up to the first that holds ``max_bs`` requests;
+        None: all) for each (mode, queries per request) at start-up, as an engine does (graph
+        state is allocated once, sized by bucket and context); returns how many were captured.
+        Buckets captured already are kept."""
+        if not self.graphs:
+            return 0
+        top = next((n for n in BUCKETS if max_bs is not None and n >= max_bs), BUCKETS[-1])
+        n = 0
         with self._swapped():  # captured against the frozen view, as forwards run
-            for m, bs, t in todo:
-                self._graphs[(bs, t)] = self._capture(m, bs, t)
-        return len(todo)
+            for m, t in modes:
+                for bs in (b for b in BUCKETS if b <= top):
+                    key = self.backend.graph_key(m, bs, t)
+                    if key not in self._graphs:
+                        self._graphs[key] = (m, *self._capture(m, bs, t))
+                        n += 1
+        return n
 
     def _swapped(self):
         """The FROZEN_KV swap around a forward or capture (a no-op for other runners)."""
         return nullcontext() if self.swap is None else self.swap.active()
 
-    def _replay(self, batch: ForwardBatch, bucket: tuple[int, int], ids: torch.Tensor,
-                pos: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
-        """Capture ``bucket``'s graph on first use, then plan, copy the inputs and replay;
+    def _graph(self, batch: ForwardBatch, bucket: tuple[int, int]) -> tuple | None:
+        """The graph captured for ``batch``'s mode and ``bucket`` (its key: `graph_key`), or
+        None when none was captured at start-up or its fp8 scales went stale: the forward then
+        runs eagerly (an engine re-captures between steps, never inside one)."""
+        st = self._graphs.get(self.backend.graph_key(batch.mode, *bucket))
+        if st is None or self.backend.graph_stale(*bucket, st[0]) is not None:
+            self.graph_use["uncaptured"] += 1
+            return None
+        return st
+
+    def _replay(self, batch: ForwardBatch, bucket: tuple[int, int], st: tuple,
+                ids: torch.Tensor, pos: torch.Tensor,
+                features: torch.Tensor | None) -> torch.Tensor:
+        """Plan ``batch`` for the captured graph ``st`` (`_graph`), copy the inputs and replay;
         returns the batch's logits rows [T, vocab] (and sets ``features``)."""
-        st = self._graphs.get(bucket)
-        if st is None or self.backend.graph_stale(*bucket) is not None:  # stale: fp8 scales
-            st = self._graphs[bucket] = self._capture(batch.mode, *bucket)
-        graph, s_ids, s_pos, s_feat, out = st
+        mode, graph, s_ids, s_pos, s_feat, out = st
         rows = batch.total_q
-        self.backend.init_forward_metadata_replay(batch, *bucket)
+        self.backend.init_forward_metadata_replay(batch, *bucket, captured_mode=mode)
         # padding rows are token 0 at position 0: no request's token (not an earlier batch's)
         for static, new in ((s_ids, ids), (s_pos, pos)):
             refill(static[0], new[0], rows)
         if s_feat is not None:
             refill(s_feat[0], features, rows)
         graph.replay()
+        replayed(self.backend)  # the oracle's check of this replay's rows (run.oracle)
         self.graph_use["replays"] += 1
         feats = out.get("features")
         self.features = None if feats is None else feats[0, :rows].clone()
@@ -196,5 +255,9 @@ class Runner:
             return got
 
         self.graph_use["captures"] += 1
-        graph, out = capture_step(self.backend, bs, tokens, mode, step, self.device)
+        # run.oracle: the step keeps each layer's q, k, v and o in buffers the graph owns, which
+        # every replay refills, for the oracle to read after it (`harness.watch`)
+        io = capture_io(self.backend) if self.backend.cfg.run.oracle else nullcontext()
+        with io:
+            graph, out = capture_step(self.backend, bs, tokens, mode, step, self.device)
         return graph, ids, pos, feat, out

@@ -19,7 +19,7 @@ from swafactory.inert import inert_message
 from swafactory.harness.kv_check import StaleKV
 from swafactory.harness.loop import Loop, Mismatched
 from swafactory.harness.report_model import Mismatch, ModeStats, Report, StepRecord, Tick
-from swafactory.harness.setup import Parts, build_parts, pool_sizes
+from swafactory.harness.setup import build_parts, pool_sizes
 from swafactory.harness.workers import Check, Worker
 from swafactory.registry.auto_note import auto_note
 from swafactory.registry.device import DeviceInfo, detect_device
@@ -27,6 +27,7 @@ from swafactory.registry.select import validate
 from swafactory.registry.check import kernel_groups
 from swafactory.registry.kernel_choice import worker_lines
 from swafactory.registry.table import get_capabilities
+from swafactory.serving import Parts
 
 __all__ = ["run", "tolerance_for"]
 
@@ -126,7 +127,7 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
             step_err[0] = max(step_err[0], e if e != float("inf") else 0.0)
 
     tol = tolerance_for(cfg)
-    parts: Parts | None = None
+    parts: Parts[Worker] | None = None
     history: list[StepRecord] = []
     mismatch = None
     loop = None
@@ -146,7 +147,7 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
 
     try:
         parts = build_parts(cfg, prompts, outs, torch_dev, gen, shard)
-        est = estimate_steps(cfg, prompts, outs, parts.sizes.swa_pages_per_req * cfg.backend.page_size)
+        est = estimate_steps(cfg, prompts, outs, parts.sizes.swa_per_request)
         workers = [x for x in (parts.target, parts.draft) if x is not None]
         if dev.kind == "cuda":  # a first use compiles (JIT) there: say so before it starts
             for x in workers:
@@ -155,20 +156,22 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
         tick()
         while not loop.finished():
             step_err[0] = 0.0
-            n_acc = len(loop.accepts)
+            core = loop.core
+            n_acc = len(core.accepts)
             before = clock.read(workers)
             kind = loop.step_once()
             after = clock.read(workers)
             d = [b - a for a, b in zip(before, after)]
             if not d[4]:
                 clock.steady.append((d[0], d[1], d[2]))
-            acc = loop.accepts[n_acc:]
-            history.append(StepRecord(
-                step=loop.step, kind=kind, running=len(loop.running), swa_use=loop.swa_use,
-                full_use=loop.full_use, max_rel_err=step_err[0],
-                accept_len=sum(acc) / len(acc) if acc else None, evicted=loop.step_evicted,
+            acc = core.accepts[n_acc:]
+            history.append(StepRecord(  # a spec step is a decode step of the report
+                step=loop.step, kind="decode" if kind == "spec" else kind,
+                running=len(loop.running), swa_use=core.swa_use, full_use=core.full_use,
+                max_rel_err=step_err[0], accept_len=sum(acc) / len(acc) if acc else None,
+                evicted=core.step_evicted,
                 attention_ms=1000 * d[0], planning_ms=1000 * d[1], first_use_ms=1000 * d[3]))
-            peak[0], peak[1] = max(peak[0], loop.swa_use), max(peak[1], loop.full_use)
+            peak[0], peak[1] = max(peak[0], core.swa_use), max(peak[1], core.full_use)
             tick()
     except Mismatched as exc:
         c = exc.check
@@ -313,10 +316,12 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, b
         kv_quant_error=_quant_error(parts),
         peak_swa_use=max((h.swa_use for h in history), default=0.0),
         peak_full_use=max((h.full_use for h in history), default=0.0),
-        evictions=loop.evicted if loop else 0, hybrid_bytes=pool_bytes, full_only_bytes=full_only,
+        evictions=loop.core.evicted if loop else 0, hybrid_bytes=pool_bytes,
+        full_only_bytes=full_only,
         draft_pool_bytes=sum(sp.bytes for sp in parts.draft_pool.sub_pools)
         if parts and parts.draft_pool is not None else 0,
-        accept_len=(sum(loop.accepts) / len(loop.accepts)) if loop and loop.accepts else None,
+        accept_len=(sum(loop.core.accepts) / len(loop.core.accepts)) if loop and loop.core.accepts
+        else None,
         attention_ms_per_step=attn, planning_ms_per_step=plan,
         first_use_s=sum(first_use.values()), first_use=first_use, steady_steps=len(clock.steady),
         tokens_per_s=tokens / wall if wall else 0.0, wall_s=wall,

@@ -1,7 +1,7 @@
-"""Build a conformance run's parts from a validated config: pool sizes, pools, draft, workers."""
+"""Build a conformance run's parts from a validated config: pool sizes, then the serving core's
+pools, slot books and backends (`serving.build_serving`) in `serving.Parts`, with a `Worker` per
+runner (seeded Q/K/V, its layers' oracle specs, the logical histories it records)."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
@@ -13,65 +13,26 @@ from swafactory.harness.kv_quant import set_harness_scales
 from swafactory.harness.workers import LayerSpec, Worker
 from swafactory.harness.world import target_layer_specs
 from swafactory.kvcache.factory import compute_dtype
-from swafactory.kvcache.requests import RequestSlots
-from swafactory.kvcache.shares import size_pools
+from swafactory.kvcache.shares import PoolSizes, size_pools
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.layout import frozen_draft_binding
-from swafactory.resolve import DraftView
 from swafactory.metadata.plan import group_key
 from swafactory.parallel import Shard, shard_config
-from swafactory.serving import FrozenSwap, build_serving
+from swafactory.serving import Parts, build_serving
 
-__all__ = ["Sizes", "pool_sizes", "Parts", "build_parts"]
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Slots of each space, and what one request may hold of them."""
-
-    full: int
-    swa: int
-    full_pages_per_req: int
-    swa_pages_per_req: int
-    max_context: int
+__all__ = ["pool_sizes", "build_parts"]
 
 
-def pool_sizes(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> Sizes:
+def pool_sizes(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> PoolSizes:
     """The public `swafactory.kvcache.size_pools`, sized tight so SWA use peaks above 90%: its
-    prefill chunk is one step's nodes plus 1/16 of the window (`Loop._prefill` clamps chunks to
+    prefill chunk is one step's nodes plus 1/16 of the window (the scheduler clamps chunks to
     the SWA share), and two spare pages widen each request's full share. Raises `ConfigError`
     when ``workload.swa_full_tokens_ratio`` leaves a request less than its SWA need."""
     m, P = cfg.model, cfg.backend.page_size
     T, W = step_nodes(cfg.spec), m.sliding_window or 0
     longest = max(p + o for p, o in zip(prompts, outs))
-    s = size_pools(cfg, cfg.workload.max_running_requests, longest + 2 * P,
-                   chunk=T + (W + T) // 16)
-    return Sizes(s.full, s.swa, s.full_per_request // P, s.swa_per_request // P,
-                 s.full_per_request)
-
-
-@dataclass
-class Parts:
-    """Everything the loop drives."""
-
-    cfg: SwaFactoryConfig
-    sizes: Sizes
-    pool: object
-    alloc: object
-    slots: RequestSlots
-    target: Worker
-    draft: Worker | None
-    draft_pool: object | None
-    draft_view: DraftView | None
-    swap: FrozenSwap | None
-    """A FROZEN_KV draft's view swap (`serving.FrozenSwap`), None otherwise."""
-    hist_t: dict = field(default_factory=dict)
-    hist_d: dict = field(default_factory=dict)
-
-    @property
-    def split(self) -> bool:
-        m = self.cfg.model
-        return bool(m.swa_layers) and m.hybrid_pool
+    return size_pools(cfg, cfg.workload.max_running_requests, longest + 2 * P,
+                      chunk=T + (W + T) // 16)
 
 
 def _subset(cfg: SwaFactoryConfig, pool, extra: tuple[int, ...]) -> list[int]:
@@ -86,7 +47,7 @@ def _subset(cfg: SwaFactoryConfig, pool, extra: tuple[int, ...]) -> list[int]:
 
 
 def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], device: str,
-                gen: torch.Generator, shard: Shard | None = None) -> Parts:
+                gen: torch.Generator, shard: Shard | None = None) -> Parts[Worker]:
     """Pools, allocator, backends and workers for a validated config.
 
     With a ``shard`` (tensor parallelism) the pools and backends hold this rank's heads only;
@@ -96,23 +57,21 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
     scfg = cfg if shard is None else shard_config(cfg, shard)
     sizes = pool_sizes(cfg, prompts, outs)
     headroom = 0.5 if f.no_draft_headroom else 1.0
-    sv = build_serving(scfg, sizes.full, sizes.swa, cfg.workload.max_running_requests,
-                       sizes.max_context, device, check_mode=True, draft_layout="config",
-                       gen=gen, headroom=headroom, unsafe_undersized=f.no_draft_headroom,
+    sv = build_serving(scfg, sizes, device, check_mode=True, draft_layout="config", gen=gen,
+                       headroom=headroom, unsafe_undersized=f.no_draft_headroom,
                        on_pool=set_harness_scales)  # fp8 KV: per-layer scales, as a checkpoint
-    pool, alloc = sv.pool, sv.alloc
+    pool = sv.pool
     kv = cfg.backend.kv_dtype
     q_dtype = compute_dtype(kv)
     sinks = {i: (torch.randn(m.num_attention_heads, generator=gen) * 2)
              for i in range(m.num_layers)} if m.attention_sinks else {}
     binding = frozen_draft_binding(cfg) if s.draft_kv == "target_pool" else ()
     specs = target_layer_specs(cfg)
-    parts = Parts(cfg, sizes, pool, alloc, sv.slots, None, None, sv.draft_pool,  # type: ignore[arg-type]
-                  sv.draft_view, sv.swap)
+    hist_t: dict = {}  # each request's logical history, beside the pools (the oracle's input)
     layers = _subset(cfg, pool, tuple(binding))
-    parts.target = Worker("target", sv.target, {i: specs[i] for i in layers},
-                          parts.hist_t, writes=True, q_dtype=q_dtype, device=device, gen=gen,
-                          sinks=sinks, shard=shard)
+    target = Worker("target", sv.target, {i: specs[i] for i in layers}, hist_t, writes=True,
+                    q_dtype=q_dtype, device=device, gen=gen, sinks=sinks, shard=shard)
+    parts = Parts.of(cfg, sizes, sv, target)
     if s.draft_kv == "own_pool":
         dpool = sv.draft_pool
         if f.no_draft_headroom and dpool.sub_pools[0].size < sizes.full:
@@ -129,13 +88,13 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
             geo = (m.swa if t == "sliding_attention" else m.full) if dpool.is_split else (m.full or m.swa)
             dspecs[j] = LayerSpec(windows[j], m.num_attention_heads, geo.num_kv_heads, geo.head_dim,
                                   m.softmax_scale or geo.head_dim ** -0.5, m.logit_softcap, j)
-        parts.draft = Worker("draft", sv.draft, dspecs, parts.hist_d, writes=True,
+        parts.draft = Worker("draft", sv.draft, dspecs, {}, writes=True,
                              q_dtype=q_dtype, device=device, gen=gen, sinks={}, shard=shard)
     elif s.draft_kv == "target_pool":
         # the FROZEN_KV runner's own pool is a dummy non-split pool; the engine swaps the target's
         # view in for each draft forward (sglang), which is what a cached resolver gets wrong
         dspecs = {j: specs[t] for j, t in enumerate(binding)}
-        parts.draft = Worker("draft", sv.draft, dspecs, parts.hist_t, writes=False,
+        parts.draft = Worker("draft", sv.draft, dspecs, hist_t, writes=False,
                              q_dtype=q_dtype, device=device, gen=gen,
                              sinks={j: sinks[t] for j, t in enumerate(binding) if t in sinks},
                              shard=shard)

@@ -8,14 +8,17 @@ a page-size-1 view ``[rows, 1, Hkv, D]`` whose page table holds rows. FA4 aligns
 its window bottom-right in *index* space (query i of a sequence sees key j iff
 ``j ≤ i + kv_len − q_len`` and ``j ≥ i + kv_len − q_len − left``).
 
-Two shapes of a pass, chosen once per forward (`Adapter.plan`):
+Two shapes of a pass, chosen once per forward (`Adapter.plan`) from what the planner knows on
+the host (`AttnTables.natural`), so planning reads nothing back:
 
 * ``natural``: no structure mask, each request's keys are consecutive positions that end with its
   queries (decode, extend, chain verify, draft extend). Index space equals position space there,
   so ``causal=True, window_size=(W-1, 0)`` is exact, trimmed SWA lists included.
 * ``expanded``: everything else (trees, DFlash blocks, cascade halves). Each query row becomes a
   sequence of one query whose page-table row lists exactly the keys it sees (structure & window,
-  the shared rule of `flex.padded_pass`), run non-causal. Any mask is exact this way.
+  the shared rule of `flex.padded_pass`), run non-causal. Any mask is exact this way. Its page
+  table is as wide as the longest key list (a host number): a row's entries past its count are
+  never read, and a tree's rows see nearly every key anyway.
 
 Known library limit (4.0.0b9, SM90): the non-TMA paged loader sizes a per-thread page buffer as
 ``tile_n // 128``, which is 0 for head_dim 256 (tile_n 64/80), hence "Expected size in shape to be
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swafactory.kernels.flex import gather_or_zeros, padded_pass
+from swafactory.kernels.flex import padded_pass
 from swafactory.metadata.plan import PassCache
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.kernels.triton.sinks import sink_output
@@ -116,7 +119,8 @@ class _FaPass:
     rows: torch.Tensor
     """page_table as int64, for the head dims that gather their keys (no page table)."""
     empty: torch.Tensor | None
-    """[total_q] bool: rows that see no key (expanded cascade halves), or None."""
+    """[total_q] bool: rows that see no key (expanded passes: a cascade half's, a prefix-only
+    query past its window), or None (natural passes: every query sees its own key)."""
     window: int | None
     pages: torch.Tensor | None = None
     """[n, ceil(S / P)] int32 page ids of the pool's own pages (natural passes at page size P >
@@ -125,37 +129,21 @@ class _FaPass:
     """P: the pool's page size that ``pages`` indexes."""
 
 
-def _is_natural(tables, pp) -> bool:
-    """Keys are consecutive positions ending with the request's own queries, with no mask."""
-    if tables.mask is not None:
-        return False
-    qo, kv = tables.qo_indptr.long(), tables.kv_indptr.long()
-    b, qmax, kvmax = pp.shape
-    kv_len = (kv[1:] - kv[:-1])[:, None]
-    q_len = (qo[1:] - qo[:-1])[:, None]
-    ki, qi = torch.arange(kvmax, device=kv.device), torch.arange(qmax, device=kv.device)
-    kv_rows = torch.where(ki < kv_len, kv[:-1, None] + ki, 0)
-    kpos = gather_or_zeros(tables.kv_pos.long(), kv_rows)  # [B, kvmax]
-    consecutive = ((kpos - kpos[:, :1] == ki) | (ki >= kv_len)).all()
-    q_rows = torch.where(qi < q_len, qo[:-1, None] + qi, 0)
-    own = kv_len - q_len + qi  # index of each query's own key
-    qpos = tables.q_pos.long()[q_rows]
-    at_end = ((qpos == kpos[:, :1] + own) | (qi >= q_len)).all()
-    return bool(consecutive & at_end & (q_len <= kv_len).all())
-
-
 def plan_pass(tables, window: int | None, page: int = 1) -> _FaPass:
     """FA4 arguments for one pass. tables: `metadata.AttnTables`; page: the pool's page size.
 
     A natural pass at ``page`` > 1 reads the pool's own pages: its key lists start on a page
     start (the planner floors SWA starts to a page) and run through their pages' slots in order
     (the allocator's rule), so every ``page``-th row names a page. Expanded passes list each
-    query's keys one by one, which pages cannot express: they keep the page-size-1 view."""
-    pp = padded_pass(tables, window)
+    query's keys one by one, which pages cannot express: they keep the page-size-1 view.
+
+    No host sync: the shape comes from the planner's host facts (``natural``, the host indptrs),
+    sizes from host numbers, and rows are selected by gathers, never by a boolean index."""
+    pp = padded_pass(tables, window, "flash_attn")
     b, qmax, kvmax = pp.shape
     dev = tables.qo_indptr.device
     kv_rows = pp.kv_index.view(b, kvmax)
-    if _is_natural(tables, pp):
+    if tables.natural:  # the planner's host fact: keys consecutive, ending with the queries
         kv_len = pp.kv_valid.view(b, kvmax).sum(1)
         pages = None
         if page > 1:  # FA4 asserts stride(-1) == 1, which a [B, 1] slice's .contiguous() keeps
@@ -163,17 +151,15 @@ def plan_pass(tables, window: int | None, page: int = 1) -> _FaPass:
             pages = torch.empty(ids.shape, dtype=torch.int32, device=dev).copy_(ids)
         return _FaPass(True, tables.qo_indptr.to(torch.int32), qmax, kv_rows.to(torch.int32),
                        kv_len.to(torch.int32), kv_rows, None, window, pages, page)
-    vis = pp.vis.view(b * qmax, kvmax)[pp.q_valid]  # [total_q, kvmax]
+    vis = pp.vis.view(b * qmax, kvmax)[pp.q_slots]  # [total_q, kvmax], a gather
     counts = vis.sum(1)
-    width = max(1, int(counts.max())) if counts.numel() else 1
-    order = torch.sort((~vis).to(torch.uint8), dim=1, stable=True).indices[:, :width]
-    req = torch.arange(b, device=dev).repeat_interleave(qmax)[pp.q_valid]
-    table = torch.gather(kv_rows[req], 1, order)
+    # each row's visible keys first, in key order; the width is kvmax (host-known), not the
+    # largest count, which only a read back would give
+    order = torch.sort((~vis).to(torch.uint8), dim=1, stable=True).indices
+    table = torch.gather(kv_rows[pp.q_slots // qmax], 1, order)
     n = vis.shape[0]
-    empty = counts == 0
     return _FaPass(False, torch.arange(n + 1, device=dev, dtype=torch.int32), 1,
-                   table.to(torch.int32), counts.to(torch.int32), table,
-                   empty if bool(empty.any()) else None, window)
+                   table.to(torch.int32), counts.to(torch.int32), table, counts == 0, window)
 
 
 def _fa4_call(tile):

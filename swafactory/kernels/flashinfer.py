@@ -66,7 +66,8 @@ from swafactory.kernels.flashinfer_passes import (Pass, Signature, bucket_tiled,
 from swafactory.kernels.flashinfer_staging import StagingRing
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
-from swafactory.kernels.triton.adapter import chain_bucket, static_tables
+from swafactory.kernels.static_tables import chain_bucket, static_tables
+from swafactory.metadata.batch import MODE_PASS
 from swafactory.kernels.triton.ops import paged_attention
 from swafactory.kernels.triton.sinks import sink_output
 from swafactory.metadata.plan import PassCache
@@ -307,6 +308,26 @@ class Adapter:
         if p.graph is not None:
             self._graph_bufs[k] = [b for b in kw.values() if isinstance(b, torch.Tensor)]
         return w
+
+    def graph_route(self, mode: str, tokens: int) -> tuple[str, str]:
+        """What a bucket of ``mode`` captures: a 1-token bucket, the decode wrapper whatever
+        the mode (its buffers are one); else the pass (whose policy picks our tile or the
+        library's wrapper) and the variant (causal for plain chains, else masked)."""
+        if tokens == 1:
+            return ("decode",)
+        variant = ("causal" if self.graph_chains and mode in ("target_verify", "draft_extend")
+                   else "masked")
+        return MODE_PASS.get(mode, "extend"), variant
+
+    def graph_binding(self) -> tuple:
+        """Which passes (wrappers, our tile's static tables) the current plan's launches read
+        (`AttentionBackend.bound_as`: an emulated replay runs over its capture's)."""
+        return dict(self._passes), self._mode, self._capturing
+
+    def restore_binding(self, state: tuple) -> None:
+        self._passes.clear()
+        self._passes.update(state[0])
+        self._mode, self._capturing = state[1], state[2]
 
     def graph_bytes(self) -> int:
         """Bytes this adapter holds for CUDA graphs (`flashinfer_passes.held_bytes`)."""

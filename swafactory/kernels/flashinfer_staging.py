@@ -15,10 +15,14 @@ A buffer is reused only once its event has completed (``query()``: no host sync)
 buffer is still in flight the ring grows, up to ``max_buffers``, and only then waits on the
 oldest (the host is that many plans ahead). The device int workspace stays the wrapper's: the
 copies into it and the kernels that read it are ordered on the stream.
+
+Each buffer owns one CUDA event, made with it and re-recorded by every plan that uses it: a plan
+creates no event (the ring holds at most ``max_buffers`` of them).
 """
 from __future__ import annotations
 
 from collections import deque
+
 import torch
 
 __all__ = ["StagingRing", "MAX_BUFFERS"]
@@ -38,33 +42,37 @@ class StagingRing:
         if max_buffers < 1:
             raise ValueError(f"StagingRing needs max_buffers >= 1, got {max_buffers}")
         self.max_buffers = max_buffers
-        self._ring: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+        # (buffer, its own event, recorded behind the buffer's last copy)
+        self._ring: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self.waits = 0
         """Plans that waited for a staging buffer's copy (the host was too far ahead)."""
         self.grown = 0
         """Buffers allocated: at most ``max_buffers``, unless plans that raised between `begin`
         and `end` took buffers out of the ring for good."""
-        self._open: torch.Tensor | None = None  # the buffer of the plan between begin and end
+        self.events = 0
+        """CUDA events made: one per buffer, never one per plan."""
+        self._open: tuple[torch.Tensor, torch.cuda.Event] | None = None  # between begin and end
 
-    def _take(self, like: torch.Tensor) -> torch.Tensor:
-        """A staging buffer of ``like``'s size whose last copy has run."""
+    def _take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """(a staging buffer of ``like``'s size whose last copy has run, its event)."""
         n = like.numel()
         for _ in range(len(self._ring)):
             buf, ev = self._ring[0]
             self._ring.rotate(-1)
-            if buf.numel() >= n and (ev is None or ev.query()):
+            if buf.numel() >= n and ev.query():  # (an event never recorded has completed)
                 self._ring.pop()  # the buffer just rotated to the end
-                return buf
+                return buf, ev
         if self.grown < self.max_buffers or not self._ring:  # (empty: plans that raised)
             self.grown += 1
-            return torch.empty(n, dtype=like.dtype, pin_memory=True)
+            self.events += 1
+            # torch creates the CUDA event itself lazily, at its first record
+            return torch.empty(n, dtype=like.dtype, pin_memory=True), torch.cuda.Event()
         buf, ev = self._ring.popleft()  # every buffer in flight: wait for the oldest copy
-        if buf.numel() < n:
+        self.waits += 1
+        ev.synchronize()
+        if buf.numel() < n:  # its copy has run: a larger buffer takes over its event
             buf = torch.empty(n, dtype=like.dtype, pin_memory=True)
-        if ev is not None:
-            self.waits += 1
-            ev.synchronize()
-        return buf
+        return buf, ev
 
     def begin(self, wrapper, device: torch.device) -> None:
         """Before a plan of ``wrapper``: its pinned int workspace becomes a staging buffer whose
@@ -74,12 +82,12 @@ class StagingRing:
             self._open = None
             return
         self._open = self._take(old)
-        wrapper._pin_memory_int_workspace_buffer = self._open
+        wrapper._pin_memory_int_workspace_buffer = self._open[0]
 
     def end(self, device: torch.device) -> None:
-        """After the plan: the buffer's event, recorded behind the copy the plan enqueued."""
-        buf, self._open = self._open, None
-        if buf is not None:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(device))
-            self._ring.append((buf, ev))
+        """After the plan: the buffer's own event, re-recorded behind the copy the plan
+        enqueued."""
+        taken, self._open = self._open, None
+        if taken is not None:
+            taken[1].record(torch.cuda.current_stream(device))
+            self._ring.append(taken)

@@ -7,6 +7,9 @@ visibility tensor ``[B, qmax, kvmax]`` = ``structure & (q_pos - kv_pos < W)``, t
 every other backend (causal by position when there is no structure mask). The block mask is built
 from that tensor once per pass, so empty key blocks (padding, out-of-window keys) are skipped and
 full blocks run unmasked. Per layer only the gather of the layer's K/V rows and the kernel run.
+Planning reads nothing back: the padded sizes come from the planner's host indptrs
+(``AttnTables.qo_host``/``kv_host``), and padded rows map back to query rows by a gather, never
+by a boolean index (a device sync), so a host that runs ahead is never stalled.
 
 Because the keys are gathered, any pool page size works; the price is one K/V copy per layer.
 On CPU it runs FlexAttention's unfused eager path (tests, small shapes). On CUDA the code path
@@ -27,7 +30,7 @@ from swafactory.kernels.torch_ref import apply_sinks, merge_state
 from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 
-__all__ = ["CAPABILITIES", "Adapter", "padded_pass", "gather_or_zeros"]
+__all__ = ["CAPABILITIES", "Adapter", "padded_pass", "host_sizes", "gather_or_zeros"]
 
 CAPABILITIES = Capabilities(
     name="flex",
@@ -58,8 +61,8 @@ class _Padded:
 
     q_index: torch.Tensor
     """[B * qmax] long: total_q row of each padded query slot (0 in padding)."""
-    q_valid: torch.Tensor
-    """[B * qmax] bool."""
+    q_slots: torch.Tensor
+    """[total_q] long: the padded slot (b · qmax + i) of each query row, in row order."""
     kv_index: torch.Tensor
     """[B * kvmax] long: pool row of each padded key slot (0 in padding, zeroed after gather)."""
     kv_valid: torch.Tensor
@@ -71,15 +74,31 @@ class _Padded:
     block_mask: object = None
 
 
-def padded_pass(tables, window: int | None) -> _Padded:
-    """The padded-batch form of one pass. tables: `metadata.AttnTables`."""
+def host_sizes(tables, adapter: str = "flex") -> tuple[int, int, int, int]:
+    """(B, qmax, kvmax, total_q) of a pass from its host indptrs (``qo_host``, ``kv_host``, which
+    the planner always sets): nothing is read back from the device. qmax and kvmax are at least
+    1 (a padded row is never empty)."""
+    qo, kv = tables.qo_host, tables.kv_host
+    if qo is None or kv is None:
+        raise ValueError(f"{adapter} adapter: tables.{'qo_host' if qo is None else 'kv_host'} "
+                         "is None; plan with `metadata.plan.plan` (it sets the host indptrs), "
+                         "or set qo_host/kv_host: the adapter reads no length back")
+    b = qo.numel() - 1
+    if b <= 0:
+        return 0, 1, 1, 0
+    qmax = max(1, int((qo[1:] - qo[:-1]).max()))
+    kvmax = max(1, int((kv[1:] - kv[:-1]).max()))
+    return b, qmax, kvmax, int(qo[-1])
+
+
+def padded_pass(tables, window: int | None, adapter: str = "flex") -> _Padded:
+    """The padded-batch form of one pass, with no host sync. tables: `metadata.AttnTables`
+    (with its host indptrs); adapter: the name its errors give."""
     dev = tables.qo_indptr.device
+    b, qmax, kvmax, total_q = host_sizes(tables, adapter)
     qo = tables.qo_indptr.long()
     kv = tables.kv_indptr.long()
     q_len, kv_len = qo[1:] - qo[:-1], kv[1:] - kv[:-1]
-    b = q_len.numel()
-    qmax = max(1, int(q_len.max())) if b else 1
-    kvmax = max(1, int(kv_len.max())) if b else 1
     qi = torch.arange(qmax, device=dev)
     ki = torch.arange(kvmax, device=dev)
     q_valid = qi[None, :] < q_len[:, None]  # [B, qmax]
@@ -101,8 +120,11 @@ def padded_pass(tables, window: int | None) -> _Padded:
     if window is not None:
         vis = vis & (d < window)
     kv_index = gather_or_zeros(tables.kv_indices.tensor.long(), kv_rows)
-    return _Padded(q_rows.reshape(-1), q_valid.reshape(-1), kv_index.reshape(-1),
-                   kv_valid.reshape(-1), vis, (b, qmax, kvmax))
+    # each query row's request, from a host-known count (no sync), then its padded slot
+    req = torch.repeat_interleave(torch.arange(b, device=dev), q_len, output_size=total_q)
+    q_slots = req * qmax + torch.arange(total_q, device=dev) - qo[:-1][req]
+    return _Padded(q_rows.reshape(-1), q_slots, kv_index.reshape(-1), kv_valid.reshape(-1), vis,
+                   (b, qmax, kvmax))
 
 
 def gather_or_zeros(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -207,8 +229,8 @@ class Adapter:
             o, lse = fn(qp, kp, vp, score_mod=score_mod, block_mask=p.block_mask, scale=scale,
                         enable_gqa=hq != hkv, **_lse_kwarg(), **force)
         lse = getattr(lse, "lse", lse)
-        o = o.transpose(1, 2).reshape(b * qmax, hq, d)[p.q_valid]
-        lse = lse.transpose(1, 2).reshape(b * qmax, hq)[p.q_valid].float()
+        o = o.transpose(1, 2).reshape(b * qmax, hq, d)[p.q_slots]  # a gather: no sync
+        lse = lse.transpose(1, 2).reshape(b * qmax, hq)[p.q_slots].float()
         # a query that sees no key: FlexAttention leaves lse at -inf but o at 0, as the contract
         if sinks is not None:
             o, lse = apply_sinks(o, lse, sinks)

@@ -34,6 +34,9 @@ import math
 
 import torch
 
+from swafactory.kernels.static_tables import static_tables
+from swafactory.metadata.batch import MODE_PASS
+from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
 
 __all__ = ["CAPABILITIES", "Adapter", "attend", "attention_reference", "check_contract",
@@ -51,7 +54,7 @@ CAPABILITIES = Capabilities(
     sinks=True,
     sinks_note="sink logits join the softmax denominator",
     softcap=True,
-    graph_emulation=True,  # CPU: backend.cuda_graph=true re-runs a bucket's step over its buffers
+    graph_emulation=True,  # CPU: a replay runs the captured step over its bucket's static tables
     kv_dtypes=frozenset({"float32", "float16", "bfloat16", "fp8_e4m3"}),
 )
 
@@ -184,14 +187,75 @@ def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
 
 
 class Adapter:
-    """Wires planner tables to `attend`; holds no pool logic."""
+    """Wires planner tables to `attend`; holds no pool logic.
+
+    Graph buckets (`plan(…, graph=(bucket, tokens))`) read static tables, one set per (group,
+    pass, bucket, tokens), refilled in place at each replay as FlashInfer's per-pass wrappers
+    are: an emulated replay (CPU) runs the captured step over the tables its capture bound, so a
+    graph replayed for another pass reads tables that replay never refilled, as on a GPU."""
 
     capabilities = CAPABILITIES
+
+    def __init__(self) -> None:
+        self._passes = PassCache("torch")
+        self._static: dict[tuple, object] = {}
+        self._mode = None
+        self.graph_keys = None
+        """(window, tokens) → most keys one request of a graph bucket lists (set by
+        `AttentionBackend.init_cuda_graph_state`); None: the largest sub-pool's rows."""
+
+    def plan(self, forward_plan, pool, *, sigs=None, graph: tuple[int, int] | None = None) -> None:
+        """Host work of one forward: none eagerly; for a graph bucket, refill the static tables
+        of its pass from the planner's."""
+        del sigs
+        self._passes.clear()
+        self._mode = forward_plan.mode
+        if graph is None:
+            return
+        capture = forward_plan.source_rule == "graph capture"
+        route = self.graph_route(self._mode, graph[1])
+        rows = max(sp.rows for sp in pool.sub_pools)
+        for key, g in forward_plan.groups.items():
+            keys = rows if self.graph_keys is None else self.graph_keys(g.window, graph[1])
+            for role, t in g.passes:
+                st = static_tables(self._static, (key, f"{role}/{route}", *graph, id(pool)), t,
+                                   t.qo_indptr.device, keys, False, capture)
+                # padding requests read no key (o = 0), not the dummy row: unlike a library's
+                # kernel the reference needs none, and a poisoned dummy would put NaN in rows a
+                # model may roll into a request's (DFlash's shifted logits)
+                nb = t.batch_size
+                st.kv_indptr[nb + 1:].copy_(st.kv_indptr[nb:nb + 1].expand(graph[0] - nb))
+                self._passes.put(t, st)
+
+    def graph_route(self, mode: str, tokens: int) -> str:
+        """The tables a bucket of ``mode`` binds: its pass's."""
+        del tokens
+        return MODE_PASS.get(mode, "extend")
+
+    def graph_binding(self) -> tuple:
+        """Which static tables the current plan's launches read (`AttentionBackend.bound_as`)."""
+        return dict(self._passes), self._mode
+
+    def restore_binding(self, state: tuple) -> None:
+        self._passes.clear()
+        self._passes.update(state[0])
+        self._mode = state[1]
+
+    def graph_bytes(self) -> int:
+        """Bytes of every graph bucket's static tables."""
+        return sum(st.nbytes for st in self._static.values())
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
             lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
         """One pass → (o, lse); the kernel computes the LSE either way (``lse`` is a hint).
         q rows past the tables' are a graph bucket's padding: they read nothing (o = 0)."""
+        st = self._passes.get(id(tables))
+        if st is not None:  # a graph bucket: every row, padding requests read the dummy row
+            return attention_reference(q, k_buf, v_buf, st.qo_indptr, st.kv_indptr,
+                                       st.kv_indices, st.q_pos, st.kv_pos, mask=st.mask,
+                                       mask_indptr=st.mask_indptr, window=window, scale=scale,
+                                       softcap=softcap, sinks=sinks, k_scale=k_scale,
+                                       v_scale=v_scale)
         n = tables.q_pos.numel()
         if q.shape[0] > n:
             o, lse = attend(tables, q[:n], k_buf, v_buf, window=window, scale=scale,

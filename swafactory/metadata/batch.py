@@ -18,9 +18,12 @@ import torch
 
 from swafactory.guards import batch_table
 
-__all__ = ["ForwardMode", "MODES", "StepShape", "step_shape", "ReqForward", "ForwardBatch"]
+__all__ = ["ForwardMode", "MODE_PASS", "MODES", "StepShape", "step_shape", "ReqForward", "ForwardBatch"]
 
 ForwardMode = Literal["extend", "decode", "target_verify", "draft_decode", "draft_extend"]
+MODE_PASS = {"decode": "decode", "draft_decode": "decode", "target_verify": "verify",
+             "draft_extend": "verify", "extend": "extend"}
+"""A forward mode → the pass whose kernel choice serves it (and whose buffers a graph binds)."""
 MODES: tuple[ForwardMode, ...] = ("extend", "decode", "target_verify", "draft_decode",
                                   "draft_extend")
 

@@ -25,7 +25,6 @@ The CPU path keeps `key_tables` (the interpreter is slow); tests run this kernel
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +50,10 @@ def available() -> bool:
 
 
 @functools.cache
-def _kernel(interpret: bool) -> Any:
-    del interpret  # cache key only: triton.jit reads TRITON_INTERPRET when decorating
+def _kernel() -> Any:
+    # built once per process, at the first plan: triton.jit reads TRITON_INTERPRET as it
+    # decorates (fixed from then on, as for every kernel of ours), so planning reads no
+    # environment
     import triton
     import triton.language as tl
 
@@ -242,7 +243,7 @@ def run_fused(job: FusedJob, pack, flat_table: torch.Tensor,
     p64, p32, k = pack.words()
     mp = mapping if mapping is not None else flat_table
     if job.grid[0] and job.grid[1]:  # the compiled handle after the first launch (`launch`)
-        launch(_kernel(os.environ.get("TRITON_INTERPRET", "0") == "1"), job.grid,
+        launch(_kernel(), job.grid,
                (p64, p32, flat_table, mp, mp.numel() if mapping is not None else 0, out64, out32,
                 k, *job.scalars), (BLOCK,), device.index or 0)
     # one op for every view (split_with_sizes: Tensor.split's Python wrapper costs twice as much);

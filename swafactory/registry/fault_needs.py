@@ -27,6 +27,10 @@ FAULT_NEEDS: dict[str, FaultNeed] = {
     "graph_pad_stale_swa_loc": FaultNeed(
         lambda c: c.backend.cuda_graph, "backend.cuda_graph", "CUDA-graph replay",
         "backend.cuda_graph=true"),
+    "graph_key_without_mode": FaultNeed(
+        lambda c: c.backend.cuda_graph and c.spec.algorithm != "none", "backend.cuda_graph",
+        "CUDA-graph replay of a draft's passes (a spec's draft_decode and draft_extend share "
+        "buckets)", "backend.cuda_graph=true spec=dflash"),
     "fp8_descale_dropped": FaultNeed(
         lambda c: c.backend.kv_dtype.startswith("fp8"), "backend.kv_dtype", "fp8 KV",
         "backend.kv_dtype=fp8_e4m3"),

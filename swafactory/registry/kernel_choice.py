@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from swafactory.config.schema import SwaFactoryConfig, hands_to_ours
 from swafactory.errors import Reason
 from swafactory.kernels.flashinfer_passes import TILE_MAX_ROWS  # the adapter's own bound
+from swafactory.metadata.batch import MODE_PASS
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.table import get_capabilities
 
@@ -33,9 +34,6 @@ __all__ = ["PASSES", "MODE_PASS", "PassResolution", "KernelPolicy", "cuda_kernel
            "ours_serve", "kernel_choice", "resolve_passes", "group_facts", "worker_lines"]
 
 PASSES = ("decode", "verify", "extend")
-MODE_PASS = {"decode": "decode", "draft_decode": "decode", "target_verify": "verify",
-             "draft_extend": "verify", "extend": "extend"}
-"""A forward mode → the pass whose choice serves it."""
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,11 @@ def test_graph_replays_feed_the_draft_as_eager_after_short_accepts(monkeypatch) 
     accepts = [q.accept_lengths for q in eager.requests]
     assert {1, 5} <= {a for q in accepts for a in q}, accepts  # short steps, then full ones
     assert any(q[i] == 1 and q[i + 1] == 5 for q in accepts for i in range(len(q) - 1))
-    assert graph.cuda_graphs["draft"]["replays"] > 0 and graph.cuda_graphs["draft"]["eager"] == 0
+    # every spec step's draft forward replays a graph captured at start-up; only the prefill's
+    # draft_extend chunks (a prefill runs eagerly) do not
+    prefills = sum(s.kind == "prefill" for s in graph.steps)
+    assert graph.cuda_graphs["draft"]["replays"] > 0
+    assert graph.cuda_graphs["draft"]["eager"] <= prefills, (graph.cuda_graphs, prefills)
     assert [q.accept_lengths for q in graph.requests] == accepts
     assert graph.lossless is True and eager.lossless is True
     assert len(rows["graph"]) == len(rows["eager"])

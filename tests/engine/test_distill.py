@@ -236,7 +236,7 @@ def test_seed2_collapses_the_accept_length_and_its_clean_twin_passes() -> None:
     pool, so its out-of-window keys are lost. With the guards off the run still completes: the
     users' symptom, an accept length that collapses, is what fails it."""
     r = _gen("spec=dflash", "spec.draft_weights=distilled", "run.guards=false",
-             "faults=allocator_pool_for_own_pool_draft")
+             "faults=allocator_pool_for_own_pool_draft", "run.oracle=false")  # as users ran
     assert r.status == "failed" and "acceptance" in r.failed_checks, r.checks
     acc = {c.name: c for c in r.checks}["acceptance"]
     assert "collapsed" in acc.detail and "clean twin" in acc.detail

@@ -64,7 +64,9 @@ def test_every_family_is_lossless_and_matches_transformers(model: str, spec: str
 def test_faults_are_caught_end_to_end_without_guards(fault: str, spec: str, model: str,
                                                      symptom: str) -> None:
     geometry = GEOMETRY.get(model, [f"model={model}"])
-    r = _gen(*geometry, f"spec={spec}", f"faults={fault}", "run.guards=false")
+    # the attention oracle off: this proves the checks a user has without it (with it on, the
+    # oracle names the pass first: tests/engine/test_generate_oracle.py)
+    r = _gen(*geometry, f"spec={spec}", f"faults={fault}", "run.guards=false", "run.oracle=false")
     assert r.status == "failed" and r.caught_by == symptom, (r.caught_by, r.checks)
     assert not {"space", "nan"} & set(r.failed_checks), "the guards were off"
     clean = _gen(*geometry, f"spec={spec}", "run.guards=false")
@@ -75,14 +77,17 @@ def test_graph_replays_generate_losslessly_and_stale_padding_shows_in_the_logits
     """backend.cuda_graph=true on CPU (the torch backend records each bucket's model call and
     re-runs it over the same buffers): lossless; graph_pad_stale_swa_loc, with batches that
     shrink inside a bucket of 4, writes padding K/V into live SWA slots: the logits are off."""
-    load = ["model=tiny", "spec=eagle3", "backend.cuda_graph=true", "workload.num_requests=6",
+    load = ["model=tiny", "spec=eagle3", "backend.cuda_graph=true", "workload.num_requests=7",
             "workload.max_running_requests=4"]
     r = _gen(*load)
     assert r.status == "ok" and r.lossless is True, (r.caught_by, r.checks)
     assert r.cuda_graphs["target"]["replays"] > 0 and r.cuda_graphs["draft"]["replays"] > 0
     assert r.graph_state_bytes > 0  # the captured buckets' write slots, in report.json
-    bad = _gen(*load, "faults=graph_pad_stale_swa_loc", "run.guards=false")
+    bad = _gen(*load, "faults=graph_pad_stale_swa_loc", "run.guards=false", "run.oracle=false")
     assert bad.status == "failed" and bad.caught_by == "logits", (bad.caught_by, bad.checks)
+    # the oracle watches the replays themselves: it names the graph pass first
+    seen = _gen(*load, "faults=graph_pad_stale_swa_loc", "run.guards=false", "run.oracle=true")
+    assert seen.status == "failed" and seen.caught_by == "oracle", (seen.caught_by, seen.error)
 
 
 def test_the_guards_catch_a_seed_fault_first() -> None:

@@ -82,11 +82,15 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "paged_free_stale_mapping": ("none", "nan"),  # a freed page's mapped rows are read
     "graph_pad_stale_swa_loc": ("none", "space"),  # the replay guard: padding writes a live slot
 }
+# faults of the engine's own path (its graph keying), shown by run=generate on CPU
+# (tests/engine/test_graph_routes.py) and on their launch lines (test_fault_acted.py)
+ENGINE_FAULTS = {"graph_key_without_mode": ("dflash", "space")}
 # what a fault needs to bite besides its spec (the CPU runs use gpt_oss_20b, sinks included)
 FAULT_OVERRIDES = {"fp8_descale_dropped": ["backend.kv_dtype=fp8_e4m3"],
                    "paged_free_stale_mapping": ["backend.page_size=16"],
                    # graphs (emulated on CPU), and a batch that shrinks inside its bucket of 4
-                   "graph_pad_stale_swa_loc": ["backend.cuda_graph=true", *GRAPHS_SHRINK]}
+                   "graph_pad_stale_swa_loc": ["backend.cuda_graph=true", *GRAPHS_SHRINK],
+                   "graph_key_without_mode": ["backend.cuda_graph=true"]}
 
 
 def test_graph_replays_pass_as_batches_shrink_inside_a_bucket() -> None:
@@ -185,7 +189,7 @@ def test_a_fault_that_could_not_act_is_refused_naming_what_it_needs(fault: str) 
     run pass as if it proved something: the registry refuses it, naming the field and the fix,
     and the configuration the fault tests use is accepted."""
     need = FAULT_NEEDS[fault]
-    spec, _ = FAULTS[fault]
+    spec, _ = FAULTS.get(fault) or ENGINE_FAULTS[fault]
     bare = swafactory.compose(["backend=torch", "model=tiny", "spec=none", f"faults={fault}",
                                "backend.cuda_graph=false", "model.attention_sinks=false"])
     assert not need.holds(bare)

@@ -34,7 +34,7 @@ def _run(monkeypatch, margin: int):
     real = Loop._trim_histories
 
     def spy(self):
-        for hists in (self.p.hist_t, self.p.hist_d):
+        for hists in (self.hist_t, self.hist_d):
             for h in hists.values():
                 def drop(layer, start, h=h):
                     calls.append(start)

@@ -60,10 +60,10 @@ CAUSES = {
     "unwritable cache": (lambda mp, tmp: (tmp.joinpath("file").write_text("x"),
                                           mp.setenv("SWAFACTORY_CACHE", str(tmp / "file"))),
                          "is not writable"),
-    "OSError": (lambda mp, tmp: mp.setattr(launch.subprocess, "run",
+    "OSError": (lambda mp, tmp: mp.setattr(launch, "_run_nvcc",
                                            _raise(OSError(8, "Exec format error"))),
                 "nvcc could not run.*Exec format error"),
-    "timeout": (lambda mp, tmp: mp.setattr(launch.subprocess, "run",
+    "timeout": (lambda mp, tmp: mp.setattr(launch, "_run_nvcc",
                                            _raise(subprocess.TimeoutExpired("nvcc", 300))),
                 "nvcc timed out after 300 s"),
 }
@@ -86,7 +86,7 @@ def test_a_failed_build_falls_back_with_one_warning_naming_the_cause(builds, tmp
 def test_a_build_that_fails_in_a_forward_warns_and_never_raises(builds, tmp_path):
     # a kernel not built by prepare (another group size, say) is built on first use: every
     # failure is caught there too, and the pass falls back
-    builds.setattr(launch.subprocess, "run", _raise(OSError(2, "No such file or directory")))
+    builds.setattr(launch, "_run_nvcc", _raise(OSError(2, "No such file or directory")))
     verify._builds.cache_clear()
     with pytest.warns(RuntimeWarning, match="Triton tile serves.*nvcc could not run"):
         assert verify._builds(0, (32, 2, 0, 0, 0, 0, 1)) is False
@@ -124,14 +124,14 @@ def test_the_timeout_reaches_nvcc(builds, tmp_path):
         seen.update(kwargs)
         raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
 
-    builds.setattr(launch.subprocess, "run", run)
+    builds.setattr(launch, "_run_nvcc", run)
     with pytest.warns(RuntimeWarning, match="timed out after 12 s"):
         _prepare("backend.kernels.build_timeout_s=12")
     assert seen["timeout"] == 12
 
 
 def test_cuda_asked_for_and_not_built_is_refused_before_any_forward(builds, tmp_path):
-    builds.setattr(launch.subprocess, "run", _raise(subprocess.TimeoutExpired("nvcc", 300)))
+    builds.setattr(launch, "_run_nvcc", _raise(subprocess.TimeoutExpired("nvcc", 300)))
     with pytest.raises(ConfigError) as err:
         _prepare("backend.kernels.full.verify=cuda")
     r, = err.value.reasons
@@ -140,7 +140,7 @@ def test_cuda_asked_for_and_not_built_is_refused_before_any_forward(builds, tmp_
 
 
 def test_triton_asked_for_builds_nothing(builds, tmp_path):
-    builds.setattr(launch.subprocess, "run", _raise(AssertionError("nvcc must not run")))
+    builds.setattr(launch, "_run_nvcc", _raise(AssertionError("nvcc must not run")))
     policy = _prepare("backend.kernels.full.verify=triton", "backend.kernels.full.extend=triton")
     assert _verify_full(policy) == "verify/full: triton extend tile (config)"
     assert policy.cuda("target_verify", sliding=False) is False

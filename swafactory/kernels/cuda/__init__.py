@@ -1,9 +1,93 @@
 """Kernels of our own in CUDA C++, for the tiles Triton's `tl` cannot lay out well (see each
 .cu file's header). Chosen by `backend.kernels`, built with nvcc when the backend is built
-(`prepare`) and cached; launched through the driver."""
-from swafactory.kernels.cuda.decode import decode_d64, decode_d64_serves
-from swafactory.kernels.cuda.launch import CudaKernel, cuda_kernels_available, nvcc_path
-from swafactory.kernels.cuda.verify import dense_verify_d512, verify_d512_serves
+(`prepare`) and cached; launched through the driver.
 
-__all__ = ["CudaKernel", "cuda_kernels_available", "nvcc_path", "dense_verify_d512",
-           "verify_d512_serves", "decode_d64", "decode_d64_serves"]
+`KernelEnv` holds the environment overrides our kernels obey (the switches and tile knobs of
+docs/gpu.md, and ``TRITON_INTERPRET``) as one snapshot. `build_backend` reads it once; each
+adapter keeps it and runs its kernels under it (`CURRENT`), so a layer's call reads no
+``os.environ``. A kernel function called outside an adapter (a test, a benchmark that changes a
+knob between calls) reads the environment at that call (`kernel_env`).
+"""
+from __future__ import annotations
+
+import os
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+__all__ = ["KernelEnv", "CURRENT", "kernel_env", "parse_tile_knob", "CudaKernel",
+           "cuda_kernels_available", "nvcc_path", "dense_verify_d512", "verify_d512_serves",
+           "decode_d64", "decode_d64_serves"]
+
+
+@dataclass(frozen=True)
+class KernelEnv:
+    """The kernels' environment overrides, read at one moment (`read`)."""
+
+    interpret: bool = False
+    """``TRITON_INTERPRET=1``: Triton kernels run in the CPU interpreter."""
+    cuda_kernels: bool = True
+    """``SWAFACTORY_CUDA_KERNELS`` is not 0: our CUDA kernels may serve."""
+    cuda_decode: bool = True
+    """``SWAFACTORY_CUDA_DECODE`` is not 0: our CUDA decode kernels may serve."""
+    decode_tile: str | None = None
+    """``SWAFACTORY_DECODE_TILE`` as set (parsed by `decode.tile`), or None."""
+    fp8_tile: str | None = None
+    """``SWAFACTORY_FP8_TILE`` as set (parsed by `decode_fp8.fp8_tile`), or None."""
+    verify_tile: str | None = None
+    """``SWAFACTORY_VERIFY_TILE`` as set (parsed by `verify.tile_config`), or None."""
+
+    @classmethod
+    def read(cls) -> KernelEnv:
+        """The overrides as ``os.environ`` holds them now (unparsed: a malformed knob raises
+        where its kernel is chosen, as it did when read there)."""
+        env = os.environ
+        return cls(interpret=env.get("TRITON_INTERPRET", "0") == "1",
+                   cuda_kernels=env.get("SWAFACTORY_CUDA_KERNELS", "1") != "0",
+                   cuda_decode=env.get("SWAFACTORY_CUDA_DECODE", "1") != "0",
+                   decode_tile=env.get("SWAFACTORY_DECODE_TILE") or None,
+                   fp8_tile=env.get("SWAFACTORY_FP8_TILE") or None,
+                   verify_tile=env.get("SWAFACTORY_VERIFY_TILE") or None)
+
+    def cuda_on(self, device) -> bool:
+        """`launch.cuda_kernels_available` under this snapshot: the switch from here, then the
+        device's compute capability and nvcc (cached per device), no environment read."""
+        from swafactory.kernels.cuda import launch
+
+        return self.cuda_kernels and device.type == "cuda" and launch._capable(device.index)
+
+
+def parse_tile_knob(name: str, value: str | None, bns: tuple[int, ...],
+                    max_stages: int) -> tuple[int, int, int] | None:
+    """A benchmark's tile knob ``name`` set to ``value`` (``BNxSTAGES[xSPLITS]``) → (keys per
+    tile, stages, splits or 0), or None where unset; ValueError names a malformed value. The
+    rule of `launch.tile_knob`, over a value already read (a `KernelEnv` field)."""
+    if not value:
+        return None
+    try:
+        cfg = tuple(int(x) for x in value.lower().split("x"))
+    except ValueError:
+        cfg = ()
+    if len(cfg) not in (2, 3) or cfg[0] not in bns or not 2 <= cfg[1] <= max_stages or \
+            (len(cfg) == 3 and cfg[2] not in (1, 2, 4, 8)):
+        raise ValueError(f"{name}={value!r}: expected BNxSTAGES[xSPLITS] with BN "
+                         f"{' or '.join(map(str, bns))}, 2-{max_stages} stages and 1, 2, 4 or 8 "
+                         f"splits, e.g. {bns[0]}x3 or {bns[0]}x3x4")
+    return cfg[0], cfg[1], cfg[2] if len(cfg) == 3 else 0
+
+
+CURRENT: ContextVar[KernelEnv | None] = ContextVar("swafactory_kernel_env", default=None)
+"""The snapshot of the adapter whose kernels run now (set around each `run`/`merge`); None
+outside one."""
+
+
+def kernel_env() -> KernelEnv:
+    """The running adapter's snapshot; outside an adapter, the environment as it is now."""
+    env = CURRENT.get()
+    return env if env is not None else KernelEnv.read()
+
+
+# the modules below import `kernel_env` from this package: it is defined before them
+from swafactory.kernels.cuda.decode import decode_d64, decode_d64_serves  # noqa: E402
+from swafactory.kernels.cuda.launch import (CudaKernel, cuda_kernels_available,  # noqa: E402
+                                            nvcc_path)
+from swafactory.kernels.cuda.verify import dense_verify_d512, verify_d512_serves  # noqa: E402

@@ -12,14 +12,13 @@ decode (`e864ce2`).
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
 
+from swafactory.kernels.cuda import kernel_env, parse_tile_knob
 from swafactory.kernels.cuda.cluster import cluster_pass, cluster_splits
-from swafactory.kernels.cuda.launch import (CudaKernel, aligned16, cuda_kernels_available,
-                                            is_hopper, loads_or_warns, tile_knob)
+from swafactory.kernels.cuda.launch import CudaKernel, aligned16, is_hopper, loads_or_warns
 
 __all__ = ["decode_d64", "decode_d64_serves", "decode_d64_kernel", "cluster_splits"]
 
@@ -33,9 +32,15 @@ _SHIPPED = (64, 3)
 def tile(programs: int, sms: int) -> tuple[int, int, int]:
     """(keys per tile, stages, forced splits or 0) for ``programs`` (request, KV head) pairs on
     ``sms`` multiprocessors: ``SWAFACTORY_DECODE_TILE`` (benchmarks: ``BNxSTAGES[xSPLITS]``,
-    BN 64 or 128) or the shipped tile for the batch's size."""
+    BN 64 or 128; the running adapter's snapshot, `kernel_env`) or the shipped tile for the
+    batch's size."""
     del programs, sms  # one tile serves every batch so far (see _SHIPPED)
-    return tile_knob("SWAFACTORY_DECODE_TILE", (64, 128), 8) or (*_SHIPPED, 0)
+    return _tile(kernel_env().decode_tile)
+
+
+@functools.cache  # per knob value: a layer's call parses nothing
+def _tile(knob: str | None) -> tuple[int, int, int]:
+    return parse_tile_knob("SWAFACTORY_DECODE_TILE", knob, (64, 128), 8) or (*_SHIPPED, 0)
 
 
 def _smem(bn: int, stages: int) -> int:
@@ -61,23 +66,24 @@ def decode_d64_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                       softcap: float | None, fp8_scaled: bool) -> bool:
     """Whether the cluster kernel serves this decode pass: bf16 q and pool, head_dim 64, GQA
     group ≤ 8, no softcap, no fp8, rows 16-byte aligned, on a Hopper (compute capability 9.x:
-    clusters) GPU where the kernel builds, and ``SWAFACTORY_CUDA_DECODE`` not set to 0."""
-    return (os.environ.get("SWAFACTORY_CUDA_DECODE", "1") != "0"
+    clusters) GPU where the kernel builds, and ``SWAFACTORY_CUDA_DECODE`` not set to 0 (the
+    switches and the tile from `kernel_env`: an adapter's call reads no environment)."""
+    env = kernel_env()
+    return (env.cuda_decode
             and q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
             and v_buf.dtype == torch.bfloat16 and q.shape[-1] == 64 and 1 <= group <= 8
             and softcap is None and not fp8_scaled and q.is_cuda
             and all(aligned16(t) for t in (q, k_buf, v_buf))
-            and cuda_kernels_available(q.device) and is_hopper(q.device.index)
-            and _builds(q.device.index, group, os.environ.get("SWAFACTORY_DECODE_TILE")))
+            and env.cuda_on(q.device) and is_hopper(q.device.index)
+            and _builds(q.device.index, group, env.decode_tile))
 
 
 @functools.cache
-def _builds(index: int | None, group: int, env: str | None) -> bool:
+def _builds(index: int | None, group: int, knob: str | None) -> bool:
     """Builds and loads every cluster size once per device and group; where nvcc or the driver
-    refuses, the Triton decode serves instead, with one warning carrying the message. ``env``
+    refuses, the Triton decode serves instead, with one warning carrying the message. ``knob``
     (``SWAFACTORY_DECODE_TILE``) is part of the cache key: a benchmark's tile is built too."""
-    del env
-    bn, stages, _ = tile(0, 1)
+    bn, stages, _ = _tile(knob)
     return loads_or_warns([decode_d64_kernel(group, c, bn, stages) for c in (1, 2, 4, 8)], index,
                           "the CUDA decode kernel did not build, so the Triton decode serves "
                           "head_dim-64 decode instead")

@@ -9,14 +9,13 @@ tile (conversion-bound) reads fp8 K/V much faster than bf16.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
 
+from swafactory.kernels.cuda import kernel_env, parse_tile_knob
 from swafactory.kernels.cuda.cluster import cluster_pass
-from swafactory.kernels.cuda.launch import (CudaKernel, aligned16, cuda_kernels_available,
-                                            is_hopper, loads_or_warns, tile_knob)
+from swafactory.kernels.cuda.launch import CudaKernel, aligned16, is_hopper, loads_or_warns
 
 __all__ = ["decode_fp8", "decode_fp8_serves", "decode_fp8_kernel", "fp8_tile"]
 
@@ -28,8 +27,14 @@ _SHIPPED = {256: (64, 3), 512: (32, 3)}
 
 def fp8_tile(d: int) -> tuple[int, int, int]:
     """(keys per tile, stages, forced splits or 0) at head_dim ``d``: ``SWAFACTORY_FP8_TILE``
-    (benchmarks: ``BNxSTAGES[xSPLITS]``, BN 32 or 64) or the shipped tile."""
-    return tile_knob("SWAFACTORY_FP8_TILE", (32, 64), 6) or (*_SHIPPED[d], 0)
+    (benchmarks: ``BNxSTAGES[xSPLITS]``, BN 32 or 64; the running adapter's snapshot,
+    `kernel_env`) or the shipped tile."""
+    return _tile(d, kernel_env().fp8_tile)
+
+
+@functools.cache  # per head_dim and knob value: a layer's call parses nothing
+def _tile(d: int, knob: str | None) -> tuple[int, int, int]:
+    return parse_tile_knob("SWAFACTORY_FP8_TILE", knob, (32, 64), 6) or (*_SHIPPED[d], 0)
 
 
 def _smem(d: int, bn: int, stages: int) -> int:
@@ -55,24 +60,25 @@ def decode_fp8_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                       softcap: float | None) -> bool:
     """Whether this kernel serves the decode pass: bf16 q over e4m3 pools, head_dim 256 or
     512, GQA group ≤ 8, no softcap, rows 16-byte aligned, on a Hopper GPU where it builds, and
-    ``SWAFACTORY_CUDA_DECODE`` not set to 0."""
+    ``SWAFACTORY_CUDA_DECODE`` not set to 0 (the switches and the tile from `kernel_env`: an
+    adapter's call reads no environment)."""
     d = q.shape[-1]
-    return (os.environ.get("SWAFACTORY_CUDA_DECODE", "1") != "0"
+    env = kernel_env()
+    return (env.cuda_decode
             and q.dtype == torch.bfloat16 and k_buf.dtype == torch.float8_e4m3fn
             and v_buf.dtype == torch.float8_e4m3fn and d in (256, 512) and 1 <= group <= 8
             and softcap is None and q.is_cuda
             and all(aligned16(t) for t in (q, k_buf, v_buf))
-            and cuda_kernels_available(q.device) and is_hopper(q.device.index)
-            and _builds(q.device.index, d, group, os.environ.get("SWAFACTORY_FP8_TILE")))
+            and env.cuda_on(q.device) and is_hopper(q.device.index)
+            and _builds(q.device.index, d, group, env.fp8_tile))
 
 
 @functools.cache
-def _builds(index: int | None, d: int, group: int, env: str | None) -> bool:
+def _builds(index: int | None, d: int, group: int, knob: str | None) -> bool:
     """Builds and loads every cluster size once per device, head_dim and group; where nvcc or
-    the driver refuses, the Triton decode serves instead, with one warning. ``env``
+    the driver refuses, the Triton decode serves instead, with one warning. ``knob``
     (``SWAFACTORY_FP8_TILE``) is part of the cache key: a benchmark's tile is built too."""
-    del env
-    bn, stages, _ = fp8_tile(d)
+    bn, stages, _ = _tile(d, knob)
     return loads_or_warns([decode_fp8_kernel(d, group, c, bn, stages) for c in (1, 2, 4, 8)],
                           index, "the CUDA fp8 decode kernel did not build, so the Triton "
                           "decode serves fp8 decode at head_dim 256/512 instead")

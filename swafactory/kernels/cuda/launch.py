@@ -5,14 +5,22 @@ Why not ``torch.utils.cpp_extension``: it links against the running torch's head
 and needs ninja; a cubin needs only nvcc once (the result is cached by source hash, flags and
 architecture) and the driver. Launches go on torch's current stream, so a CUDA graph that
 torch captures records them like any other kernel. Host cost: one ``cuLaunchKernel`` (a few µs).
+
+nvcc runs in a session of its own: a timeout kills its whole process group (cicc and ptxas, not
+just the driver) and removes the partial cubin, and a build that timed out or that nvcc refused
+is remembered for the life of the process, so the next backend built (draft, twin) falls back
+at once instead of waiting it out again.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import warnings
 from pathlib import Path
@@ -27,7 +35,10 @@ __all__ = ["CudaKernel", "nvcc_path", "cuda_kernels_available", "KernelBuildErro
 _DYN_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 DEFAULT_BUILD_TIMEOUT_S = 300.0
 _timeout_s = DEFAULT_BUILD_TIMEOUT_S  # `backend.kernels.build_timeout_s`, set by `prepare`
-_failed: dict[tuple, str] = {}  # (source name, defines) → why it did not build or load
+_GRACE_S = 5.0  # after SIGKILL, how long the killed group may take to close nvcc's pipes
+_TAIL_LINES = 8  # of nvcc's stderr, in the one line that says a build failed
+_failed: dict[tuple[str, str], str] = {}  # (source name, flags key) → why nvcc did not build it
+_log = logging.getLogger(__name__)
 _warned: set[str] = set()  # causes warned about: one warning each per process
 
 
@@ -129,9 +140,45 @@ def _cache_dir() -> Path:
     return path
 
 
+def _run_nvcc(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own, its output captured. On a timeout (or an interrupt) the
+    whole process group is killed and waited for before the exception goes on: ``subprocess.run``
+    kills only the driver, and cicc or ptxas would keep compiling and writing the output."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            _kill_group(proc)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to ``proc``'s process group, then wait until every member is dead."""
+    if proc.returncode is None:  # the driver not reaped yet: its pid, the group's id, is ours
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    try:  # every member inherited nvcc's pipes: end of file on both means all have exited
+        proc.communicate(timeout=_GRACE_S)
+    except subprocess.TimeoutExpired:  # one left the group (setsid): it cannot be waited for
+        proc.wait()
+
+
+def _remember(source: Path, key: str, flags: Sequence[str], cause: str, why: str
+              ) -> KernelBuildError:
+    """Records that ``source`` did not build with the flags hashed to ``key``, and says so once,
+    here; returns the error to raise now and on every later request for that build."""
+    _failed[source.name, key] = cause
+    _log.warning("swafactory: nvcc did not build %s (flags key %s: %s): %s; it is not built "
+                 "again in this process", source.name, key, " ".join(flags), why)
+    return KernelBuildError(cause)
+
+
 def build_cubin(source: Path, arch: str, defines: dict[str, int]) -> bytes:
     """Compile ``source`` for ``sm_<arch>`` with ``-D`` defines; cached by content (the source
-    and every ``.cuh`` header beside it, which it may include)."""
+    and every ``.cuh`` header beside it, which it may include). A build that timed out or that
+    nvcc refused raises the same `KernelBuildError` again without running nvcc."""
     flags = ["-cubin", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
     flags += [f"-D{k}={v}" for k, v in sorted(defines.items())]
     text = source.read_bytes() + b"".join(h.read_bytes()
@@ -140,26 +187,35 @@ def build_cubin(source: Path, arch: str, defines: dict[str, int]) -> bytes:
     out = _cache_dir() / f"{source.stem}-{key}.cubin"
     if out.exists():
         return out.read_bytes()
+    if (source.name, key) in _failed:  # a hanging or refused build is not waited out twice
+        raise KernelBuildError(_failed[source.name, key])
     nvcc = nvcc_path()
     if nvcc is None:
         raise KernelBuildError("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     try:
-        res = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True,
-                             text=True, timeout=_timeout_s)
-    except subprocess.TimeoutExpired as exc:  # run() has killed nvcc already
-        raise KernelBuildError(f"nvcc timed out after {_timeout_s:g} s on {source.name} (raise "
-                               "backend.kernels.build_timeout_s)") from exc
-    except OSError as exc:
-        raise KernelBuildError(f"nvcc could not run ({exc})") from exc
-    if res.returncode != 0:
-        raise KernelBuildError(f"nvcc failed on {source.name} ({' '.join(flags)}):\n{res.stderr}")
-    try:
-        tmp.replace(out)  # atomic: a concurrent builder sees a whole file or none
-        return out.read_bytes()
-    except OSError as exc:
-        raise KernelBuildError(f"the kernel cache {out.parent} is not writable ({exc}); set "
-                               "SWAFACTORY_CACHE to a writable directory") from exc
+        try:
+            res = _run_nvcc([nvcc, *flags, "-o", str(tmp), str(source)], timeout=_timeout_s)
+        except subprocess.TimeoutExpired as exc:  # its process group is dead by now
+            raise _remember(source, key, flags, f"nvcc timed out after {_timeout_s:g} s on "
+                            f"{source.name} (raise backend.kernels.build_timeout_s)",
+                            f"timed out after {_timeout_s:g} s") from exc
+        except OSError as exc:  # not remembered: it costs no wait, and may be fixed meanwhile
+            raise KernelBuildError(f"nvcc could not run ({exc})") from exc
+        if res.returncode != 0:
+            tail = "\n".join(res.stderr.strip().splitlines()[-_TAIL_LINES:])
+            raise _remember(source, key, flags, f"nvcc failed on {source.name} "
+                            f"({' '.join(flags)}):\n{res.stderr}",
+                            f"nvcc exited with {res.returncode}:\n{tail}")
+        try:
+            tmp.replace(out)  # atomic: a concurrent builder sees a whole file or none
+            return out.read_bytes()
+        except OSError as exc:
+            raise KernelBuildError(f"the kernel cache {out.parent} is not writable ({exc}); "
+                                   "set SWAFACTORY_CACHE to a writable directory") from exc
+    finally:
+        with contextlib.suppress(OSError):  # the partial output of a killed or failed nvcc
+            tmp.unlink(missing_ok=True)
 
 
 @functools.cache
@@ -279,8 +335,7 @@ def load_kernels(kernels: Sequence[CudaKernel], index: int | None) -> str | None
             try:
                 kern.load(device)
             except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
-                _failed[kernel_key(kern)] = str(exc).strip() or type(exc).__name__
-                return _failed[kernel_key(kern)]
+                return str(exc).strip() or type(exc).__name__
     except (RuntimeError, OSError) as exc:  # no CUDA device, or the driver library is missing
         return f"no CUDA device to load on ({exc})"
     return None

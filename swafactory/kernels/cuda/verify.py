@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
 
-from swafactory.kernels.cuda.launch import (CudaKernel, aligned16, cuda_kernels_available,
-                                            loads_or_warns)
+from swafactory.kernels.cuda import kernel_env
+from swafactory.kernels.cuda.launch import CudaKernel, aligned16, loads_or_warns
 
 __all__ = ["dense_verify_d512", "verify_d512_serves", "verify_d512_kernel"]
 
@@ -18,17 +17,20 @@ _ARGS = ("ptr",) * 9 + ("i64",) * 6 + ("i32",) * 4 + ("f32",)
 
 def tile_config(device: torch.device) -> tuple[int, ...]:
     """``SWAFACTORY_VERIFY_TILE`` (benchmarks: ``BNxSTAGES[xSPLITKVxLAZYxPAIRBARxFULLSxWGMMA]``,
-    e.g. 32x2x0x0x0x0x1) or the shipped tile: 32-key tiles, 2 stages, wgmma on Hopper
-    (compute capability 9.x), mma.sync elsewhere."""
-    env = os.environ.get("SWAFACTORY_VERIFY_TILE")
-    if not env:
-        return _shipped(device.index)
+    e.g. 32x2x0x0x0x0x1; the running adapter's snapshot, `kernel_env`) or the shipped tile:
+    32-key tiles, 2 stages, wgmma on Hopper (compute capability 9.x), mma.sync elsewhere."""
+    knob = kernel_env().verify_tile
+    return _shipped(device.index) if not knob else _parsed(knob)
+
+
+@functools.cache  # per knob value: a layer's call parses nothing
+def _parsed(knob: str) -> tuple[int, ...]:
     try:
-        cfg = tuple(int(x) for x in env.lower().split("x"))
+        cfg = tuple(int(x) for x in knob.lower().split("x"))
     except ValueError:
         cfg = ()
     if not 2 <= len(cfg) <= 7:
-        raise ValueError(f"SWAFACTORY_VERIFY_TILE={env!r}: expected BNxSTAGES[xSPLITKVxLAZYx"
+        raise ValueError(f"SWAFACTORY_VERIFY_TILE={knob!r}: expected BNxSTAGES[xSPLITKVxLAZYx"
                          "PAIRBARxFULLSxWGMMA] integers, e.g. 32x2 or 32x2x1x1x0x0x1")
     return cfg
 
@@ -57,11 +59,13 @@ def verify_d512_serves(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor
                        rows: int) -> bool:
     """Whether the CUDA tile serves this pass: bf16 q and pool, head_dim 512, group 8, at most
     64 rows (queries × group) per request and KV head, rows 16-byte aligned (the tile copies
-    16 bytes at a time), on a GPU where the kernel builds."""
+    16 bytes at a time), on a GPU where the kernel builds (the switch and the tile from
+    `kernel_env`: an adapter's call reads no environment)."""
     return (q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
             and v_buf.dtype == torch.bfloat16 and q.shape[-1] == 512 and group == 8
             and rows <= 64 and all(aligned16(t) for t in (q, k_buf, v_buf))
-            and cuda_kernels_available(q.device) and _builds(q.device.index, tile_config(q.device)))
+            and kernel_env().cuda_on(q.device)
+            and _builds(q.device.index, tile_config(q.device)))
 
 
 @functools.cache

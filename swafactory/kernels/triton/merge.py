@@ -14,18 +14,21 @@ triton is imported on first use; kernels are built once per interpreter setting 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
+
+from swafactory.kernels.cuda import kernel_env
 
 __all__ = ["merge_attention_states", "combine_splits", "plan_splits", "interpreting", "sm_count",
            "compute_dtype"]
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``): the running
+    adapter's snapshot (`kernels.cuda.kernel_env`, read once when its backend was built), else
+    the environment now (a kernel called directly)."""
+    return kernel_env().interpret
 
 
 def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
