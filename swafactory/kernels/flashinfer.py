@@ -66,6 +66,7 @@ from swafactory.kernels.flashinfer_passes import (Pass, Signature, bucket_tiled,
 from swafactory.kernels.flashinfer_staging import StagingRing
 from swafactory.kernels.flashinfer_tables import custom_mask, packed_custom_mask, page_table
 from swafactory.kernels.torch_ref import apply_sinks, merge_state
+from swafactory.kernels.cuda import CURRENT, KernelEnv
 from swafactory.kernels.static_tables import chain_bucket, static_tables
 from swafactory.metadata.batch import MODE_PASS
 from swafactory.kernels.triton.ops import paged_attention
@@ -167,6 +168,9 @@ class Adapter:
         """The backend's `registry.kernel_choice.KernelPolicy` (set by `build_backend`): whether
         our tiles serve verify (`uses_triton_verify`) and our CUDA dense run with them."""
         self._mode = None  # the planned forward's mode: which pass's choice serves it
+        self.env = KernelEnv.read()
+        """The environment overrides our tile obeys (`kernels.cuda.KernelEnv`), read once
+        (`build_backend` sets its own snapshot): a layer's call reads no ``os.environ``."""
         check_version()  # a FlashInfer other than the tested one is refused here (importable only)
 
     def start(self, device: torch.device) -> None:
@@ -384,12 +388,16 @@ class Adapter:
         sig = (qs[1], ks[1], qs[2], q.dtype, k_buf.dtype, scale, softcap)
         if p.triton and p.planned_for == sig:  # the same rows and rule (off CUDA: the reference)
             t = tables if p.static is None else p.static
-            return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
-                                   t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
-                                   window=window, scale=scale, softcap=softcap, sinks=sinks,
-                                   max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
-                                   cuda=None if self.kernels is None else
-                                   self.kernels.cuda(self._mode, window is not None))
+            token = CURRENT.set(self.env)  # our tile reads the snapshot, not the environment
+            try:
+                return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
+                                       t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
+                                       window=window, scale=scale, softcap=softcap, sinks=sinks,
+                                       max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
+                                       cuda=None if self.kernels is None else
+                                       self.kernels.cuda(self._mode, window is not None))
+            finally:
+                CURRENT.reset(token)
         if p.triton and p.static is not None:
             raise ValueError(f"group {p.group!r}: a graph bucket's Triton pass was planned for "
                              f"{p.planned_for} but a layer runs {sig}; set the backend's q_heads "

@@ -17,6 +17,10 @@ __all__ = ["translate_triton", "BLOCK"]
 BLOCK = 256  # ids per program; a gather is memory-bound, so the block only amortises launch cost
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Read once, at import (as Triton itself reads it): planning reads no environment."""
+
+
 @functools.cache
 def _kernel(interpret: bool) -> Any:
     del interpret  # part of the cache key: triton.jit reads TRITON_INTERPRET when decorating
@@ -56,7 +60,7 @@ def translate_triton(idx: torch.Tensor, table: torch.Tensor, page_size: int,
     out = torch.empty(flat.shape, dtype=dtype, device=idx.device)
     n = flat.numel()
     if n:
-        kernel = _kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
+        kernel = _kernel(_INTERPRET)
         kernel[(triton.cdiv(n, BLOCK),)](flat, table.contiguous(), out, n, table.numel(),
                                          PAGE_SIZE=page_size, BLOCK=BLOCK)
     return out.reshape(idx.shape)
