@@ -137,6 +137,15 @@ class GraphedAttention:
         """True for CUDA graphs; False where replays are emulated (CPU)."""
         return self.backend.view.active_pool.sub_pools[0].device.type == "cuda"
 
+    def bucket_or_none(self, batch_size: int) -> int | None:
+        """The smallest bucket that holds ``batch_size`` requests, or None past the largest."""
+        return next((n for n in self.buckets if n >= batch_size), None)
+
+    def captured(self, bucket: int | None) -> bool:
+        """Whether ``bucket`` was captured (and may replay: not stale)."""
+        return (bucket in self._graphs
+                and self.backend.graph_stale(bucket, self.tokens, self.mode) is None)
+
     def bucket(self, batch_size: int) -> int:
         """The smallest bucket that holds ``batch_size`` requests."""
         for n in self.buckets:

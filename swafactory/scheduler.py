@@ -31,9 +31,9 @@ from swafactory.kvcache.allocator import pool_use
 from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.serving import Parts
 from swafactory.speculative import (FrozenQuery, SpecStep, alloc_upto, eviction_floor,
-                                    fault_switches, req_forward)
+                                    fault_switches, graph_modes, req_forward)
 
-__all__ = ["StepKind", "Request", "Payload", "Scheduler"]
+__all__ = ["StepKind", "Request", "Payload", "Scheduler", "capture_graphs"]
 
 StepKind = Literal["prefill", "decode", "spec"]
 
@@ -128,6 +128,21 @@ class Payload:
         """Every request finished (`run`)."""
 
 
+def capture_graphs(parts: Parts) -> int:
+    """Capture every graph bucket × mode the runners meet (`speculative.graph_modes`), up to
+    the bucket that holds ``workload.max_running_requests``, before the first step: graph state
+    is allocated once, and nothing is captured inside the loop (a capture synchronizes the
+    device). Each runner files its graphs under its backend's `graph_key` (the mode decides the
+    kernels and buffers a graph binds). Returns how many were captured (0 without
+    ``backend.cuda_graph``)."""
+    cfg, n = parts.cfg, 0
+    for runner in (parts.target, parts.draft):
+        if runner is not None:
+            n += runner.capture_all(graph_modes(cfg.spec, runner.name, runner.writes),
+                                    max_bs=cfg.workload.max_running_requests)
+    return n
+
+
 class Scheduler:
     """Drives `Parts` through a payload's requests, step by step (see the module doc)."""
 
@@ -147,6 +162,7 @@ class Scheduler:
         self.spec = None if s.algorithm == "none" else SpecStep(
             s, parts.slots, (parts.pool, parts.draft_pool), draft_writes=self.draft_writes,
             frozen_query=payload.frozen_query, **fault_switches(self.cfg))
+        self.captured = capture_graphs(parts)  # start-up: never inside a step
 
     def finished(self) -> bool:
         return not self.waiting and not self.running

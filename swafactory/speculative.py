@@ -36,7 +36,8 @@ from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.metadata.batch import ForwardMode, ReqForward
 
-__all__ = ["SpecHooks", "SpecStep", "fault_switches", "FrozenQuery", "req_forward", "alloc_upto",
+__all__ = ["SpecHooks", "SpecStep", "graph_modes", "graph_tokens", "MAX_GRAPH_TOKENS",
+           "fault_switches", "FrozenQuery", "req_forward", "alloc_upto",
            "level_bounds", "seeded_tree", "seeded_accept", "greedy_path", "children",
            "eviction_floor"]
 
@@ -238,3 +239,39 @@ class SpecStep:
                 move_kv(pool, src, dst)
         self.truncate(r.rid, L + len(path))
         hooks.on_commit(r.rid, L, path)
+
+
+MAX_GRAPH_TOKENS = 16
+"""Queries per request a graph holds at most (verify, draft steps); more run eagerly."""
+
+
+def graph_tokens(q: int, masked: bool) -> int:
+    """The queries per request of the bucket that holds ``q``: a power of two, at least 2 for
+    a masked batch (it needs the prefill kernel)."""
+    return 1 << (max(q, 2 if masked else 1) - 1).bit_length()
+
+
+def graph_modes(spec, role: str, writes: bool = True) -> list[tuple[ForwardMode, int]]:
+    """(mode, queries per request) of every graph bucket a ``role`` (``target`` or ``draft``)
+    runner of ``spec`` (a `SpecConfig`) replays after its prefill, as `SpecStep` shapes its
+    forwards: what the scheduler captures at start-up (`scheduler.Scheduler`). writes: the draft writes its own
+    pool (not a FROZEN_KV draft), so it runs draft_extend over the accepted tokens."""
+    if spec.algorithm == "none":
+        return [("decode", 1)] if role == "target" else []
+    dflash, tree = spec.algorithm == "dflash", spec.is_tree
+    verify_n = spec.block_size if dflash else spec.num_draft_tokens
+    if role == "target":
+        got = [("target_verify", graph_tokens(verify_n, dflash or tree))]
+    elif dflash:
+        got = [("draft_decode", graph_tokens(spec.block_size, True))]
+    elif tree:
+        widths = {hi - lo for lo, hi in (level_bounds(spec.topk, lvl)
+                                          for lvl in range(spec.num_steps))}
+        got = [("draft_decode", graph_tokens(w, True)) for w in sorted(widths)]
+    else:
+        got = [("draft_decode", 1)]
+    if role == "draft" and writes:  # over the accepted tokens: 1 … verify_n of them; first, as
+        # an engine meets them (the prefill's draft_extend comes before any draft step)
+        top = graph_tokens(verify_n, False)
+        got = [("draft_extend", 1 << i) for i in range(top.bit_length())] + got
+    return [(m, t) for m, t in dict.fromkeys(got) if t <= MAX_GRAPH_TOKENS]

@@ -87,11 +87,12 @@ def _served(spec: str, *overrides: str) -> tuple[_Recorder, list[int]]:
     outs = [rng.randint(3, 9) for _ in range(5)]
     sizes = size_pools(cfg, R, max(p + o for p, o in zip(prompts, outs)) + 8, chunk=CHUNK)
     sv = build_serving(cfg, sizes, "cpu", check_mode=True)
+    none = lambda modes, max_bs=None: 0  # noqa: E731 - no graphs: nothing to capture
     parts = Parts.of(cfg, sizes, sv, SimpleNamespace(name="target", writes=True,
-                                                     backend=sv.target))
+                                                     backend=sv.target, capture_all=none))
     if sv.draft is not None:
         parts.draft = SimpleNamespace(name="draft", writes=sv.draft_pool is not None,
-                                      backend=sv.draft)
+                                      backend=sv.draft, capture_all=none)
     return _Recorder(parts, prompts, outs), prompts
 
 

@@ -33,7 +33,7 @@ from swafactory.engine.formats import load_feature_draft
 from swafactory.errors import ConfigError, Reason
 from swafactory.engine.models import (config_key, draft_copy, draft_from_layers,
                                       last_full_layer, load_target, serving_model)
-from swafactory.engine.runner import Runner, graph_modes
+from swafactory.engine.runner import Runner
 from swafactory.kvcache.draft import draft_layer_types
 from swafactory.kvcache.factory import compute_dtype
 from swafactory.kvcache.shares import size_pools
@@ -43,7 +43,7 @@ from swafactory.registry.device import DeviceInfo
 from swafactory.registry.select import validate
 from swafactory.serving import Parts, build_serving
 
-__all__ = ["Parts", "build", "capture_graphs", "serving_config", "model_dtype", "OWN_COPY", "copies"]
+__all__ = ["Parts", "build", "serving_config", "model_dtype", "OWN_COPY", "copies"]
 
 OWN_COPY = ("eagle", "eagle3", "nextn", "standalone")
 """Families whose draft is a copy of the target's weights with its own pool."""
@@ -111,7 +111,7 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
                     max_context=longest)
     parts = Parts.of(scfg, sizes, sv, target)  # the draft's runner is set below
     if s.algorithm == "none":
-        return capture_graphs(parts)
+        return parts
     n = m.num_layers
     if feature is not None:
         model_d, parts.draft_desc, parts.draft_training = _feature_draft(
@@ -134,19 +134,6 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
                              guards=guards, graphs=graphs, max_context=longest)
         parts.draft_desc = (f"the target's {len(frozen_draft_binding(scfg))} layers reading its "
                             "frozen K/V (writes none); step k queries position L+k over keys < L")
-    return capture_graphs(parts)
-
-
-def capture_graphs(parts: Parts) -> Parts:
-    """Capture every graph bucket × mode the runners meet (`runner.graph_modes`), up to the
-    bucket that holds ``workload.max_running_requests``, before the first step: graph state is
-    allocated once, and nothing is captured inside the generation loop (a capture synchronizes
-    the device). A no-op without ``backend.cuda_graph``."""
-    cfg = parts.cfg
-    for runner in (parts.target, parts.draft):
-        if runner is not None:
-            runner.capture_all(graph_modes(cfg.spec, runner.name, runner.writes),
-                               max_bs=cfg.workload.max_running_requests)
     return parts
 
 

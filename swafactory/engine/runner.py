@@ -31,44 +31,10 @@ from swafactory.graphs import capture_step, refill
 from swafactory.harness.watch import capture_io, replayed
 from swafactory.integrations.transformers import ATTENTION, register, routing
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
-from swafactory.speculative import level_bounds
+from swafactory.speculative import MAX_GRAPH_TOKENS, graph_modes, graph_tokens
 
 __all__ = ["Runner", "NonFinite", "attn_implementation", "graph_modes", "graph_tokens", "BUCKETS"]
 
-MAX_GRAPH_TOKENS = 16
-"""Queries per request a graph holds at most (verify, draft steps); more run eagerly."""
-
-
-def graph_tokens(q: int, masked: bool) -> int:
-    """The queries per request of the bucket that holds ``q``: a power of two, at least 2 for
-    a masked batch (it needs the prefill kernel)."""
-    return 1 << (max(q, 2 if masked else 1) - 1).bit_length()
-
-
-def graph_modes(spec, role: str, writes: bool = True) -> list[tuple[ForwardMode, int]]:
-    """(mode, queries per request) of every graph bucket a ``role`` (``target`` or ``draft``)
-    runner of ``spec`` (a `SpecConfig`) replays after its prefill, as `speculative.SpecStep`
-    shapes its forwards: what the engine captures at start-up. writes: the draft writes its own
-    pool (not a FROZEN_KV draft), so it runs draft_extend over the accepted tokens."""
-    if spec.algorithm == "none":
-        return [("decode", 1)] if role == "target" else []
-    dflash, tree = spec.algorithm == "dflash", spec.is_tree
-    verify_n = spec.block_size if dflash else spec.num_draft_tokens
-    if role == "target":
-        got = [("target_verify", graph_tokens(verify_n, dflash or tree))]
-    elif dflash:
-        got = [("draft_decode", graph_tokens(spec.block_size, True))]
-    elif tree:
-        widths = {hi - lo for lo, hi in (level_bounds(spec.topk, lvl)
-                                          for lvl in range(spec.num_steps))}
-        got = [("draft_decode", graph_tokens(w, True)) for w in sorted(widths)]
-    else:
-        got = [("draft_decode", 1)]
-    if role == "draft" and writes:  # over the accepted tokens: 1 … verify_n of them; first, as
-        # an engine meets them (the prefill's draft_extend comes before any draft step)
-        top = graph_tokens(verify_n, False)
-        got = [("draft_extend", 1 << i) for i in range(top.bit_length())] + got
-    return [(m, t) for m, t in dict.fromkeys(got) if t <= MAX_GRAPH_TOKENS]
 
 
 class NonFinite(SpaceError):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.backend import AttentionBackend
+from swafactory.graph_sizing import BUCKETS
 from swafactory.graphs import GraphedAttention
 from swafactory.harness.forward_oracle import ForwardOracle, request_visibility
 from swafactory.harness.history import History
@@ -19,8 +20,12 @@ from swafactory.harness.kv_check import StaleKV, kv_reads, stale_key
 from swafactory.harness.kv_quant import fp8_roundtrip
 from swafactory.harness.oracle import masked_attention
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
+from swafactory.speculative import graph_tokens
 
-__all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for"]
+__all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for", "GRAPHED_MODES"]
+
+GRAPHED_MODES = ("decode", "target_verify")
+"""The forwards whose attention the harness replays through graphs (``backend.cuda_graph``)."""
 
 _KEEP_BYTES = 1 << 28
 """A forward whose outputs (all layers, fp32) exceed this is checked layer by layer, one sync
@@ -236,24 +241,52 @@ class Worker:
         return sinks[qs].to(self.device)
 
     def _graphed(self, batch: ForwardBatch) -> GraphedAttention | None:
-        """The CUDA graph for this forward, when the config asks for graphs and the forward is
-        one a graph serves (decode or verify, every request the same query count)."""
-        if not self.backend.cfg.backend.cuda_graph or batch.mode not in ("decode", "target_verify"):
+        """The CUDA graph for this forward, when the config asks for graphs and its bucket ×
+        mode was captured at start-up (`capture_all`); None: the forward runs eagerly."""
+        if not self.backend.cfg.backend.cuda_graph or batch.mode not in GRAPHED_MODES:
             return None
-        tokens = {r.q_len for r in batch.reqs}
-        if len(tokens) != 1:
+        tokens = graph_tokens(max(r.q_len for r in batch.reqs), batch.needs_mask)
+        key = self.backend.graph_key(batch.mode, 0, tokens)  # the engine runner's keying
+        g = self.graphs.get((key.mode, key.tokens))
+        if g is None or not g.captured(g.bucket_or_none(batch.batch_size)):
             return None
-        key = (batch.mode, tokens.pop())
-        if key not in self.graphs:
-            shapes = {}
-            for layer, spec in self.layers.items():
-                hq = spec.num_q_heads // (1 if self.shard is None else self.shard.tp)
-                shapes[layer] = (hq, spec.head_dim)
-            self.graphs[key] = GraphedAttention(
-                self.backend, shapes, tokens=key[1], dtype=self.q_dtype,
-                sinks={layer: self._sinks(layer) for layer in self.layers if layer in self.sinks})
-        g = self.graphs[key]
-        return g if batch.batch_size <= g.buckets[-1] else None
+        return g
+
+    def capture_all(self, modes: Sequence[tuple[ForwardMode, int]],
+                    max_bs: int | None = None) -> int:
+        """Capture at start-up every bucket (up to the one that holds ``max_bs`` requests) of
+        each (mode, queries per request) the harness replays through graphs (decode and target
+        verify; `speculative.graph_modes` lists what a runner meets); returns how many were
+        captured (0 without ``backend.cuda_graph``)."""
+        if not self.backend.cfg.backend.cuda_graph:
+            return 0
+        top = next((n for n in BUCKETS if max_bs is not None and n >= max_bs), BUCKETS[-1])
+        n = 0
+        for mode, tokens in modes:
+            if mode not in GRAPHED_MODES:
+                continue
+            key = self.backend.graph_key(mode, 0, tokens)
+            g = self.graphs.get((key.mode, key.tokens))
+            if g is None:
+                shapes = {}
+                for layer, spec in self.layers.items():
+                    hq = spec.num_q_heads // (1 if self.shard is None else self.shard.tp)
+                    shapes[layer] = (hq, spec.head_dim)
+                g = self.graphs[(key.mode, key.tokens)] = GraphedAttention(
+                    self.backend, shapes, tokens=tokens, dtype=self.q_dtype, mode=mode,
+                    buckets=[b for b in BUCKETS if b <= top],
+                    sinks={layer: self._sinks(layer) for layer in self.layers
+                           if layer in self.sinks})
+            q, kv = {}, {}
+            for layer, (hq, d) in g.layers.items():
+                q[layer] = torch.zeros(1, hq, d, dtype=self.q_dtype, device=self.device)
+                if self.writes:
+                    spec = self.layers[layer]
+                    hkv = spec.num_kv_heads // (1 if self.shard is None else self.shard.tp)
+                    k = torch.zeros(1, max(hkv, 1), d, dtype=self.q_dtype, device=self.device)
+                    kv[layer] = (k, k)
+            n += g.capture_all(q, kv if self.writes else None)
+        return n
 
     def _record(self, reqs: Sequence[ReqForward], layer: int, hist_layer: int, k: torch.Tensor,
                 v: torch.Tensor) -> None:

@@ -218,8 +218,12 @@ def test_the_engine_runner_captures_every_bucket_at_start_up_sized_by_its_longes
     runner = parts.target
     st = runner.backend.cuda_graph_state
     assert st.max_context == 30 + 7 + 1 + 1  # the longest request + a step + a page
-    # build() captured the decode buckets that hold its 2 running requests, before any step
-    assert runner.graph_use["captures"] == 2 and runner.graph_use["replays"] == 0
+    # the scheduler captures at start-up (scheduler.capture_graphs): up to the bucket of its
+    # 2 running requests, before any step
+    from swafactory.scheduler import capture_graphs
+
+    assert runner.graph_use["captures"] == 0
+    assert capture_graphs(parts) == 2 and runner.graph_use["replays"] == 0
     assert runner.capture_all([("decode", 1)]) == len(RUNNER_BUCKETS) - 2
     assert runner.capture_all([("decode", 1)]) == 0  # captured ones are kept
     assert runner.graph_use["captures"] == len(RUNNER_BUCKETS)
