@@ -22,7 +22,7 @@ One step (`Scheduler.step_once`):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Literal, Protocol
 
 from swafactory.errors import CapacityError
@@ -33,7 +33,7 @@ from swafactory.serving import Parts
 from swafactory.speculative import (FrozenQuery, SpecStep, alloc_upto, eviction_floor,
                                     fault_switches, graph_modes, req_forward)
 
-__all__ = ["StepKind", "Request", "Payload", "Scheduler", "capture_graphs"]
+__all__ = ["StepKind", "Request", "Payload", "Scheduler", "capture_graphs", "replay_steps"]
 
 StepKind = Literal["prefill", "decode", "spec"]
 
@@ -274,3 +274,49 @@ class Scheduler:
             self._advance(r, a, "spec")
             self.accepts.append(a)
         return accepted
+
+
+def replay_steps(cfg, prompts: list[int], outs: list[int], accepted: Callable[[], int],
+                 swa_share: int | None = None) -> int:
+    """Scheduler steps to serve ``prompts`` / ``outs`` (tokens per request) under ``cfg`` (a
+    `SwaFactoryConfig`), replayed on paper with this module's rules: admission, prefill chunks
+    clamped to ``swa_share`` SWA slots a request (None: no clamp) with the eviction frontier
+    moving as `Scheduler` moves it, then decode or spec steps committing ``accepted()`` tokens
+    per request (progress estimates: no pool is touched)."""
+    m, w, P = cfg.model, cfg.workload, cfg.backend.page_size
+    W = m.sliding_window or 0
+    split = bool(m.swa_layers) and m.hybrid_pool
+    evicts = split and not cfg.faults.no_swa_eviction
+    reread = cfg.spec.draft_kv == "target_pool"  # FROZEN_KV keeps position L-1
+    # per request: [prompt, out, committed, generated, swa_evicted]
+    split = split and swa_share is not None
+    waiting = deque([p, o, 0, 0, 0] for p, o in zip(prompts, outs))
+    running: list[list[int]] = []
+    steps = 0
+    while waiting or running:
+        while waiting and len(running) < w.max_running_requests:
+            running.append(waiting.popleft())
+        prefill = [r for r in running if r[2] < r[0]]
+        for r in prefill:
+            n = min(w.chunk_size, r[0] - r[2])
+            if split:
+                n = min(n, swa_share + r[4] - r[2])
+            if n <= 0:  # the loop raises CapacityError here: the run stops
+                return steps + 1
+            r[2] += n
+            if r[2] >= r[0]:
+                r[3] += 1  # the prefill's last logits give the first token
+        if not prefill:
+            for r in running:
+                a = accepted()
+                r[2] += a
+                r[3] += a
+        running = [r for r in running if r[3] < r[1]]
+        if evicts:
+            for r in running:
+                low = r[2] - 1 if reread and r[2] >= r[0] else r[2]
+                frontier = max(0, max(0, low) - W + 1) // P * P
+                if frontier - r[4] >= w.eviction_interval:
+                    r[4] = frontier
+        steps += 1
+    return steps

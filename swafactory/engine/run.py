@@ -46,6 +46,7 @@ from swafactory.engine.generator import Generator
 from swafactory.engine.models import load_target, require_transformers
 from swafactory.engine.oracle_watch import attach_oracle
 from swafactory.harness.watch import OracleMismatch
+from swafactory.scheduler import replay_steps
 from swafactory.guards import GuardError
 from swafactory.engine.report import GenProgress
 from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateReport,
@@ -74,27 +75,11 @@ def draws(cfg: SwaFactoryConfig, vocab: int) -> tuple[list[list[int]], list[int]
 
 
 def estimate_steps(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> int:
-    """Scheduler steps the generator will take (for progress lines): admission, prefill chunks,
-    then steps committing the ideal accept length (1 without spec or an ideal)."""
-    w = cfg.workload
+    """Scheduler steps the generator will take (for progress lines): the scheduler's rules on
+    paper (`scheduler.replay_steps`), each step committing the ideal accept length (1 without
+    spec or an ideal)."""
     a = 1 if cfg.spec.algorithm == "none" else (ideal_accept(cfg.spec) or 1)
-    waiting = [[p, o, 0, 0] for p, o in zip(prompts, outs)]  # prompt, out, committed, generated
-    running: list[list[int]] = []
-    steps = 0
-    while waiting or running:
-        while waiting and len(running) < w.max_running_requests:
-            running.append(waiting.pop(0))
-        pre = [r for r in running if r[2] < r[0]]
-        for r in pre:
-            r[2] += min(w.chunk_size, r[0] - r[2])
-            r[3] += r[2] >= r[0]
-        if not pre:
-            for r in running:
-                r[2] += a
-                r[3] += a
-        running = [r for r in running if r[3] < r[1]]
-        steps += 1
-    return steps
+    return replay_steps(cfg, prompts, outs, lambda: a)
 
 
 class _Outcome:
