@@ -56,25 +56,6 @@ class KernelEnv:
         return self.cuda_kernels and device.type == "cuda" and launch._capable(device.index)
 
 
-def parse_tile_knob(name: str, value: str | None, bns: tuple[int, ...],
-                    max_stages: int) -> tuple[int, int, int] | None:
-    """A benchmark's tile knob ``name`` set to ``value`` (``BNxSTAGES[xSPLITS]``) → (keys per
-    tile, stages, splits or 0), or None where unset; ValueError names a malformed value. The
-    rule of `launch.tile_knob`, over a value already read (a `KernelEnv` field)."""
-    if not value:
-        return None
-    try:
-        cfg = tuple(int(x) for x in value.lower().split("x"))
-    except ValueError:
-        cfg = ()
-    if len(cfg) not in (2, 3) or cfg[0] not in bns or not 2 <= cfg[1] <= max_stages or \
-            (len(cfg) == 3 and cfg[2] not in (1, 2, 4, 8)):
-        raise ValueError(f"{name}={value!r}: expected BNxSTAGES[xSPLITS] with BN "
-                         f"{' or '.join(map(str, bns))}, 2-{max_stages} stages and 1, 2, 4 or 8 "
-                         f"splits, e.g. {bns[0]}x3 or {bns[0]}x3x4")
-    return cfg[0], cfg[1], cfg[2] if len(cfg) == 3 else 0
-
-
 CURRENT: ContextVar[KernelEnv | None] = ContextVar("swafactory_kernel_env", default=None)
 """The snapshot of the adapter whose kernels run now (set around each `run`/`merge`); None
 outside one."""
@@ -87,7 +68,7 @@ def kernel_env() -> KernelEnv:
 
 
 # the modules below import `kernel_env` from this package: it is defined before them
-from swafactory.kernels.cuda.decode import decode_d64, decode_d64_serves  # noqa: E402
 from swafactory.kernels.cuda.launch import (CudaKernel, cuda_kernels_available,  # noqa: E402
-                                            nvcc_path)
+                                            nvcc_path, parse_tile_knob)
+from swafactory.kernels.cuda.decode import decode_d64, decode_d64_serves  # noqa: E402
 from swafactory.kernels.cuda.verify import dense_verify_d512, verify_d512_serves  # noqa: E402

@@ -106,16 +106,22 @@ def sm_count(index: int | None) -> int:
 def tile_knob(name: str, bns: tuple[int, ...], max_stages: int) -> tuple[int, int, int] | None:
     """A benchmark's tile from environment variable ``name``: ``BNxSTAGES[xSPLITS]`` → (keys
     per tile, stages, splits or 0), or None where unset; ValueError names a malformed value."""
-    env = os.environ.get(name)
-    if not env:
+    return parse_tile_knob(name, os.environ.get(name), bns, max_stages)
+
+
+def parse_tile_knob(name: str, value: str | None, bns: tuple[int, ...],
+                    max_stages: int) -> tuple[int, int, int] | None:
+    """`tile_knob`'s rule over a value already read (a `KernelEnv` field): ``value`` of knob
+    ``name`` → (keys per tile, stages, splits or 0), or None where unset."""
+    if not value:
         return None
     try:
-        cfg = tuple(int(x) for x in env.lower().split("x"))
+        cfg = tuple(int(x) for x in value.lower().split("x"))
     except ValueError:
         cfg = ()
     if len(cfg) not in (2, 3) or cfg[0] not in bns or not 2 <= cfg[1] <= max_stages or \
             (len(cfg) == 3 and cfg[2] not in (1, 2, 4, 8)):
-        raise ValueError(f"{name}={env!r}: expected BNxSTAGES[xSPLITS] with BN "
+        raise ValueError(f"{name}={value!r}: expected BNxSTAGES[xSPLITS] with BN "
                          f"{' or '.join(map(str, bns))}, 2-{max_stages} stages and 1, 2, 4 or 8 "
                          f"splits, e.g. {bns[0]}x3 or {bns[0]}x3x4")
     return cfg[0], cfg[1], cfg[2] if len(cfg) == 3 else 0
