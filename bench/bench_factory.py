@@ -11,7 +11,7 @@ SWA slots, and fills the pools with random K/V. Then one step, three ways:
   K/V write (``index_put``) and ``wrapper.run``; sinks by the same exact LSE epilogue
   (`sink_epilogue`, launched as an engine calling a Triton kernel would: ``kernel[grid](…)``;
   the factory's adapters launch the same kernel through its compiled handle,
-  `swafactory.triton_launch`);
+  `swafactory.kernels.triton_launch`);
 * **floor**: the K/V bytes the step must read (every group's index list, so an SWA layer counts
   only its window, × its layers) over a device copy measured in the same run.
 
@@ -75,19 +75,19 @@ def triton_cycle(cfg, pool, batch, qs, ks, vs, sinks, factory_out, do_bench) -> 
 
 
 AUTO_WORKLOAD = ("workload.chunk_size=8192", "workload.output_len=[1024,1024]")
-"""The serving mix auto is tuned for (its passes' weights, `registry.autotune.pass_weights`):
+"""The serving mix auto is tuned for (its passes' weights, `registry.tuning.pass_weights`):
 prompts of the case's context in 8K chunks, 1024 tokens generated per request."""
 
 
 def auto_cycle(model: str, mode: str, bs: int, ctx: int, pool, batch, qs, ks, vs, sinks,
                factory_out, do_bench, cache_dir: Path) -> dict:
     """The same step through ``backend=auto`` tuned on this GPU at the case's geometry (each
-    group's family and each pass's kernel by measured speed, `swafactory.autotune`), on the same
+    group's family and each pass's kernel by measured speed, `swafactory.backend.timing`), on the same
     pools: its cycle, its graph replay, the tuning's seconds (the first tuning of this geometry,
     or the cached one) and the choices."""
     import swafactory
-    from swafactory.autotune import autotuned
-    from swafactory.registry.autotune import TuneCache
+    from swafactory.backend.timing import autotuned
+    from swafactory.registry.tuning import TuneCache
     from swafactory.registry.device import detect_device
 
     asked = swafactory.compose([f"model={model}", "backend=auto", "spec=none",  # not validated:

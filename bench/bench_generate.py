@@ -206,8 +206,11 @@ def render(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(
-        {"commit": args.commit, "command": args.command, "rows": list(rows.values())}, indent=1))
+    # the compact record: one row a line, without the serving config (each job's report has it)
+    compact = [json.dumps({k: v for k, v in r.items() if k != "serving"}) for r in rows.values()]
+    out.with_suffix(".json").write_text(
+        f'{{"commit": {json.dumps(args.commit)}, "command": {json.dumps(args.command)}, '
+        f'"rows": [\n' + ",\n".join(compact) + "\n]}\n")
     print("\n".join(lines))
     _plot([rows[k] for k in order if k in rows and rows[k].get("accept_steps")],
           out.with_suffix(".png"))

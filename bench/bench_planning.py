@@ -77,7 +77,7 @@ def count_ops(backend, batch, plan_fn=None) -> dict:
     touches a meta tensor is a device op (host arithmetic on small CPU tensors is not)."""
     from swafactory.kvcache.locs import SlotMapping
     from swafactory.metadata.batch import ForwardBatch
-    from swafactory.resolve import KVSource, resolve_kv_source
+    from swafactory.resolve.source import KVSource, resolve_kv_source
 
     if plan_fn is None:
         from swafactory.metadata.plan import plan as plan_fn

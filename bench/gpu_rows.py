@@ -1,9 +1,13 @@
-"""The GPU conformance record: every harness job that ran on the GPU host, one JSON line each.
+"""The GPU conformance record: the harness jobs that ran on the GPU host, compacted.
 
-`bench/results/gpu-conformance-rows.jsonl` keeps every row ever brought back (sweeps from several
-device calls and commits). `add` appends the jobs of returned sweep folders; `render` rewrites the
-generated parts of `bench/results/gpu-conformance.md` (between its `<!-- grid -->` and
-`<!-- rows -->` markers) from the record, so the document never disagrees with the reports.
+`bench/results/gpu-conformance.json` keeps, per combination (backend, model, spec, workload and
+overrides), the latest row and the latest ok, refused and out-of-memory rows: every row the grid,
+the table and `missing` read. `add` reads the jobs of returned sweep folders, writes all of a
+folder's rows to its own `rows.jsonl` (raw rows stay in the bench's output folder, not in git;
+git history keeps the old `bench/results/gpu-conformance-rows.jsonl`) and merges them into the
+compact record; `render` rewrites the generated parts of `bench/results/gpu-conformance.md`
+(between its `<!-- grid -->` and `<!-- rows -->` markers) from the record, so the document never
+disagrees with the reports.
 
     python bench/gpu_rows.py add --commit 1da1d66 DIR [DIR ...]   # sweep folders (gpu.sh matrix)
     python bench/gpu_rows.py render
@@ -18,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORD = ROOT / "bench/results/gpu-conformance-rows.jsonl"
+RECORD = ROOT / "bench/results/gpu-conformance.json"
 DOC = ROOT / "bench/results/gpu-conformance.md"
 BACKENDS = ["flashinfer", "flash_attn", "triton", "torch", "flex"]
 MODELS = ["gemma4", "gpt_oss_20b", "mistral_7b"]
@@ -33,7 +37,7 @@ def _short_error(text: str) -> str:
     return text.splitlines()[0][:200] if text else "-"
 
 
-def row_of(result: dict, sweep: str, commit: str, call: str) -> dict:
+def row_of(result: dict, sweep: str, commit: str) -> dict:
     """One record row from a job's result.json."""
     extra = [o for o in result["overrides"]
              if not o.split("=")[0] in ("backend", "spec", "model", "workload")]
@@ -56,15 +60,16 @@ def row_of(result: dict, sweep: str, commit: str, call: str) -> dict:
                    + _short_error(m.get("error") or result.get("error") or ""))
     return {"backend": result["backend"], "spec": result["spec"], "model": result["model"],
             "workload": result["workload"], "extra": " ".join(extra), "status": result["status"],
-            "details": details, "sweep": sweep, "commit": commit, "call": call}
+            "details": details, "sweep": sweep, "commit": commit}
 
 
-def add(dirs: list[str], commit: str, call: str) -> int:
+def add(dirs: list[str], commit: str) -> int:
     rows = []
     for d in map(Path, dirs):
+        start = len(rows)
         for f in sorted(d.glob("*/result.json"), key=lambda p: int(p.parent.name)
                         if p.parent.name.isdigit() else 0):
-            rows.append(row_of(json.loads(f.read_text()), d.name, commit, call))
+            rows.append(row_of(json.loads(f.read_text()), d.name, commit))
         for ov in sorted(d.glob("*/.hydra/overrides.yaml")):
             if not (ov.parent.parent / "result.json").exists():  # killed at the call's limit
                 kv = dict(line[2:].split("=", 1) for line in ov.read_text().splitlines()
@@ -73,15 +78,36 @@ def add(dirs: list[str], commit: str, call: str) -> int:
                              "model": kv.get("model"), "workload": kv.get("workload", "serve"),
                              "extra": "", "status": "unfinished",
                              "details": "stopped at the device call's time limit",
-                             "sweep": d.name, "commit": commit, "call": call})
-    with RECORD.open("a") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+                             "sweep": d.name, "commit": commit})
+        with (d / "rows.jsonl").open("a") as f:  # the raw rows, in the sweep's own folder
+            for r in rows[start:]:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    save(compact(load() + rows))
     return len(rows)
 
 
+def compact(rows: list[dict]) -> list[dict]:
+    """Per combination, its latest row and its latest ok, refused and out-of-memory rows, in the
+    order brought back: the grid, the table and `missing` read the same from these as from every
+    row."""
+    keep: dict[tuple, dict[str, int]] = {}
+    for i, r in enumerate(rows):
+        k = keep.setdefault((r["backend"], r["model"], r["spec"], r["workload"], r["extra"]), {})
+        k["last"] = i
+        if r["status"] in ("ok", "refused"):
+            k[r["status"]] = i
+        if "out of memory" in r["details"]:
+            k["oom"] = i
+    return [rows[i] for i in sorted({i for k in keep.values() for i in k.values()})]
+
+
 def load() -> list[dict]:
-    return [json.loads(line) for line in RECORD.read_text().splitlines() if line.strip()]
+    return json.loads(RECORD.read_text()) if RECORD.exists() else []
+
+
+def save(rows: list[dict]) -> None:
+    RECORD.write_text("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows)
+                      + "\n]\n")
 
 
 def _cell_state(rows: list[dict]) -> str:
@@ -124,7 +150,7 @@ def grid(rows: list[dict]) -> str:
 
 def latest(rows: list[dict]) -> list[dict]:
     """The last row brought back of each combination (backend, model, spec, workload and
-    overrides): what the record shows; the JSONL keeps every row."""
+    overrides): what the record's table shows."""
     last = {}
     for r in rows:
         last[(r["backend"], r["model"], r["spec"], r["workload"], r["extra"])] = r
@@ -136,7 +162,7 @@ def table(rows: list[dict]) -> str:
     rows = sorted(latest(rows), key=lambda r: (key.get(r["backend"], 9), MODELS.index(r["model"])
                                        if r["model"] in MODELS else 9,
                                        SPECS.index(r["spec"]) if r["spec"] in SPECS else 9,
-                                       r["workload"], r["extra"], r["call"]))
+                                       r["workload"], r["extra"]))
     out = ["| backend | model | spec | workload | result | details | commit |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -202,11 +228,11 @@ def render() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("add")
     a.add_argument("--commit", required=True)
-    a.add_argument("--call", default="-", help="which run of the commit, if several (a label)")
     a.add_argument("dirs", nargs="+")
     sub.add_parser("render")
     mi = sub.add_parser("missing")
@@ -216,7 +242,7 @@ def main() -> None:
         lines = missing(args.workload)
         print("\n".join(lines) if lines else f"every accepted combination has an ok {args.workload} row")
     elif args.cmd == "add":
-        print(f"added {add(args.dirs, args.commit, args.call)} rows to {RECORD.relative_to(ROOT)}")
+        print(f"added {add(args.dirs, args.commit)} rows to {RECORD.relative_to(ROOT)}")
     else:
         render()
 

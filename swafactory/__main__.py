@@ -31,7 +31,7 @@ _ran_task = False
 def _app(cfg: DictConfig) -> None:
     global _ran_task
     _ran_task = True
-    from swafactory.cli import run_cli
+    from swafactory.cli.jobs import run_cli
 
     hc = HydraConfig.get()
     try:
@@ -47,10 +47,10 @@ def _app(cfg: DictConfig) -> None:
 def main() -> None:
     """Console-script entry point."""
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
-        from swafactory.cli import help_text
+        from swafactory.cli.jobs import help_text
 
         print(help_text(), flush=True)  # what swafactory is, its exit codes and groups; Hydra's next
-    from swafactory.cli import did_you_mean
+    from swafactory.cli.jobs import did_you_mean
 
     for line in did_you_mean(sys.argv[1:]):  # a mistyped option: the guess, then Hydra's list
         print(line, file=sys.stderr, flush=True)

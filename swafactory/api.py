@@ -7,7 +7,7 @@ from swafactory.config.from_hydra import from_hydra
 from swafactory.config.paths import conf_dir
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
-from swafactory.layout import PlanSummary, describe
+from swafactory.resolve.layout import PlanSummary, describe
 from swafactory.registry import check as _check
 from swafactory.registry.device import DeviceInfo, detect_device
 from swafactory.registry.select import resolve_auto, validate as _validate

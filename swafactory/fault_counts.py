@@ -4,7 +4,7 @@ A fault switched on where the workload gives it nothing to change (no batch shri
 graph bucket, no request passes its window, …) leaves the run green without proving anything.
 Each fault branch in the shared parts calls `FAULT_COUNTS.acted(name)` only when it changed the
 outcome; the drivers (harness and run=generate) clear the counts before a run and read them after it
-(`swafactory.inert`): a run whose fault never acted is ``inert``, not ok.
+(`swafactory.outputs.inert`): a run whose fault never acted is ``inert``, not ok.
 
 One process-wide counter: the fault branches sit deep in storage and planning code that must
 not import the drivers, and a run is one process (a tensor-parallel rank is its own).

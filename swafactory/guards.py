@@ -16,7 +16,7 @@ Two kinds of check, so that guards never add a host sync:
     `MissingSlotError`. On a GPU the planner's one key-list launch computes the word as it
     gathers the slots (`missing_check`: no launch of its own); elsewhere it is reduced from the
     planner's full-space tables (`slot_check`);
-  - a graph bucket's padding write slots (`graph_state.check_padding`);
+  - a graph bucket's padding write slots (`graphs.state.check_padding`);
   - the write slots' bounds in check mode (`HybridSWAPool.check`).
 """
 from __future__ import annotations

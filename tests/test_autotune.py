@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 import swafactory
-from swafactory.registry.autotune import (SCHEMA, TuneCache, candidates, pass_weights, tune,
+from swafactory.registry.tuning import (SCHEMA, TuneCache, candidates, pass_weights, tune,
                                          tune_key)
 from swafactory.registry.check import check
 from swafactory.registry.device import H200
@@ -186,8 +186,8 @@ def test_run_plan_shows_each_tuned_choice_with_its_time(tmp_path, monkeypatch) -
     the cache."""
     from hydra import compose, initialize_config_dir
 
-    import swafactory.autotune as at
-    import swafactory.cli as cli
+    import swafactory.backend.timing as at
+    import swafactory.cli.jobs as cli
     from swafactory.config.paths import conf_dir
 
     monkeypatch.setenv("SWAFACTORY_CACHE_DIR", str(tmp_path / "cache"))
@@ -209,8 +209,8 @@ def test_a_tuning_builds_one_pool_per_pass_for_every_candidate() -> None:
     """The candidates of a pass differ in kernels, not pools: `autotune._world` builds a pass's
     pools and batch once per geometry (the first tuning's cost), and a new geometry (another
     KV dtype, another pass) gets its own."""
-    import swafactory.autotune as at
-    from swafactory.registry.autotune import _with
+    import swafactory.backend.timing as at
+    from swafactory.registry.tuning import _with
 
     base = at._cut(swafactory.compose(["backend=auto", "spec=eagle", "model=tiny",
                                        "workload.max_running_requests=2",
@@ -240,7 +240,7 @@ def test_a_graphed_pass_is_captured_through_the_graph_contract_and_replayed(monk
 
     import torch
 
-    import swafactory.autotune as at
+    import swafactory.backend.timing as at
 
     calls = []
 
@@ -287,8 +287,8 @@ def test_the_planning_is_timed_with_the_other_groups_pass_on_our_kernels() -> No
     """`autotune._quiet`: the other group's pass goes to our kernels where its library would
     plan it on the host (decode, extend), never FlashInfer's verify (its adapter runs our tiles
     itself) nor a group already on triton."""
-    import swafactory.autotune as at
-    from swafactory.registry.autotune import _with
+    import swafactory.backend.timing as at
+    from swafactory.registry.tuning import _with
 
     base = _with(_cfg(), "swa", "flashinfer")
     q = at._quiet(base, "swa", "decode").backend

@@ -49,7 +49,7 @@ def test_typo_in_option_says_did_you_mean_before_the_list(cli) -> None:
 
 
 def test_did_you_mean_checks_each_group_option_and_sweep_value() -> None:
-    from swafactory.cli import did_you_mean
+    from swafactory.cli.jobs import did_you_mean
 
     assert did_you_mean(["spec=eagle3", "model=tiny", "spec.topk=2", "+experiment=x"]) == []
     assert did_you_mean(["backend=torch,trtion"]) == [
@@ -168,7 +168,7 @@ def _composed(*overrides: str):
 
 
 def test_a_capacity_refusal_before_the_first_forward_is_refused(tmp_path, monkeypatch) -> None:
-    from swafactory.cli import run_cli
+    from swafactory.cli.jobs import run_cli
     from swafactory.errors import CapacityError
     from swafactory.harness import run as run_module
 
@@ -186,7 +186,7 @@ def test_a_capacity_refusal_before_the_first_forward_is_refused(tmp_path, monkey
 
 
 def test_a_crash_in_a_sweep_job_leaves_a_failed_result(tmp_path, monkeypatch) -> None:
-    from swafactory.cli import run_cli
+    from swafactory.cli.jobs import run_cli
     from swafactory.harness import run as run_module
 
     def crash(*a, **kw):

@@ -21,16 +21,29 @@ def test_gpu_conformance_doc_shows_the_record_as_rendered() -> None:
     rows = g.load()
     assert rows, "the record is empty"
     keys = {"backend", "spec", "model", "workload", "extra", "status", "details", "sweep",
-            "commit", "call"}
+            "commit"}
     assert all(set(r) == keys for r in rows)
     assert {r["status"] for r in rows} <= {"ok", "failed", "refused", "unfinished"}
     doc = g.DOC.read_text()
     assert g.grid(rows) in doc and g.table(rows) in doc and g.refusals() in doc, (
         "bench/results/gpu-conformance.md is stale: run `python bench/gpu_rows.py render`")
-    # the table shows each combination once, its latest row (the JSONL keeps the others)
+    # the table shows each combination once, its latest row (the record also keeps its latest
+    # ok, refused and out-of-memory rows, which the grid and `missing` read)
     body = g.table(rows).splitlines()[2:]
     combos = {(r["backend"], r["model"], r["spec"], r["workload"], r["extra"]) for r in rows}
-    assert len(body) == len(combos) < len(rows)
+    assert len(body) == len(combos) <= len(rows)
+
+
+def test_the_record_is_compact() -> None:
+    """bench/results keeps the compact record: raw rows stay in each sweep's folder (`add` writes
+    them there), and compacting keeps what the grid, the table and `missing` read."""
+    g = _gpu_rows()
+    rows = g.load()
+    assert g.compact(rows) == rows
+    assert not (ROOT / "bench/results/gpu-conformance-rows.jsonl").exists()
+    older = [dict(r, status="failed", details="stopped") for r in rows[:20]]
+    assert g.grid(g.compact(older + rows)) == g.grid(older + rows)
+    assert g.table(g.compact(older + rows)) == g.table(older + rows)
 
 
 def test_no_recorded_gpu_run_failed_an_oracle_check() -> None:

@@ -16,7 +16,7 @@ from swafactory.kvcache.pool import HybridSWAPool, KVPool, ReqToToken
 from swafactory.kvcache.requests import RequestSlots
 from swafactory.metadata.batch import ForwardBatch, ReqForward
 from swafactory.metadata.plan import plan
-from swafactory.resolve import KVSource
+from swafactory.resolve.source import KVSource
 
 TREE8 = (-1, 0, 0, 1, 1, 2, 2, 3)
 LAYERS = {0: ("swa", 0), 1: ("full", 0), 2: ("swa", 0)}

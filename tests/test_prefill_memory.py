@@ -81,7 +81,7 @@ def measure() -> dict:
 
     from swafactory.kernels.flashinfer import Adapter
     from swafactory.metadata.plan import plan
-    from swafactory.resolve import resolve_kv_source
+    from swafactory.resolve.source import resolve_kv_source
 
     torch.set_num_threads(1)
     backend, pool, batch, small = _world()

@@ -40,7 +40,9 @@ def test_readme_is_at_most_250_lines() -> None:
                             "page under docs/ and link it")
 
 
-@pytest.mark.parametrize("path", [README, *sorted((ROOT / "docs").glob("*.md"))],
+@pytest.mark.parametrize("path", [README, *sorted((ROOT / "docs").rglob("*.md")),
+                                  *sorted((ROOT / "bench").glob("*.md")),
+                                  *sorted((ROOT / "bench" / "results").glob("*.md"))],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_working_numbers(path: Path) -> None:
     hits = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}"

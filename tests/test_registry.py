@@ -156,7 +156,7 @@ def test_cuda_graph_and_dtype_rules() -> None:
     flex = swafactory.compose(["backend=flex", "backend.kv_dtype=fp8_e4m3", "model=gpt_oss_20b"])
     assert "dtype@backend.kv_dtype" in rules(flex, CPU)
     graphs = swafactory.compose(["backend=flashinfer", "backend.cuda_graph=true"])
-    assert rules(graphs, H200) == set()  # swafactory.graphs serves flashinfer decode/verify
+    assert rules(graphs, H200) == set()  # swafactory.graphs.replay serves flashinfer decode/verify
     decode = swafactory.compose(["backend=triton", "backend.cuda_graph=true", "spec=none"])
     assert rules(decode, H200) == set()  # triton replays decode buckets
     spec = swafactory.compose(["backend=triton", "backend.cuda_graph=true", "spec=eagle3"])

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     import swafactory
-    from swafactory.engine import distill, distill_features, language
+    from swafactory.drafts import distill, distill_features, language
     from swafactory.engine.run import run_generate
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

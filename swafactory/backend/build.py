@@ -15,8 +15,8 @@ from swafactory.registry.device import detect_device
 from swafactory.registry.kernel_choice import PASSES
 from swafactory.registry.select import validate
 from swafactory.registry.table import backend_module
-from swafactory.resolve import RunnerView, TargetView
-from swafactory.runner_windows import check_own_pool, runner_windows
+from swafactory.resolve.source import RunnerView, TargetView
+from swafactory.resolve.runner_windows import check_own_pool, runner_windows
 
 __all__ = ["build_backend"]
 

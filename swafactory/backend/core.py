@@ -1,6 +1,6 @@
 """`AttentionBackend`: planning once per forward (the resolver, the planner, the kernels' own
 planning) and the guards' checks of it. The graph contract and the per-layer path are its two
-bases (`graph_contract`, `layer_path`); `build.build_backend` validates and composes one. No
+bases (`graphs.contract`, `layer_path`); `build.build_backend` validates and composes one. No
 fault code: `faulty.FaultyBackend` overrides the steps a fault changes."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import torch
 
-from swafactory.backend.graph_contract import GraphContract
+from swafactory.graphs.contract import GraphContract
 from swafactory.backend.layer_path import LayerPath
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.graph_state import GraphState
+from swafactory.graphs.state import GraphState
 from swafactory.guards import (CallOrderError, PendingChecks, batch_error, missing_check,
                                slot_check)
 from swafactory.kvcache.quant import query_dtype
@@ -20,7 +20,7 @@ from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, plan
 from swafactory.registry.capabilities import Capabilities
 from swafactory.registry.kernel_choice import MODE_PASS
-from swafactory.resolve import RunnerView, resolve_kv_source
+from swafactory.resolve.source import RunnerView, resolve_kv_source
 
 __all__ = ["AttentionBackend"]
 
@@ -122,7 +122,7 @@ class AttentionBackend(GraphContract, LayerPath):
 
     def _source(self):
         """(the pool this forward reads and writes, the resolver's `KVSource`, that pool's
-        ``layer -> (sub_pool, local_id)``), read from the view now (`swafactory.resolve`)."""
+        ``layer -> (sub_pool, local_id)``), read from the view now (`swafactory.resolve.source`)."""
         pool = self.view.active_pool
         return pool, resolve_kv_source(self.view, self.cfg.backend.resolver), pool.layers_mapping
 

@@ -15,7 +15,7 @@ so the default path carries no fault code at all.
 | sink_dropped | `forward`: sinks are taken and ignored |
 
 The storage-side faults (leaked or early-freed slots, a stale page mapping) are switches of the
-slot books' calls, which the drivers pass (`swafactory.speculative.fault_switches`).
+slot books' calls, which the drivers pass (`swafactory.serving.speculative.fault_switches`).
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ import torch
 from swafactory.backend.core import AttentionBackend
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.fault_counts import FAULT_COUNTS
-from swafactory.graph_state import GraphKey, GraphState, bucket_writes
+from swafactory.graphs.state import GraphKey, GraphState, bucket_writes
 from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
-from swafactory.resolve import RunnerView, resolve_kv_source
+from swafactory.resolve.source import RunnerView, resolve_kv_source
 
 __all__ = ["FaultyBackend", "with_faults"]
 

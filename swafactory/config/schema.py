@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from swafactory.config.backend_keys import known_backend as _known_backend
 from swafactory.config.faults import FaultsSpec
 from swafactory.config.specs import (SPEC_ALGORITHMS, DFlashSpec, Eagle3Spec, EagleSpec,
                                      FrozenKVMTPSpec, NextNSpec, NoSpec, SpecConfig, StandaloneSpec)
@@ -133,14 +134,6 @@ class ModelSpec(_Frozen):
 
 
 # ---------------------------------------------------------------- backend, workload, run
-def _known_backend(name: str, auto: bool) -> str:
-    from swafactory.registry.table import list_backends  # the registry owns the key set
-    known = (*(("auto",) if auto else ()), *list_backends())
-    if name not in known:
-        raise ValueError(f"unknown backend {name!r}; registered: {', '.join(known)}")
-    return name
-
-
 class GroupKernels(_Frozen):
     """A kernel per layer group (null: `backend.name`'s). The planner, the resolver and the typed
     spaces stay shared; only the kernel that reads a group's tables changes."""
@@ -212,7 +205,7 @@ class BackendSpec(_Frozen):
     each resolved to)."""
     autotune: bool = True
     """`backend=auto` on a GPU: time each candidate family and kernel per layer group and pass
-    at the run's geometry and keep the fastest (cached on disk; `swafactory.autotune`). False,
+    at the run's geometry and keep the fastest (cached on disk; `swafactory.backend.timing`). False,
     or on CPU: the fixed preference order."""
 
     @field_validator("name")
@@ -321,7 +314,7 @@ class RunSpec(_Frozen):
     target_weights: Literal["random", "pretrained"] = "random"
     """`generate`: ``random``: the seeded random weights (their greedy continuations are close to
     chaotic, so no draft can learn them). ``pretrained``: those weights trained first on the
-    built-in lag-copy language (`engine.language`), cached on disk: a target whose text has
+    built-in lag-copy language (`drafts.language`), cached on disk: a target whose text has
     structure a draft can learn, and which it can only predict by reading its K/V."""
     guards: bool = True
     """`generate`: false turns off the typed-space checks and the NaN poisoning of freed slots, as

@@ -1,10 +1,12 @@
-"""A small continuous-batching generator on HF model definitions (the `models` extra).
+"""The generate payload: a small continuous-batching generator on HF model definitions (the
+`models` extra), served through swafactory's serving core (`swafactory.serving`).
 
-`run_generate(cfg)` builds the model of ``model=<key>`` (random weights, or
-``model.checkpoint``), serves it through swafactory's pools, allocator, `RequestSlots`, SWA
-eviction and the built backend, drives the spec table with greedy drafts, and checks the
-result against transformers (``python -m swafactory run=generate``). transformers is imported
-when a run starts, never at import time.
+`run_generate(cfg)` (`run`) builds the model of ``model=<key>`` (random weights, or
+``model.checkpoint``; `swafactory.models`) and its draft (`swafactory.drafts`), serves them with
+the HF runner (`runner`), the generator loop and its requests (`generator`, `requests`), checks
+the result against transformers (`checks`, `oracle_watch`) and writes the generate report
+(`report`, `report_model`); ``python -m swafactory run=generate``. transformers is imported when
+a run starts, never at import time.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import copy
 import torch
 
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.engine.build import OWN_COPY, model_dtype
+from swafactory.models.build import OWN_COPY, model_dtype
 from swafactory.engine.requests import logit_gap, tie_tolerance
 from swafactory.engine.report_model import CheckResult
 from swafactory.engine.runner import attn_implementation
@@ -69,7 +69,7 @@ def _eager(model, target, ids: torch.Tensor) -> torch.Tensor:
     given) reads the target's hidden states of the same tokens, each row its position - 1's."""
     if target is None:
         return model(input_ids=ids, use_cache=False).logits[0]
-    from swafactory.engine.distill_features import _shift, target_features
+    from swafactory.drafts.distill_features import _shift, target_features
 
     feats = model.fuse(target_features(target, model, ids))
     feats = _shift(feats) if model.shifted else feats

@@ -1,8 +1,8 @@
-"""The generate payload on the serving core (`swafactory.scheduler`): greedy (speculative)
+"""The generate payload on the serving core (`swafactory.serving.scheduler`): greedy (speculative)
 decoding on HF model definitions.
 
 The scheduler admits requests up to ``workload.max_running_requests``, prefills in chunks,
-decodes (``spec=none``) or runs one step of the spec table (`swafactory.speculative.SpecStep`),
+decodes (``spec=none``) or runs one step of the spec table (`swafactory.serving.speculative.SpecStep`),
 finishes requests and evicts out-of-window SWA slots, as it does for the conformance harness.
 This payload runs each forward through a `Runner` (an HF model whose attention is the backend)
 and supplies the spec table's hooks: greedy drafts (a tree grows by the draft's top-k, its
@@ -28,18 +28,18 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from swafactory.engine.build import model_dtype
-from swafactory.engine.distill import MASK_TOKEN
-from swafactory.engine.features import FeatureBook
-from swafactory.engine.readback import Readback, pinned_ids
+from swafactory.models.build import model_dtype
+from swafactory.drafts.distill import MASK_TOKEN
+from swafactory.drafts.features import FeatureBook
+from swafactory.serving.readback import Readback, pinned_ids
 from swafactory.engine.report_model import GenStep
 from swafactory.engine.requests import (GenReq, argmax_tie, logit_gap, pack_ids, rejection,
                                         tie_tolerance)
 from swafactory.engine.runner import NonFinite, Runner
 from swafactory.metadata.batch import ForwardMode, ReqForward
-from swafactory.scheduler import Payload, Scheduler, StepKind
-from swafactory.serving import Parts
-from swafactory.speculative import greedy_path, level_bounds
+from swafactory.serving.scheduler import Payload, Scheduler, StepKind
+from swafactory.serving.parts import Parts
+from swafactory.serving.speculative import greedy_path, level_bounds
 
 __all__ = ["GenReq", "Generator", "MASK_TOKEN", "logit_gap", "rejection", "tie_tolerance"]
 

@@ -13,7 +13,7 @@ and error.
 What each layer must compute is stated from the config, never read back from the backend:
 
 * the target: the model's layer types, window, scale and soft-cap (`world.target_layer_specs`);
-* a self-speculating copy (``engine.build.copies``): the target's layers, its own pool;
+* a self-speculating copy (``models.build.copies``): the target's layers, its own pool;
 * a FROZEN_KV draft: layer j is the target layer it is bound to
   (`layout.frozen_draft_binding`), read from the target's histories;
 * any other own-pool draft (DFlash, EAGLE/MTP heads, distilled or saved drafts): the windows
@@ -24,13 +24,13 @@ What each layer must compute is stated from the config, never read back from the
 from __future__ import annotations
 
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.engine.build import Parts, copies
+from swafactory.models.build import Parts, copies
 from swafactory.harness.run import tolerance_for
 from swafactory.harness.watch import AttentionWatch
 from swafactory.harness.workers import LayerSpec
 from swafactory.harness.world import target_layer_specs
-from swafactory.layout import frozen_draft_binding
-from swafactory.runner_windows import runner_windows
+from swafactory.resolve.layout import frozen_draft_binding
+from swafactory.resolve.runner_windows import runner_windows
 
 __all__ = ["attach_oracle", "draft_layer_specs"]
 

@@ -11,8 +11,8 @@ from rich.panel import Panel
 from rich.table import Table
 
 from swafactory.engine.report_model import GenerateReport
-from swafactory.progress_lines import LineClock
-from swafactory.report_files import write_report_files
+from swafactory.outputs.progress_lines import LineClock
+from swafactory.outputs.report_files import write_report_files
 
 __all__ = ["GenProgress", "render_generate", "write_generate", "figure", "accept_line"]
 

@@ -106,7 +106,7 @@ class GenerateReport(_Model):
     was built (`backend.kernels`)."""
     autotune: list[str] = []
     """`backend=auto` tuned on a GPU: each pass × group's choice with its measured time and the
-    candidates that lost (`swafactory.autotune`); empty otherwise."""
+    candidates that lost (`swafactory.backend.timing`); empty otherwise."""
     transformers: str
     """transformers version the model was built with."""
     architecture: str
@@ -116,7 +116,7 @@ class GenerateReport(_Model):
     hf_config: dict[str, Any]
     """The target's transformers config (``config.to_dict()``)."""
     post_init: dict[str, float] = {}
-    """Parameters set to a constant after ``from_config`` (`engine.models.post_init`): rebuild
+    """Parameters set to a constant after ``from_config`` (`models.hf.post_init`): rebuild
     with ``model.get_parameter(name).data.fill_(value)``."""
     serving_model: dict[str, Any]
     """The `ModelSpec` the backend served, read from the model's attention modules."""
@@ -150,7 +150,7 @@ class GenerateReport(_Model):
     """A draft of its own weights, with a fault on: the clean twin's mean accept length (the same
     config with faults=none, run in the same process), beside ``accept_len``."""
     target_training: dict[str, Any] | None = None
-    """``run.target_weights=pretrained``: how the target was trained (`engine.train.Trained`)."""
+    """``run.target_weights=pretrained``: how the target was trained (`drafts.train.Trained`)."""
     draft_training: dict[str, Any] | None = None
     """``spec.draft_weights=distilled``: the draft's training: steps, seconds, final loss, held-out
     top-1 agreement with the target, whether it came from the cache, and its directory."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swafactory.engine.readback import pinned_ids
+from swafactory.serving.readback import pinned_ids
 from swafactory.engine.report_model import Rejection
 
 __all__ = ["GenReq", "tie_tolerance", "logit_gap", "rejection", "argmax_tie", "pack_ids"]

@@ -39,14 +39,14 @@ from typing import TextIO
 import torch
 
 from swafactory.config.schema import FaultsSpec, NoSpec, SwaFactoryConfig
-from swafactory.engine.build import build, model_dtype
+from swafactory.models.build import build, model_dtype
 from swafactory.engine.checks import (acceptance_check, ideal_accept, logits_check,
                                       logits_tolerance, lossless_check, mean_accept, most_accept)
 from swafactory.engine.generator import Generator
-from swafactory.engine.models import load_target, require_transformers
+from swafactory.models.hf import load_target, require_transformers
 from swafactory.engine.oracle_watch import attach_oracle
 from swafactory.harness.watch import OracleMismatch
-from swafactory.scheduler import replay_steps
+from swafactory.serving.scheduler import replay_steps
 from swafactory.guards import GuardError
 from swafactory.engine.report import GenProgress
 from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateReport,
@@ -54,7 +54,7 @@ from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateRe
 from swafactory.engine.runner import NonFinite
 from swafactory.errors import CapacityError, ConfigError, SpaceError
 from swafactory.fault_counts import FAULT_COUNTS
-from swafactory.inert import inert_message
+from swafactory.outputs.inert import inert_message
 from swafactory.registry.device import DeviceInfo, detect_device
 from swafactory.registry.kernel_choice import worker_lines
 from swafactory.registry.select import validate

@@ -7,11 +7,11 @@ A forward packs the batch's query tokens into one sequence ``[1, T]`` with per-t
 
 With ``graphs=True`` (``backend.cuda_graph=true``) every forward but a prefill (``extend``)
 replays a CUDA graph of the whole model call through the backend's graph contract
-(`swafactory.graph_state`): the engine's own step, each layer's q from the layer before. A graph
+(`swafactory.graphs.state`): the engine's own step, each layer's q from the layer before. A graph
 is filed under `backend.graph_key` (the mode, requests rounded up to `BUCKETS`, queries per
 request to a power of two): the mode decides the pass, and so the kernels and the buffers they
 read, so one mode's graph never replays over another mode's tables. Every bucket × mode the
-spec meets (`graph_modes`) is captured at start-up (`capture_all`, called by `engine.build`);
+spec meets (`graph_modes`) is captured at start-up (`capture_all`, called by `models.build`);
 none is captured inside the generation loop: a forward whose bucket was not captured runs
 eagerly, counted. On CPU (the torch backend's ``graph_emulation``) a replay runs the captured
 step over the buffers its capture bound (`graphs.EmulatedGraph`).
@@ -23,15 +23,15 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from swafactory.engine.readback import pinned_ids
+from swafactory.serving.readback import pinned_ids
 from swafactory.errors import SpaceError
-from swafactory.graph_sizing import BUCKETS
-from swafactory.graph_state import GraphKey
-from swafactory.graphs import capture_step, refill
+from swafactory.graphs.sizing import BUCKETS
+from swafactory.graphs.state import GraphKey
+from swafactory.graphs.replay import capture_step, refill
 from swafactory.harness.watch import capture_io, replayed
-from swafactory.integrations.transformers import ATTENTION, register, routing
+from swafactory.models.transformers import ATTENTION, register, routing
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
-from swafactory.speculative import MAX_GRAPH_TOKENS, graph_modes, graph_tokens
+from swafactory.serving.speculative import MAX_GRAPH_TOKENS, graph_modes, graph_tokens
 
 __all__ = ["Runner", "NonFinite", "attn_implementation", "graph_modes", "graph_tokens", "BUCKETS"]
 

@@ -4,7 +4,7 @@ The count is not known up front: a spec step commits a random number of tokens. 
 replays the scheduler's own rules on paper (`scheduler.replay_steps`) on the run's prompt and
 output lengths: admission, prefill chunks clamped to each request's SWA share, the eviction
 frontier, then decode or spec steps. A decode step commits one token per request; a spec step commits an
-accepted length drawn from the loop's own acceptance rule (`swafactory.speculative`'s
+accepted length drawn from the loop's own acceptance rule (`swafactory.serving.speculative`'s
 `seeded_accept` on `seeded_tree`). Without spec the replay is exact; with spec the estimate
 is the mean step count of `_REPLAYS` seeded replays (not the plug-in mean length: which
 requests finish together, and so whether a prefill stalls the decodes, depends on the draws).
@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.scheduler import replay_steps
-from swafactory.speculative import seeded_accept, seeded_tree  # the loop's own rule
+from swafactory.serving.scheduler import replay_steps
+from swafactory.serving.speculative import seeded_accept, seeded_tree  # the loop's own rule
 
 __all__ = ["estimate_steps", "accepted_lengths"]
 

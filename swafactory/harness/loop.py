@@ -1,4 +1,4 @@
-"""The conformance payload on the serving core (`swafactory.scheduler`): seeded Q/K/V, each
+"""The conformance payload on the serving core (`swafactory.serving.scheduler`): seeded Q/K/V, each
 checked attention output compared with the fp32 oracle, seeded drafts and accepts.
 
 The scheduler admits, prefills, decodes, evicts and finishes; this payload runs each forward
@@ -7,7 +7,7 @@ in), raises `Mismatched` on a check beyond the tolerance and reports every forwa
 ``on_forward``. It samples which prefill chunks are checked (a chunk that crosses the window or
 follows a fresh eviction always is, the others at ``workload.check_rate``; every other forward
 is), keeps each request's logical K/V history beside the pools and trims the rows no query to
-come can see. Each spec step is one run of the spec table (`swafactory.speculative.SpecStep`,
+come can see. Each spec step is one run of the spec table (`swafactory.serving.speculative.SpecStep`,
 shared with the generator) with a seeded tree and a seeded accepted path; a FROZEN_KV draft
 step re-reads position L - 1 here (``frozen_query="reread"``).
 """
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from swafactory.harness.workers import Check, History, Worker
 from swafactory.metadata.batch import ForwardMode, ReqForward
-from swafactory.scheduler import Payload, Scheduler, StepKind
-from swafactory.serving import Parts
-from swafactory.speculative import seeded_accept, seeded_tree
+from swafactory.serving.scheduler import Payload, Scheduler, StepKind
+from swafactory.serving.parts import Parts
+from swafactory.serving.speculative import seeded_accept, seeded_tree
 
 __all__ = ["Req", "Loop", "Mismatched"]
 

@@ -18,8 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from swafactory.harness.report_model import Report, Tick
-from swafactory.progress_lines import LineClock
-from swafactory.report_files import write_report_files
+from swafactory.outputs.progress_lines import LineClock
+from swafactory.outputs.report_files import write_report_files
 
 __all__ = ["render_summary", "write_report", "figure", "progress", "RunProgress", "LogProgress",
            "layer_ranges"]

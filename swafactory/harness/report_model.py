@@ -93,7 +93,7 @@ class Report(_Model):
     """`backend=auto` only: what it chose and why (``auto → torch, bf16 KV: no CUDA device``)."""
     autotune: list[str] = []
     """`backend=auto` tuned on a GPU: each pass × group's choice with its measured time and the
-    candidates that lost (`swafactory.autotune`); empty otherwise."""
+    candidates that lost (`swafactory.backend.timing`); empty otherwise."""
     parts: dict[str, str]
     """Which shared parts served the run (resolver policy, planner, kernel, tree strategy, …)."""
     kernels: list[str] = []
@@ -107,7 +107,7 @@ class Report(_Model):
     free: `swafactory.fault_counts`). Empty without a fault."""
     inert: str | None = None
     """Why the run is `inert`: each fault that never acted, what the workload lacked, what to
-    try (`swafactory.inert`)."""
+    try (`swafactory.outputs.inert`)."""
     layers_attended: list[int]
     """Target layers that ran attention (a subset in `smoke`)."""
     draft_layers: int

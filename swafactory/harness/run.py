@@ -15,7 +15,7 @@ from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.guards import GuardError
 from swafactory.harness import leaks
 from swafactory.harness.estimate import estimate_steps
-from swafactory.inert import inert_message
+from swafactory.outputs.inert import inert_message
 from swafactory.harness.kv_check import StaleKV
 from swafactory.harness.loop import Loop, Mismatched
 from swafactory.harness.report_model import Mismatch, ModeStats, Report, StepRecord, Tick
@@ -27,7 +27,7 @@ from swafactory.registry.select import validate
 from swafactory.registry.check import kernel_groups
 from swafactory.registry.kernel_choice import worker_lines
 from swafactory.registry.table import get_capabilities
-from swafactory.serving import Parts
+from swafactory.serving.parts import Parts
 
 __all__ = ["run", "tolerance_for"]
 

@@ -15,10 +15,10 @@ from swafactory.harness.world import target_layer_specs
 from swafactory.kvcache.factory import compute_dtype
 from swafactory.kvcache.shares import PoolSizes, size_pools
 from swafactory.kvcache.sizing import step_nodes
-from swafactory.layout import frozen_draft_binding
+from swafactory.resolve.layout import frozen_draft_binding
 from swafactory.metadata.plan import group_key
 from swafactory.parallel import Shard, shard_config
-from swafactory.serving import Parts, build_serving
+from swafactory.serving.parts import Parts, build_serving
 
 __all__ = ["pool_sizes", "build_parts"]
 

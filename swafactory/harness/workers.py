@@ -12,15 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from swafactory.backend import AttentionBackend
-from swafactory.graph_sizing import BUCKETS
-from swafactory.graphs import GraphedAttention
+from swafactory.graphs.sizing import BUCKETS
+from swafactory.graphs.replay import GraphedAttention
 from swafactory.harness.forward_oracle import ForwardOracle, request_visibility
 from swafactory.harness.history import History
 from swafactory.harness.kv_check import StaleKV, kv_reads, stale_key
 from swafactory.harness.kv_quant import fp8_roundtrip
 from swafactory.harness.oracle import masked_attention
 from swafactory.metadata.batch import ForwardBatch, ForwardMode, ReqForward
-from swafactory.speculative import graph_tokens
+from swafactory.serving.speculative import graph_tokens
 
 __all__ = ["History", "Check", "LayerSpec", "Worker", "oracle_for", "GRAPHED_MODES"]
 

@@ -44,13 +44,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swafactory.registry.kernel_choice import TILE_MAX_ROWS  # the policy's bound, declared there
+
 __all__ = ["TILE_MAX_ROWS", "FA2_MAX_QUERIES", "Signature", "Pass",
            "prefill_backend", "uses_triton_verify", "bucket_tiled", "graph_buffers",
            "held_bytes", "pad_to_bucket"]
 
-TILE_MAX_ROWS = 64
-"""Most rows per KV head (queries × GQA group) of a multi-query pass our tile serves: its
-query tile (`uses_triton_verify`)."""
 
 FA2_MAX_QUERIES = 16
 """Most queries per request for which a causal pass asks for FlashInfer's FA2 prefill."""

@@ -53,7 +53,7 @@ def frozen_draft_view(target: HybridSWAPool, binding: Sequence[int]) -> HybridSW
     """A read-only view of ``target``: draft layer j reads target layer ``binding[j]``.
 
     The binding must pick layers of the same type as the draft layers (see
-    ``swafactory.layout.frozen_draft_binding``). Buffers and mapping are the target's, so the
+    ``swafactory.resolve.layout.frozen_draft_binding``). Buffers and mapping are the target's, so the
     view's locations are the target's; writes are refused (FROZEN_KV drafts write no KV).
     """
     mapping = {}
@@ -126,12 +126,14 @@ def draft_layer_types(cfg: object) -> list[str]:
 
 def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *,
                      device: torch.device | str = "cpu", check_mode: bool = False,
-                     headroom: float = 1.0, unsafe_undersized: bool = False
-                     ) -> HybridSWAPool | None:
+                     headroom: float = 1.0, unsafe_undersized: bool = False,
+                     binding: Sequence[int] | None = None) -> HybridSWAPool | None:
     """The draft pool a `SwaFactoryConfig` asks for, attached to ``allocator``; or None.
 
     - ``draft_kv: none``: None;
-    - ``draft_kv: target_pool`` (FROZEN_KV): `frozen_draft_view` with the layout's binding;
+    - ``draft_kv: target_pool`` (FROZEN_KV): `frozen_draft_view` with ``binding``, the target
+      layer each draft layer reads (the caller's ``layout.frozen_draft_binding(cfg)``: a layout
+      decision, passed in so storage imports nothing above it);
     - DFlash with ``draft_pool_split`` on a split target: `split_draft_pool`, its layer types
       mirroring the target's last ``draft_num_layers`` layers (the schema has no draft layer
       types yet);
@@ -142,14 +144,16 @@ def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *
     ``headroom < 1`` with ``unsafe_undersized`` (fault injection) skips the capacity checks.
     """
     from swafactory.kvcache.factory import torch_dtype
-    from swafactory.layout import frozen_draft_binding
 
     spec, model, backend = cfg.spec, cfg.model, cfg.backend  # type: ignore[attr-defined]
     dtype = torch_dtype(backend.kv_dtype)
     if spec.draft_kv == "none":
         return None
     if spec.draft_kv == "target_pool":
-        return frozen_draft_view(target, frozen_draft_binding(cfg))  # type: ignore[arg-type]
+        if binding is None:
+            raise ValueError("draft_kv=target_pool: pass binding=layout.frozen_draft_binding(cfg), "
+                             "the target layer each draft layer reads")
+        return frozen_draft_view(target, binding)
     if getattr(spec, "draft_pool_split", False) and target.is_split:
         pool = split_draft_pool(target, draft_layer_types(cfg), dtype, device,
                                 headroom=headroom, unsafe_undersized=unsafe_undersized,

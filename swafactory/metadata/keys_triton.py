@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from swafactory.guards import LIST_SHIFT, NO_MISS
-from swafactory.triton_launch import launch
+from swafactory.kernels.triton_launch import launch
 
 __all__ = ["BLOCK", "FusedJob", "FusedKeys", "KeyList", "available",
            "fused_key_job", "run_fused"]

@@ -25,13 +25,18 @@ from dataclasses import dataclass, replace
 
 from swafactory.config.schema import SwaFactoryConfig, hands_to_ours
 from swafactory.errors import Reason
-from swafactory.kernels.flashinfer_passes import TILE_MAX_ROWS  # the adapter's own bound
 from swafactory.metadata.batch import MODE_PASS
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.table import get_capabilities
 
-__all__ = ["PASSES", "MODE_PASS", "PassResolution", "KernelPolicy", "cuda_kernel", "routed",
-           "ours_serve", "kernel_choice", "resolve_passes", "group_facts", "worker_lines"]
+__all__ = ["TILE_MAX_ROWS", "PASSES", "MODE_PASS", "PassResolution", "KernelPolicy",
+           "cuda_kernel", "routed", "ours_serve", "kernel_choice", "resolve_passes", "group_facts",
+           "worker_lines"]
+
+TILE_MAX_ROWS = 64
+"""Most rows per KV head (queries × GQA group) of a multi-query pass our tile serves: its query
+tile (`kernels.flashinfer_passes.uses_triton_verify`). Declared here, where the policy reads it,
+so the registry imports no kernel module (the adapter imports it from here)."""
 
 PASSES = ("decode", "verify", "extend")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from functools import cache
 
+from swafactory.config.backend_keys import use_backend_keys
 from swafactory.registry.capabilities import Capabilities
 
 __all__ = ["BACKENDS", "register_backend", "list_backends", "get_capabilities", "backend_module",
@@ -43,6 +44,9 @@ def backend_module(name: str):  # noqa: ANN201 - a module object
     if name not in BACKENDS:
         raise KeyError(f"unknown backend {name!r}; registered: {', '.join(BACKENDS)}")
     return importlib.import_module(BACKENDS[name])
+
+
+use_backend_keys(list_backends)  # the schema's `backend.name` check reads this table's keys
 
 
 @cache

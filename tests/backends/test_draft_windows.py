@@ -22,9 +22,9 @@ from swafactory.kvcache.draft import build_draft_pool, frozen_draft_view, own_dr
 from swafactory.kvcache.factory import build_pools
 from swafactory.kvcache.pool import ReqToToken
 from swafactory.kvcache.requests import RequestSlots
-from swafactory.layout import frozen_draft_binding
+from swafactory.resolve.layout import frozen_draft_binding
 from swafactory.metadata import ForwardBatch, ReqForward, plan
-from swafactory.resolve import resolve_kv_source
+from swafactory.resolve.source import resolve_kv_source
 
 TOL = 2e-5
 # gemma4 keeps its geometry, W = 1024 and layer pattern, in 6 layers (the draft binds the last ones)
@@ -34,7 +34,7 @@ SPECS = {"eagle": ["spec=eagle"], "frozen_kv_mtp": ["spec=frozen_kv_mtp"], "dfla
 
 
 class View:
-    """A host engine's runner view (`swafactory.resolve.RunnerView`)."""
+    """A host engine's runner view (`swafactory.resolve.source.RunnerView`)."""
 
     def __init__(self, active_pool, allocator_pool, role: str, spec_algorithm: str) -> None:
         self.active_pool, self.allocator_pool = active_pool, allocator_pool

@@ -18,9 +18,9 @@ import torch
 
 import swafactory
 from swafactory.backend import build_backend
-from swafactory.graph_sizing import graph_state_estimate
-from swafactory.graph_state import StaleGraphError
-from swafactory.graphs import GraphedAttention
+from swafactory.graphs.sizing import graph_state_estimate
+from swafactory.graphs.state import StaleGraphError
+from swafactory.graphs.replay import GraphedAttention
 from swafactory.harness.world import World
 from swafactory.metadata import ForwardBatch
 from test_flashinfer_host import adapter_world

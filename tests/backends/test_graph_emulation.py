@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import swafactory.kernels.torch_ref as torch_ref
-from swafactory.graph_state import GraphRouteError
-from swafactory.graphs import GraphedAttention
+from swafactory.graphs.state import GraphRouteError
+from swafactory.graphs.replay import GraphedAttention
 from swafactory.metadata import ForwardBatch
 from test_backends_vs_oracle import make_world
 

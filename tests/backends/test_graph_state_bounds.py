@@ -17,8 +17,8 @@ import torch
 import swafactory
 from flashinfer_fake import module as fake_flashinfer
 from swafactory.backend import AttentionBackend, TargetView, model_windows
-from swafactory.graph_state import StaleGraphError
-from swafactory.graphs import GraphedAttention
+from swafactory.graphs.state import StaleGraphError
+from swafactory.graphs.replay import GraphedAttention
 from swafactory.harness.world import World
 from swafactory.kernels.torch_ref import attend
 from swafactory.metadata import ForwardBatch
@@ -204,7 +204,7 @@ def test_a_bucket_captured_before_set_kv_scales_refuses_to_replay_and_is_recaptu
 
 def test_the_engine_runner_captures_every_bucket_at_start_up_sized_by_its_longest_request() -> None:
     pytest.importorskip("transformers")
-    from swafactory.engine.build import build
+    from swafactory.models.build import build
     from swafactory.engine.runner import BUCKETS as RUNNER_BUCKETS
     from swafactory.registry.device import detect_device
     from swafactory.registry.select import validate
@@ -220,7 +220,7 @@ def test_the_engine_runner_captures_every_bucket_at_start_up_sized_by_its_longes
     assert st.max_context == 30 + 7 + 1 + 1  # the longest request + a step + a page
     # the scheduler captures at start-up (scheduler.capture_graphs): up to the bucket of its
     # 2 running requests, before any step
-    from swafactory.scheduler import capture_graphs
+    from swafactory.serving.scheduler import capture_graphs
 
     assert runner.graph_use["captures"] == 0
     assert capture_graphs(parts) == 2 and runner.graph_use["replays"] == 0

@@ -1,4 +1,4 @@
-"""CUDA-graph decode and verify (`swafactory.graphs`) through the flashinfer adapter.
+"""CUDA-graph decode and verify (`swafactory.graphs.replay`) through the flashinfer adapter.
 
 On the GPU: a graph captured for a bucket of 8 requests replays, after re-planning, batches of
 8, 6 and 3 requests (and other buckets as they come), and every replay equals the eager adapter's
@@ -21,7 +21,7 @@ from swafactory import guards
 from swafactory.backend import AttentionBackend, TargetView, model_windows
 from swafactory.backend.faulty import with_faults
 from swafactory.errors import ConfigError, SpaceError
-from swafactory.graphs import GraphedAttention
+from swafactory.graphs.replay import GraphedAttention
 from swafactory.kernels import flashinfer as fi
 from swafactory.kernels.torch_ref import attend
 from swafactory.kernels.triton import decode as triton_decode

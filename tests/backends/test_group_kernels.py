@@ -108,7 +108,7 @@ def test_fp8_gemma4_on_flashinfer_moves_only_the_512_layers() -> None:
     ok = swafactory.compose([*fp8, "backend.groups.full=triton"])
     assert swafactory.check(ok, H200) == []
     # the plan table says which kernel serves which group
-    from swafactory.layout import describe
+    from swafactory.resolve.layout import describe
     rows = {r.group: r.backend for r in describe(ok, H200).rows}
     assert rows == {"swa": "flashinfer", "full": "triton"}
 

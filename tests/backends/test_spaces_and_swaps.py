@@ -10,9 +10,9 @@ from swafactory.backend import TargetView, build_backend, model_windows
 from swafactory.errors import SpaceError
 from swafactory.harness.world import World, oracle_for
 from swafactory.kvcache.draft import frozen_draft_view
-from swafactory.layout import frozen_draft_binding
+from swafactory.resolve.layout import frozen_draft_binding
 from swafactory.metadata import ForwardBatch, plan
-from swafactory.resolve import resolve_kv_source
+from swafactory.resolve.source import resolve_kv_source
 
 
 def gemma4_world(extra=(), **kw) -> World:

@@ -45,8 +45,8 @@ def test_the_distillation_prompts_reach_both_regimes_of_the_copied_rows(model: s
     must put a copied row past the lag, or a drafter that reads those rows meets unseen
     features once a prompt is longer than it was trained on (DFlash at window 128: top-1 0.9
     on trained lengths, 0.0 past them)."""
-    from swafactory.engine.distill import NEW_TOKENS, prompt_over
-    from swafactory.engine.language import lag_for
+    from swafactory.drafts.distill import NEW_TOKENS, prompt_over
+    from swafactory.drafts.language import lag_for
 
     window = swafactory.compose([f"model={model}"]).model.sliding_window
     lo, hi = prompt_over(window)
@@ -59,8 +59,8 @@ def test_the_continuations_are_made_once_per_target_window_and_seed(monkeypatch)
     other weights make their own."""
     import torch
 
-    import swafactory.engine.distill as distill
-    from swafactory.engine.models import load_target
+    import swafactory.drafts.distill as distill
+    from swafactory.models.hf import load_target
 
     calls = []
     real = distill.greedy
@@ -85,8 +85,8 @@ def test_a_head_longer_than_the_lag_is_random_and_the_rest_repeats_the_lag() -> 
     lag-long heads may follow another rule, which no draft learns)."""
     import torch
 
-    from swafactory.engine.distill import prompt_over
-    from swafactory.engine.language import lag_copy, lag_copy_agreement, lag_for, longest_prompt
+    from swafactory.drafts.distill import prompt_over
+    from swafactory.drafts.language import lag_copy, lag_copy_agreement, lag_for, longest_prompt
 
     lag, gen = 5, torch.Generator().manual_seed(0)
     x = lag_copy(64, 30, 50, gen, lag, head=12)
@@ -106,9 +106,9 @@ def test_a_gpu_trains_longer_and_dflash_at_a_lower_learning_rate() -> None:
     their CPU rate; on the CPU each keeps its own recipe."""
     import torch
 
-    from swafactory.engine import distill_features as df
-    from swafactory.engine.dflash_draft import DFlashDraft
-    from swafactory.engine.drafters import EagleDraft
+    from swafactory.drafts import distill_features as df
+    from swafactory.drafts.dflash import DFlashDraft
+    from swafactory.drafts.drafters import EagleDraft
 
     block, feature = object.__new__(DFlashDraft), object.__new__(EagleDraft)
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
@@ -126,8 +126,8 @@ def test_wide_heads_train_the_target_on_every_head_length(monkeypatch, tmp_path)
     says so; off, every head is the lag and the key is the one it always was."""
     import torch
 
-    from swafactory.engine import language
-    from swafactory.engine.models import load_target
+    from swafactory.drafts import language
+    from swafactory.models.hf import load_target
 
     monkeypatch.setenv("SWAFACTORY_CACHE_DIR", str(tmp_path))
     target = load_target(swafactory.compose(["run=generate", "model=tiny"]), torch.float32,
@@ -261,7 +261,7 @@ def test_a_draft_that_does_not_fit_is_refused_before_allocation(tmp_path, monkey
     import torch
     import transformers
 
-    from swafactory.engine import build as build_mod
+    from swafactory.models import build as build_mod
 
     cfg = transformers.Gemma4TextConfig(vocab_size=100, hidden_size=32, intermediate_size=32,
                                         num_hidden_layers=2, num_attention_heads=8,

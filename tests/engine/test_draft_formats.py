@@ -141,14 +141,14 @@ def test_a_feature_draft_through_graphs_and_a_host_ahead(family: str) -> None:
 
 def test_a_reduced_draft_vocabulary_maps_to_target_ids(tmp_path) -> None:
     """d2t: target id = draft id + d2t[draft id]; tokens outside the draft vocabulary get -inf."""
-    from swafactory.engine.drafters import Eagle3Draft
-    from swafactory.engine.formats import load_feature_draft, save_feature_draft
-    from swafactory.engine.models import load_target
+    from swafactory.drafts.drafters import Eagle3Draft
+    from swafactory.drafts.formats import load_feature_draft, save_feature_draft
+    from swafactory.models.hf import load_target
 
     cfg = swafactory.validate(swafactory.compose(["run=generate", "model=tiny",
                                                   "backend=torch"]))
     target, _, _ = load_target(cfg, torch.float32, "cpu")
-    from swafactory.engine.drafters import make_feature_draft
+    from swafactory.drafts.drafters import make_feature_draft
 
     full = make_feature_draft("eagle3", target, 5, 0, random=True)
     config = full.config
@@ -179,7 +179,7 @@ def test_a_feature_draft_that_does_not_fit_is_refused_before_allocation(tmp_path
     config.update(vocab_size=100, target_hidden_size=32, num_key_value_heads=4,
                   eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]})
     (path / "config.json").write_text(json.dumps(config))
-    from swafactory.engine import build as build_mod
+    from swafactory.models import build as build_mod
 
     monkeypatch.setattr(build_mod, "build_serving", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(ConfigError) as e:

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import swafactory  # noqa: E402
-from swafactory.engine.models import load_target  # noqa: E402
+from swafactory.models.hf import load_target  # noqa: E402
 from swafactory.engine.run import ideal_accept, run_generate  # noqa: E402
 
 SPECS = ["none", "eagle", "eagle3", "nextn", "standalone", "frozen_kv_mtp", "dflash"]

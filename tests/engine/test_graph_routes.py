@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 import swafactory  # noqa: E402
 from swafactory.engine.run import run_generate  # noqa: E402
 from swafactory.engine.runner import BUCKETS  # noqa: E402
-from swafactory.speculative import graph_modes  # noqa: E402
+from swafactory.serving.speculative import graph_modes  # noqa: E402
 
 SMALL = ["run=generate", "backend=torch", "model=tiny", "spec=eagle", "backend.cuda_graph=true",
          "workload.num_requests=2", "workload.seed=1", "workload.max_running_requests=2",

@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 import swafactory  # noqa: E402
 from swafactory.config.paths import group_options  # noqa: E402
-from swafactory.engine import generator, readback  # noqa: E402
+from swafactory.engine import generator  # noqa: E402
+from swafactory.serving import readback  # noqa: E402
 from swafactory.engine.run import run_generate  # noqa: E402
 from swafactory.registry.table import get_capabilities  # noqa: E402
 

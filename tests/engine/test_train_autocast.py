@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swafactory.engine.train import Batch, Recipe, train
+from swafactory.drafts.train import Batch, Recipe, train
 
 
 class Affine(torch.nn.Module):

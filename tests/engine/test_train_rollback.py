@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swafactory.engine.train import ROLLBACKS, Batch, Recipe, train
+from swafactory.drafts.train import ROLLBACKS, Batch, Recipe, train
 
 
 class Line(torch.nn.Module):

@@ -16,7 +16,7 @@ import swafactory
 from swafactory.config.paths import conf_dir, group_options
 from swafactory.errors import EXIT_CONFORMANCE, EXIT_INERT
 from swafactory.harness.callback import build_matrix
-from swafactory.inert import LACKS
+from swafactory.outputs.inert import LACKS
 from swafactory.engine.report_model import GenerateReport
 from swafactory.harness.report_model import Report
 

@@ -177,8 +177,8 @@ def test_a_choice_the_backend_or_geometry_cannot_run_is_refused_with_every_reaso
 def test_the_plan_says_which_kernel_serves_each_pass(monkeypatch):
     from rich.console import Console
 
-    from swafactory.cli import render_plan
-    from swafactory.layout import describe
+    from swafactory.cli.jobs import render_plan
+    from swafactory.resolve.layout import describe
 
     monkeypatch.delenv("SWAFACTORY_CUDA_KERNELS", raising=False)
     monkeypatch.setattr(launch, "nvcc_path", lambda: "/opt/cuda/bin/nvcc")

@@ -1,4 +1,4 @@
-"""`swafactory.triton_launch.launch`: the JIT's dispatch once per specialization, then the
+"""`swafactory.kernels.triton_launch.launch`: the JIT's dispatch once per specialization, then the
 compiled handle; anything that is not a JITFunction is launched the ordinary way."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from swafactory.triton_launch import launch  # noqa: E402
+from swafactory.kernels.triton_launch import launch  # noqa: E402
 
 
 def _kernel_and_log(monkeypatch):

@@ -10,7 +10,7 @@ from swafactory.kvcache.draft import build_draft_pool, own_draft_pool, split_dra
 from swafactory.errors import CapacityError
 from swafactory.kvcache.locs import Locs, translate
 from swafactory.kvcache.sizing import build_pools, pool_sizing, size_from_budget
-from swafactory.layout import frozen_draft_binding
+from swafactory.resolve.layout import frozen_draft_binding
 
 
 def _cfg(*overrides: str):
@@ -40,7 +40,9 @@ def test_own_draft_pool_covers_the_target_full_space_and_under_sizing_needs_a_sw
 def test_frozen_kv_view_reads_bound_target_layers_and_refuses_writes():
     cfg = _cfg("spec=frozen_kv_mtp")  # 2 draft layers → target layers 4 (sliding), 5 (full)
     target, alloc = build_pools(cfg, 32, 16)
-    view = build_draft_pool(cfg, target, alloc)
+    view = build_draft_pool(cfg, target, alloc, binding=frozen_draft_binding(cfg))
+    with pytest.raises(ValueError, match="binding"):  # the layout's choice, passed in by the caller
+        build_draft_pool(cfg, target, alloc)
     assert frozen_draft_binding(cfg) == (4, 5)
     assert view is not None and view.read_only and view.mapping is target.mapping
     assert view.layers_mapping == {0: target.layers_mapping[4], 1: target.layers_mapping[5]}

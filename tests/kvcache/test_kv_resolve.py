@@ -10,7 +10,7 @@ from swafactory.kvcache.allocator import SWAAllocator
 from swafactory.kvcache.draft import frozen_draft_view, own_draft_pool
 from swafactory.kvcache.locs import Locs
 from swafactory.kvcache.pool import HybridSWAPool, KVPool
-from swafactory.resolve import resolve_kv_source
+from swafactory.resolve.source import resolve_kv_source
 
 
 def _target() -> tuple[HybridSWAPool, SWAAllocator]:

@@ -23,7 +23,7 @@ longer requests runs the captured launches. A multi-token bucket is captured wit
 chain's requests get empty blocks, which the extend kernel reads as causal by position, so one
 capture replays chains, trees and DFlash blocks with the eager step's kernels.
 
-Measured and dropped (H200, `695e8c6`, bench/results/probe-decode-rows-695e8c6.json): a decode
+Measured and dropped (H200, `695e8c6`; its probe rows are in git history): a decode
 kernel reading whole pool rows per (request, split), all KV heads at once, with the split merge
 in the kernel's last program. Its serial merge tail made GPT-OSS's bs-8 full layer 67-112 µs
 against the per-head kernel's 55, and the whole graphed step 1.15 ms against 1.01. The split

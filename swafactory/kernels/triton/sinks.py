@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from swafactory.triton_launch import launch
+from swafactory.kernels.triton_launch import launch
 
 __all__ = ["sink_epilogue", "sink_output"]
 

@@ -1,0 +1,126 @@
+"""The built-in synthetic language a ``run.target_weights=pretrained`` target is trained on.
+
+Lag copy: a sequence's first tokens (its head: ``lag`` of them; up to `longest_prompt` under
+`WIDE_HEADS`) are random, and every later token repeats the one ``lag`` positions back. A model
+that has learnt it predicts its next token by attending to one key ``lag - 1`` positions back:
+its greedy continuation of any prompt is the prompt's last ``lag`` tokens, repeated. A draft can
+learn that exactly, but only by reading the right K/V.
+
+The lag is the model's sliding window plus 8 (`lag_for`): the key a token copies lies outside
+the window, so only full-attention layers reach it, in the target and in a full-attention
+draft. A draft whose out-of-window keys are lost (translated through the SWA mapping, evicted,
+read from the wrong pool) then loses its accept length at once: the symptom users saw.
+
+Token 0 never occurs: it is the models' padding id (a zero embedding) and DFlash's mask token.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TextIO
+
+import torch
+
+from swafactory.engine.runner import attn_implementation
+from swafactory.drafts.train import (Batch, Recipe, Trained, batch_size, cache_dir, load_cached,
+                                     load_weights, save_cached, train)
+
+__all__ = ["PRETRAIN", "lag_for", "longest_prompt", "lag_copy", "lag_copy_agreement", "greedy",
+           "pretrain"]
+
+
+def lag_for(window: int | None) -> int:
+    """The language's lag for a model of sliding ``window`` (None: no sliding layers): 8 keys
+    beyond the window, so every workload's prompt (the window plus at least 8) holds a period."""
+    return (window or 0) + 8
+
+
+def longest_prompt(window: int | None) -> int:
+    """The longest random prompt a draft is distilled on (and, under `WIDE_HEADS`, the target's
+    longest head): the window plus the lag (at least 64). A random prompt longer than the lag
+    is not periodic, so it lies outside a language of ``lag``-token heads; the distillation
+    measures how closely the target still follows the rule there (`distill.target_follows`)."""
+    return (window or 0) + max(64, lag_for(window))
+
+
+def lag_copy(batch: int, length: int, vocab: int, gen: torch.Generator, lag: int,
+             head: int | None = None) -> torch.Tensor:
+    """[batch, length] int64 sequences of the language, ids in [1, vocab): ``head`` random
+    tokens (default ``lag``), then each token the one ``lag`` back."""
+    head = lag if head is None else head
+    first = torch.randint(1, vocab, (batch, head), generator=gen)
+    pos = torch.arange(length)
+    return first[:, torch.where(pos < head, pos, head - lag + (pos - head) % lag)]
+
+
+def lag_copy_agreement(seqs: torch.Tensor, start: int, lag: int) -> float:
+    """The share of positions ≥ ``start`` of [batch, length] ``seqs`` that repeat the token
+    ``lag`` back: how well a model's greedy continuations (from ``start``) follow the language."""
+    return float((seqs[:, start:] == seqs[:, start - lag:seqs.shape[1] - lag]).float().mean())
+
+
+PRETRAIN = Recipe(steps=1500, lr=1e-2, batch=32, stop_loss=0.05)
+"""The target's recipe: until the loss is near 0. At the tiny geometry that takes about 150
+steps (measured on the CPU machine); a model whose only full layers must reach a long lag may
+need more, which a GPU gives in seconds."""
+PERIODS = 3
+"""A training sequence holds at least this many periods of the lag (the first one random)."""
+WIDE_HEADS = False
+"""Train the target on random heads of ``lag`` to `longest_prompt` tokens (one length per
+batch, and a period after the head) rather than of ``lag`` alone. Off: on `model=tiny` such a
+target carries the copied tokens in hidden states inside the window, so a DFlash drafter
+reading them needs no out-of-window key and a pool fault that loses those keys no longer
+lowers its accept length (`bench/probes/distill_prompts.py --heads wide` compares)."""
+
+
+def greedy(model, prompts: torch.Tensor, new: int) -> torch.Tensor:
+    """[B, P + new] int64: ``prompts`` ([B, P] int64) and ``model``'s greedy continuation, by
+    transformers' own generate with eager attention (no swafactory in the loop)."""
+    with torch.no_grad(), attn_implementation(model, "eager"):
+        return model.generate(prompts, attention_mask=torch.ones_like(prompts),
+                              max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+
+
+def pretrain(model, window: int | None, seed: int, key: dict,
+             progress: TextIO | None = None) -> Trained:
+    """Train ``model`` (fp32, eager, random weights) on the lag-copy language of its sliding
+    ``window``, or load the cached result for ``key`` (the fields its weights depend on:
+    config, seed, post_init)."""
+    lag = lag_for(window)
+    heads = (lag, longest_prompt(window) if WIDE_HEADS else lag)  # longest > lag always
+    fields = {**key, "seed": seed, "recipe": asdict(PRETRAIN), "language": f"lag_copy/{lag}",
+              "periods": PERIODS, "batch": batch_size(PRETRAIN, PERIODS * lag, model.device),
+              **({"heads": list(heads)} if WIDE_HEADS else {})}
+    path = cache_dir("targets", fields)
+    hit = load_cached(path, fields)
+    if hit is not None:
+        load_weights(model, path)
+        model.eval()
+        return Trained(**{**hit, "seconds": 0.0, "cached": True, "path": str(path)})
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    rows = batch_size(PRETRAIN, PERIODS * lag, model.device)
+
+    def batch(step: int) -> Batch:
+        head = int(torch.randint(heads[0], heads[1] + 1, (1,), generator=gen)) \
+            if WIDE_HEADS else lag
+        x = lag_copy(rows, max(PERIODS * lag, head + lag) + 1, vocab, gen, lag, head)
+        x = x.to(model.device)
+        labels = x[:, 1:].clone()
+        labels[:, :head - 1] = -100  # the random head cannot be predicted
+        return Batch(x[:, :-1], labels)
+
+    if progress is not None:
+        print(f"pretraining the target on the lag-{lag} copy language (up to {PRETRAIN.steps} "
+              "steps)",
+              file=progress, flush=True)
+    seconds, loss, steps = train(model, batch, PRETRAIN, label="target", progress=progress)
+    held = torch.Generator().manual_seed(seed + 1)
+    agree = 1.0
+    for length in sorted({lag + 8, heads[1]} if WIDE_HEADS else {lag + 8}):
+        prompts = torch.randint(1, vocab, (16, length), generator=held).to(model.device)
+        agree = min(agree, lag_copy_agreement(greedy(model, prompts, 16).cpu(), length, lag))
+    trained = Trained("target", steps, seconds, seconds, loss, agree, False, str(path),
+                      asdict(PRETRAIN))
+    save_cached(model, path, fields, trained)
+    return trained
