@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,33 +16,13 @@ from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.shares import size_pools
 from swafactory.registry.device import detect_device
 from swafactory.registry.select import validate
+from swafactory.harness.loop import Req  # a plain request: the scheduler needs no more
 from swafactory.serving.scheduler import Payload, Scheduler
 from swafactory.serving.parts import Parts, build_serving
 from swafactory.serving.speculative import seeded_accept, seeded_tree
 
 ROOT = Path(swafactory.__file__).parent
 CHUNK, R = 8, 2
-
-
-@dataclass
-class _Req:
-    rid: int
-    prompt: int
-    out: int
-    committed: int = 0
-    generated: int = 0
-
-    @property
-    def prompt_len(self) -> int:
-        return self.prompt
-
-    @property
-    def prefilling(self) -> bool:
-        return self.committed < self.prompt
-
-    @property
-    def complete(self) -> bool:
-        return self.generated >= self.out
 
 
 class _Recorder(Payload):
@@ -53,7 +32,7 @@ class _Recorder(Payload):
         self.p, self.cfg, self.rng = parts, parts.cfg, random.Random(0)
         self.forwards: list[tuple[str, str, list[tuple[int, int, int]]]] = []
         self.most_running = 0
-        self.core = Scheduler(parts, self, [_Req(i, p, o) for i, (p, o)
+        self.core = Scheduler(parts, self, [Req(i, p, o) for i, (p, o)
                                             in enumerate(zip(prompts, outs))])
 
     def forward(self, worker, mode, reqs, check=True) -> None:

@@ -60,7 +60,7 @@ import math
 import torch
 
 from swafactory.kernels import flashinfer_replan as replan
-from swafactory.kernels.cuda import CURRENT, KernelEnv
+from swafactory.kernels.cuda import KernelEnv, running_under
 from swafactory.kernels.flashinfer_check import check_at_start, check_version
 from swafactory.kernels.flashinfer_passes import (Pass, Signature, bucket_tiled, held_bytes,
                                                   uses_triton_verify)
@@ -263,16 +263,13 @@ class Adapter(WrapperPlanning):
         sig = (qs[1], ks[1], qs[2], q.dtype, k_buf.dtype, scale, softcap)
         if p.triton and p.planned_for == sig:  # the same rows and rule (off CUDA: the reference)
             t = tables if p.static is None else p.static
-            token = CURRENT.set(self.env)  # our tile reads the snapshot, not the environment
-            try:
+            with running_under(self.env):  # our tile reads the snapshot, not the environment
                 return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                        t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                        window=window, scale=scale, softcap=softcap, sinks=sinks,
                                        max_q_len=t.max_q_len, k_scale=k_scale, v_scale=v_scale,
                                        cuda=None if self.kernels is None else
                                        self.kernels.cuda(self._mode, window is not None))
-            finally:
-                CURRENT.reset(token)
         if p.triton and p.static is not None:
             raise ValueError(f"group {p.group!r}: a graph bucket's Triton pass was planned for "
                              f"{p.planned_for} but a layer runs {sig}; set the backend's q_heads "

@@ -11,10 +11,11 @@ knob between calls) reads the environment at that call (`kernel_env`).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-__all__ = ["KernelEnv", "CURRENT", "kernel_env", "parse_tile_knob", "CudaKernel",
+__all__ = ["KernelEnv", "CURRENT", "kernel_env", "running_under", "parse_tile_knob", "CudaKernel",
            "cuda_kernels_available", "nvcc_path", "dense_verify_d512", "verify_d512_serves",
            "decode_d64", "decode_d64_serves"]
 
@@ -59,6 +60,16 @@ class KernelEnv:
 CURRENT: ContextVar[KernelEnv | None] = ContextVar("swafactory_kernel_env", default=None)
 """The snapshot of the adapter whose kernels run now (set around each `run`/`merge`); None
 outside one."""
+
+
+@contextmanager
+def running_under(env: KernelEnv):
+    """The block's kernels read ``env`` (an adapter's snapshot), not the environment."""
+    token = CURRENT.set(env)
+    try:
+        yield
+    finally:
+        CURRENT.reset(token)
 
 
 def kernel_env() -> KernelEnv:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from swafactory.kernels.cuda import CURRENT, KernelEnv
+from swafactory.kernels.cuda import KernelEnv, running_under
 from swafactory.kernels.triton import CAPABILITIES  # defined before __init__ imports this module
 from swafactory.kernels.triton.decode import decode_config
 from swafactory.kernels.triton.merge import plan_splits
@@ -125,8 +125,7 @@ class Adapter:
             # list is sized for the context: split by the window's keys instead
             splits = window_splits(q, k_buf, window)
             skip = False  # and holds the planner's trimmed lists: no tile test, loads pipelined
-        token = CURRENT.set(self.env)  # the kernels read the snapshot, not the environment
-        try:
+        with running_under(self.env):  # the kernels read the snapshot, not the environment
             return paged_attention(q, k_buf, v_buf, t.qo_indptr, t.kv_indptr, t.kv_rows,
                                    t.q_pos, t.kv_pos, mask=t.mask, mask_indptr=t.mask_indptr,
                                    window=window, scale=scale, softcap=softcap, sinks=sinks,
@@ -134,18 +133,13 @@ class Adapter:
                                    new_kv=new_kv, dummy_rows=self._page, num_splits=splits,
                                    skip_empty=skip, cuda=None if self.kernels is None else
                                    self.kernels.cuda(self._mode, window is not None))
-        finally:
-            CURRENT.reset(token)
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""
         from swafactory.kernels.triton.merge import merge_attention_states
 
-        token = CURRENT.set(self.env)
-        try:
+        with running_under(self.env):
             return merge_attention_states(o1, lse1, o2, lse2, sinks)[0]
-        finally:
-            CURRENT.reset(token)
 
 
 def window_splits(q: torch.Tensor, k_buf: torch.Tensor, window: int) -> int:
