@@ -48,6 +48,18 @@
 #   kernels      the kernels a captured step replays (bench/probes/graph_kernels.py)
 #   host         where host time goes and what waits for the GPU (bench/probes/host_gpu.py,
 #                sync_wait.py, sync_sites.py)
+#   evidence     the GPU evidence at one commit, part by part (PARTS, a comma list; default
+#                core,generate,faults,speed), within one call's CALL_S (570): a part that
+#                finished at this commit on this machine (build/evidence/COMMIT/PART.done) is
+#                skipped, so the next call on a warm machine resumes; a part that does not fit
+#                the time left waits for the next call. One OUT/evidence.tgz, one
+#                OUT/evidence.txt. Parts:
+#                  core      the `core` suite; with OLD_TGZ (`git archive` of an older commit)
+#                            also its graph-route probe there (bench/probes/graph_routes.py)
+#                  generate  run=generate x gemma4, gpt_oss_20b x every spec, graphs at start-up
+#                            and the oracle on, with overlap and without (tokens/s of each)
+#                  faults    every fault x flashinfer, triton x guards on and off
+#                  speed     the `factory` suite, then `longctx` in what is left
 # Environment:
 #   WHEELS, FA4  folders of wheels to install into /tmp/site (offline hosts; docs/gpu.md);
 #                unset on a host that has /tmp/site from an earlier call: that one is used
@@ -158,6 +170,7 @@ suite_missing() {  # one matrix per (backend, model) the record lacks, in parall
 suite_faults() {  # each fault on the spec it belongs to (tests/harness/test_conformance.py)
     # graphs: a batch that shrinks inside its bucket of 4 (faults=none is the clean twin)
     local shrink=workload.max_running_requests=4,workload.num_requests=6 pair fault spec model extra
+    local fx=${FAULT_EXTRA:-}  # more overrides for every fault run (comma list)
     # fault:spec[:model[:overrides]]; the model defaults to gemma4 (sinks need gpt_oss_20b, fp8
     # on flashinfer needs gemma4's D = 512 layers on triton)
     for pair in skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash \
@@ -173,8 +186,9 @@ suite_faults() {  # each fault on the spec it belongs to (tests/harness/test_con
         IFS=: read -r fault spec model extra <<< "$pair"
         while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-6}" ]; do wait -n; done
         # shellcheck disable=SC2086  # extra: overrides, one word each
-        ( limit 300 python3 -m swafactory backend=flashinfer model="${model:-gemma4}" \
-              workload=smoke faults="$fault" spec="$spec" ${extra//,/ } \
+        ( limit 300 python3 -m swafactory backend="${FAULT_BACKEND:-flashinfer}" \
+              model="${model:-gemma4}" workload=smoke faults="$fault" spec="$spec" \
+              ${extra//,/ } ${fx//,/ } \
               hydra.run.dir="$D/$fault" > "$D/$fault.log" 2>&1
           echo "fault $fault (spec $spec): exit $?" ) >> "$D/faults.txt" &
     done
@@ -309,6 +323,83 @@ suite_host() {
     limit 180 python3 bench/probes/sync_wait.py "$D" > "$D/sync_wait.txt" 2>&1
     limit 180 python3 bench/probes/sync_sites.py "$D/sync_sites.json" backend=flashinfer \
         model=gemma4 spec=eagle3 workload=smoke > "$D/sync_sites.txt" 2>&1
+}
+
+# The evidence parts: each writes into $D/PART; estimates (s) decide what fits the call
+declare -A EVIDENCE_S=([core]=420 [generate]=420 [faults]=300 [speed]=420)
+evidence_core() {  # the `core` suite's tests beside its probe (and the older commit's first)
+    local old=/tmp/old_tree pid
+    warm 64 256 512
+    gpu_tests 300 tests/backends/test_planning_no_sync.py tests/engine/test_overlap_gpu.py \
+        tests/backends/test_engine_graphs.py tests/engine/test_generate_oracle.py \
+        > "$D/pytest.txt" 2>&1 &
+    pid=$!
+    if [ -n "${OLD_TGZ:-}" ]; then  # the older commit first: its run trains the cached models
+        rm -rf "$old" && mkdir -p "$old/bench/probes" && tar xzf "$OLD_TGZ" -C "$old" \
+            && cp bench/probes/graph_routes.py "$old/bench/probes/"
+        ( cd "$old" && PYTHONPATH=$SITE_PATH:$old limit 280 python3 bench/probes/graph_routes.py \
+            --out "$D/old" --variant clean= --commit "${OLD_COMMIT:-older}" ) > "$D/old.txt" 2>&1
+    fi
+    limit $(( CALL_S - $(elapsed_call) - 15 )) python3 bench/probes/graph_routes.py --out "$D" \
+        --commit "$COMMIT" > "$D/routes.txt" 2>&1
+    local r=$?
+    wait "$pid" || return $?
+    return $r
+}
+evidence_generate() {  # overlap on, then off: tokens/s of each, both lossless under the oracle
+    local o base=$D
+    for o in true false; do
+        D=$base/overlap_$o
+        mkdir -p "$D"
+        GRAPHS=true LANES=${LANES:-flashinfer:0} DEADLINE=190 \
+            OVERRIDES="run.overlap=$o ${OVERRIDES:-}" suite_generate
+    done
+    D=$base
+}
+evidence_faults() {  # the fault list of `faults` on each backend, guards on and off, in parallel
+    local b g base=$D
+    for b in flashinfer triton; do for g in true false; do
+        ( D=$base/${b}_guards_$g; mkdir -p "$D"
+          FAULT_BACKEND=$b FAULT_EXTRA=run.guards=$g JOBS=3 suite_faults ) &
+    done; done
+    wait
+}
+evidence_speed() {
+    suite_factory || return $?
+    local left=$(( CALL_S - $(elapsed_call) - 20 ))
+    if [ "$left" -ge 150 ]; then DEADLINE=$left suite_longctx
+    else echo "longctx: $left s left, not run" | tee "$D/longctx.txt"; fi
+}
+elapsed_call() { echo $(( $(date +%s) - CALL_T0 )); }
+suite_evidence() {
+    local p rc=0 base=$D marks=build/evidence/$COMMIT
+    mkdir -p "$marks"
+    local parts
+    parts=$(echo "${PARTS:-core,generate,faults,speed}" | tr , ' ')
+    for p in $parts; do
+        declare -F "evidence_$p" > /dev/null || { echo "unknown evidence part $p" >&2; return 2; }
+    done
+    for p in $parts; do
+        if [ -e "$marks/$p.done" ]; then
+            echo "evidence $p: done at $COMMIT on this machine earlier, skipped" | tee -a "$base/summary.txt"
+            continue
+        fi
+        if [ $(( CALL_S - $(elapsed_call) )) -lt "${EVIDENCE_S[$p]}" ]; then
+            echo "evidence $p: needs ${EVIDENCE_S[$p]} s, $(( CALL_S - $(elapsed_call) )) s left: the next call" \
+                | tee -a "$base/summary.txt"
+            continue
+        fi
+        D=$base/$p
+        mkdir -p "$D"
+        local t0
+        t0=$(date +%s)
+        "evidence_$p"
+        local r=$?
+        D=$base
+        [ "$r" = 0 ] && touch "$marks/$p.done" || rc=$r
+        echo "evidence $p: exit $r, $(( $(date +%s) - t0 )) s" | tee -a "$base/summary.txt"
+    done
+    return $rc
 }
 
 # The tensor-parallel sweep: no GPU ever runs two harness processes at once (a process's CUDA
@@ -525,6 +616,7 @@ for suite in "$@"; do
     declare -F "suite_$suite" > /dev/null || { echo "unknown suite $suite (--help lists them)" >&2; exit 2; }
 done
 rc=0
+CALL_T0=$(date +%s) CALL_S=${CALL_S:-570}
 for suite in "$@"; do
     t0=$(date +%s)
     D=/tmp/gpu/$suite
