@@ -272,7 +272,7 @@ def _cuda_graph(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
                  f"device; this device is {dev.kind}", "backend.cuda_graph=false, or backend=torch "
                  "(replays emulated on CPU)")
     elif not caps.replays_graphs(dev.kind):
-        where = "a CUDA-graph path" if dev.kind == "cuda" else f"a graph replay on {dev.kind}"
+        where = "CUDA-graph path" if dev.kind == "cuda" else f"graph replay on {dev.kind}"
         yield _r("backend.cuda_graph", f"{caps.name} has no {where}", "backend.cuda_graph=false")
     if cfg.backend.tree_mask == "cascade":
         yield _r("backend.tree_mask", "a cascade's prefix/expand split depends on each batch, so "

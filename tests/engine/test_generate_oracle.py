@@ -171,7 +171,8 @@ def test_cuda_graph_replays_are_checked(spec: str, watches) -> None:
     registered (the runner's start-up capture inside `harness.watch.capture_io`)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cfg = swafactory.compose([*SMALL, f"spec={spec}", "workload.device=cuda",
+    # the torch backend replays graphs only as the CPU emulation: a CUDA capture is triton's
+    cfg = swafactory.compose([*SMALL, f"spec={spec}", "workload.device=cuda", "backend=triton",
                               "backend.cuda_graph=true"])
     r = run_generate(cfg)
     assert r.status == "ok", (r.caught_by, r.error, r.checks)
