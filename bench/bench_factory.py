@@ -91,7 +91,8 @@ def auto_cycle(model: str, mode: str, bs: int, ctx: int, pool, batch, qs, ks, vs
     from swafactory.registry.device import detect_device
 
     asked = swafactory.compose([f"model={model}", "backend=auto", "spec=none",  # not validated:
-                                "workload.device=cuda", *SPEC_OF.get(mode, ()),  # validate
+                                "workload=smoke", "workload.device=cuda",
+                                *SPEC_OF.get(mode, ()),  # validate
                                 f"workload.max_running_requests={bs}",  # would fix auto
                                 f"workload.context_len={ctx}", *AUTO_WORKLOAD])
     device = detect_device("cuda")

@@ -65,7 +65,7 @@ def run_lane(args: argparse.Namespace) -> int:
                 row.update(status="did not run", detail=f"lane deadline ({args.deadline} s)")
                 _append(rows, row)
                 continue
-            overrides = ["run=generate", f"backend={args.backend}", f"model={model}",
+            overrides = ["run=generate", "workload=smoke", f"backend={args.backend}", f"model={model}",
                          f"spec={spec}", *args.overrides]
             row["overrides"] = overrides
             if torch.cuda.is_available():
@@ -254,7 +254,8 @@ def _one(model: str, backend: str, family: str, fault: str, a) -> dict:
     from swafactory.engine.run import run_generate
     from swafactory.errors import ConfigError
 
-    over = [f"model={model}", f"backend={backend}", "run=generate", "run.guards=false",
+    over = [f"model={model}", f"backend={backend}", "run=generate", "workload=smoke",
+            "run.guards=false",
             "run.target_weights=pretrained", f"faults={fault}", *FAMILIES[family],
             *([] if family == "frozen_kv_mtp" else ["spec.draft_weights=distilled"]),
             *(SMALL_WINDOW.get(model, []) if a.device == "cpu" else []),

@@ -55,7 +55,7 @@ def config_of(model: str, layers: int):
     import swafactory
 
     return swafactory.validate(swafactory.compose(
-        [f"model={model}", "backend=flashinfer", "spec=none", f"workload.device={DEV}",
+        [f"model={model}", "backend=flashinfer", "spec=none", "workload=smoke", f"workload.device={DEV}",
          f"model.num_layers={layers}"]))
 
 

@@ -46,7 +46,8 @@ def config_of(model: str, backend_name: str, device: str = "cuda", overrides: tu
     import swafactory
 
     return swafactory.validate(swafactory.compose(
-        [f"model={model}", f"backend={backend_name}", "spec=none", f"workload.device={device}",
+        [f"model={model}", f"backend={backend_name}", "spec=none", "workload=smoke",
+         f"workload.device={device}",
          *overrides]))
 
 

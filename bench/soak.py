@@ -51,7 +51,8 @@ class Soak:
     def __init__(self, a) -> None:
         self.a = a
         self.dev = dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run, eager
-        over = ["backend=" + a.backend, "spec=none", "model=gemma4", f"workload.device={dev}",
+        over = ["backend=" + a.backend, "spec=none", "model=gemma4", "workload=smoke",
+                f"workload.device={dev}",
                 f"model.num_layers={a.layers}", "backend.kv_dtype=fp8_e4m3", *a.override]
         self.cfg = cfg = swafactory.validate(swafactory.compose(over))
         self.W = cfg.model.sliding_window

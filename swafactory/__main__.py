@@ -51,9 +51,15 @@ def main() -> None:
 
         print(help_text(), flush=True)  # what swafactory is, its exit codes and groups; Hydra's next
     from swafactory.cli.jobs import did_you_mean
+    from swafactory.config.typos import unknown_keys
 
     for line in did_you_mean(sys.argv[1:]):  # a mistyped option: the guess, then Hydra's list
         print(line, file=sys.stderr, flush=True)
+    typos = unknown_keys(sys.argv[1:])  # a mistyped field: refused before Hydra's "use +" advice
+    if typos:
+        print(ConfigError(typos, headline=f"cannot compose {' '.join(sys.argv[1:])}:"),
+              file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     try:
         _app()
     except SystemExit as exc:

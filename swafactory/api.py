@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from swafactory.config.from_hydra import from_hydra
 from swafactory.config.paths import conf_dir
 from swafactory.config.schema import SwaFactoryConfig
+from swafactory.config.typos import unknown_key
 from swafactory.errors import ConfigError, Reason
 from swafactory.resolve.layout import PlanSummary, describe
 from swafactory.registry import check as _check
@@ -18,13 +19,23 @@ __all__ = ["compose", "check", "validate", "plan_summary", "device_for"]
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> SwaFactoryConfig:
     """Compose the shipped configs with Hydra overrides (``["backend=torch", "spec.topk=2"]``).
 
-    Raises :class:`ConfigError` for unknown options, bad override syntax and schema errors.
+    Raises :class:`ConfigError` for unknown options, bad override syntax and schema errors; a
+    key that names no field (``spec.topkk=2``) is refused with the nearest one.
     """
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    headline = f"cannot compose {' '.join(overrides) or 'the defaults'}:"
+    typos = {o: r for o in overrides if (r := unknown_key(o)) is not None}
+    if typos:  # refused before Hydra, whose advice is to append with +; with the rest's reasons
+        try:
+            compose([o for o in overrides if o not in typos], config_name)
+            rest: list[Reason] = []
+        except ConfigError as exc:
+            rest = list(exc.reasons)
+        raise ConfigError([*typos.values(), *rest], headline=headline)
     if GlobalHydra.instance().is_initialized():
         raise ConfigError([Reason("config", "compose", "Hydra is already initialized in this "
                               "process (inside a @hydra.main app); pass the app's DictConfig to "
@@ -34,8 +45,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> SwaFa
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         msg = " ".join(str(exc).split())
-        raise ConfigError([Reason("config", "overrides", msg)],
-                          headline=f"cannot compose {' '.join(overrides) or 'the defaults'}:") from None
+        raise ConfigError([Reason("config", "overrides", msg)], headline=headline) from None
     return from_hydra(cfg)
 
 

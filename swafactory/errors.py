@@ -33,7 +33,7 @@ class Reason:
         text = f"- `{self.field}`: {self.message}"
         if not self.fix:
             return text
-        return f"{text}{'' if text.endswith('.') else '.'} Fix: {self.fix}"
+        return f"{text}{'' if text.endswith(('.', '?')) else '.'} Fix: {self.fix}"
 
 
 class SwaFactoryError(Exception):

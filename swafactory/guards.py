@@ -15,14 +15,14 @@ Two kinds of check, so that guards never add a host sync:
     dummy row: a row never opened or already finished, nodes past the allocation),
     `MissingSlotError`. On a GPU the planner's one key-list launch computes the word as it
     gathers the slots (`missing_check`: no launch of its own); elsewhere it is reduced from the
-    planner's full-space tables (`slot_check`);
+    planner's full-space tables (`slot_check`). SWA-space holes, slots freed after planning and
+    rows a ``save_kv=False`` forward reads unwritten: `backend.slot_guard`;
   - a graph bucket's padding write slots (`graphs.state.check_padding`);
   - the write slots' bounds in check mode (`HybridSWAPool.check`).
 """
 from __future__ import annotations
 
 from collections import deque
-
 from collections.abc import Callable
 
 import torch
@@ -60,7 +60,11 @@ class CallOrderError(GuardError, RuntimeError):
 
 
 class MissingSlotError(GuardError, ValueError):
-    """A forward reads or writes a position of a request that has no slot (entry 0)."""
+    """A forward reads or writes a position of a request that has no live slot, in any space:
+    ``request``, ``row``, ``position`` (slot index in its row), ``access`` (reads or writes),
+    ``space`` (the space's id), ``cause`` (`backend.slot_guard`'s codes)."""
+    request = row = position = access = space = None
+    cause = "no_slot"
 
 
 def batch_table(req_to_token) -> torch.Tensor:
@@ -217,11 +221,14 @@ class DeviceCheck:
 
 def _missing(batch, what: str, b: int, pos: int) -> MissingSlotError:
     r = batch.reqs[b]
-    return MissingSlotError(
+    err = MissingSlotError(
         f"{batch.mode}: request {r.rid!r} (row {r.row}) {what} position {pos} (slot index in "
         f"its req_to_token row), which has no slot (entry 0, the dummy row): open the request "
         f"and allocate its positions [0, {r.prefix_len + r.nodes}) (RequestSlots.open / extend / "
         f"decode) before the forward, or plan it with fewer nodes")
+    err.request, err.row, err.position, err.access, err.space = (r.rid, r.row, pos, what,
+                                                                 batch.full_id)
+    return err
 
 
 def _request_of(ptr: list[int], i: int) -> int:

@@ -91,6 +91,10 @@ os.environ.setdefault("SWAFACTORY_CACHE_DIR", str(REPO / "build" / "test-cache")
 # run=generate checks its attention rows against the fp32 oracle in every test (run.oracle's
 # default reads it; a user's default is off)
 os.environ.setdefault("SWAFACTORY_ORACLE", "true")
+# a quarter of the passes after the first of each runner x mode x eager/replay (always checked):
+# every pass kind is still checked in every test, at a quarter of the oracle's cost; the tests of
+# the watch itself and the GPU suite check every pass (run.oracle_rate=1.0)
+os.environ.setdefault("SWAFACTORY_ORACLE_RATE", "0.25")
 
 # under pytest-xdist each worker is one process: one thread each keeps the cores from thrashing
 if os.environ.get("PYTEST_XDIST_WORKER"):

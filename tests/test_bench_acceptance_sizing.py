@@ -24,7 +24,8 @@ from swafactory.kvcache.sizing import step_nodes  # noqa: E402
 def _sizes(model: str, family: str, extra: list[str]):
     """The pools `run=generate` sizes for the bench's row, with SWA/full = 1 (as `build` does:
     the longest request plus a step's nodes and a page, chunks capped by the longest prompt)."""
-    cfg = compose([f"model={model}", "backend=torch", "run=generate", *bg.FAMILIES[family],
+    cfg = compose([f"model={model}", "backend=torch", "run=generate", "workload=smoke",
+                   *bg.FAMILIES[family],
                    "workload.device=cpu", "workload.swa_full_tokens_ratio=1", *extra])
     prompts, outs = draws(cfg, cfg.run.vocab_size)
     lens = [len(p) for p in prompts]

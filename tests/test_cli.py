@@ -58,6 +58,22 @@ def test_did_you_mean_checks_each_group_option_and_sweep_value() -> None:
     assert did_you_mean(["spec=zzzzzz", "hydra.run.dir=x", "nogroup=eagle3"]) == []
 
 
+@pytest.mark.parametrize("typo,nearest", [("spec.topkk=2", "spec.topk=2"),
+                                           ("modle=tiny", "model=tiny"),
+                                           ("+spec.topkk=2", "spec.topk=2")])
+def test_a_field_typo_says_did_you_mean_and_not_hydras_append_advice(cli, tmp_path, typo,
+                                                                     nearest) -> None:
+    """A mistyped field or group gets the nearest valid one, as a mistyped option does; not
+    Hydra's "use +" advice, which only moved the error to "unknown field"."""
+    out = cli(typo, "run=plan")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    key = typo.partition("=")[0].lstrip("+")
+    assert f"- `{key}`: unknown " in out.stderr and f"(got {typo})" in out.stderr
+    assert f"did you mean {nearest.partition('=')[0]}? Fix: {nearest}" in out.stderr
+    assert "To append" not in out.stderr and "not in struct" not in out.stderr
+    assert not (tmp_path / "run" / "plan.json").exists()  # refused before anything ran
+
+
 def test_bad_field_gets_the_dotted_path(cli) -> None:
     out = cli("spec.topk=0")
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -79,7 +95,8 @@ def test_console_script_matches_python_m(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------- sweeps: every job runs
-SMALL = ("workload.num_requests=2", "workload.prompt_over_window=[4,12]", "workload.output_len=[2,4]")
+SMALL = ("workload=smoke", "workload.num_requests=2", "workload.prompt_over_window=[4,12]",
+         "workload.output_len=[2,4]")  # the old default's four running requests: its refusal text
 
 
 def _sweep(tmp_path, *overrides: str):

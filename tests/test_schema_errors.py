@@ -49,3 +49,22 @@ def test_typo_in_option_becomes_config_error_listing_options() -> None:
 def test_override_of_missing_key_without_plus() -> None:
     with pytest.raises(ConfigError):
         swafactory.compose(["backend.pagesize=16"])
+
+
+def test_a_field_typo_names_the_key_the_value_and_the_nearest_field() -> None:
+    """`spec.topkk=2` is refused before Hydra (whose advice, "use +", only moved the error),
+    with the overrides' other errors; `+spec.topkk=2` the same; a group typo too."""
+    with pytest.raises(ConfigError) as info:
+        swafactory.compose(["spec.topkk=2", "backend.page_size=0", "modle=tiny"])
+    got = {r.field: r for r in info.value.reasons}
+    assert set(got) == {"spec.topkk", "modle", "backend.page_size"}
+    assert got["spec.topkk"].message == "unknown field (got spec.topkk=2); did you mean spec.topk?"
+    assert got["spec.topkk"].fix == "spec.topk=2" and got["modle"].fix == "model=tiny"
+    assert "To append" not in str(info.value)
+    assert _fields(["+spec.topkk=2"]) == {
+        "spec.topkk": "unknown field (got +spec.topkk=2); did you mean spec.topk?"}
+
+
+def test_another_algorithms_field_appended_says_whose_it_is() -> None:
+    assert _fields(["spec=eagle3", "+spec.block_size=4"])["spec.block_size"] == (
+        "spec=eagle3 has no block_size (got 4); it is a field of spec=dflash")

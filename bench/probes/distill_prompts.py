@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         for mod, name in ((distill, "DISTILL"), (distill_features, "FEATURE_DISTILL"),
                           (distill_features, "BLOCK_DISTILL")):
             setattr(mod, name, dataclasses.replace(getattr(mod, name), lr=a.lr))
-    over = [f"model={a.model}", f"backend={a.backend}", "run=generate",
+    over = [f"model={a.model}", f"backend={a.backend}", "run=generate", "workload=smoke",
             "run.target_weights=pretrained", *FAMILIES[a.family],
             *([] if a.family == "frozen_kv_mtp" else ["spec.draft_weights=distilled"]), *a.override]
     r = run_generate(swafactory.compose(over), progress=sys.stderr)

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 from common import card_tag  # noqa: E402
 
-BASE = ["model=gpt_oss_20b", "run=generate", "run.guards=false", "run.target_weights=pretrained",
+BASE = ["model=gpt_oss_20b", "run=generate", "workload=smoke", "run.guards=false", "run.target_weights=pretrained",
         "spec=dflash", "spec.block_size=16", "spec.num_draft_tokens=16",
         "spec.draft_weights=distilled", "workload.chunk_size=64",
         "workload.swa_full_tokens_ratio=1"]

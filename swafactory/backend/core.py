@@ -10,11 +10,12 @@ from dataclasses import replace
 import torch
 
 from swafactory.graphs.contract import GraphContract
+from swafactory.backend.layer_contract import full_id_error, sinks_expected
 from swafactory.backend.layer_path import LayerPath
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.graphs.state import GraphState
-from swafactory.guards import (CallOrderError, PendingChecks, batch_error, missing_check,
-                               slot_check)
+from swafactory.backend.slot_guard import SlotGuards
+from swafactory.guards import CallOrderError, PendingChecks, batch_error
 from swafactory.kvcache.quant import query_dtype
 from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, plan
@@ -25,7 +26,7 @@ from swafactory.resolve.source import RunnerView, resolve_kv_source
 __all__ = ["AttentionBackend"]
 
 
-class AttentionBackend(GraphContract, LayerPath):
+class AttentionBackend(GraphContract, SlotGuards, LayerPath):
     """One runner's attention: plans once per forward, runs a kernel once per layer."""
 
     def __init__(self, cfg: SwaFactoryConfig, adapter, view: RunnerView,
@@ -38,6 +39,10 @@ class AttentionBackend(GraphContract, LayerPath):
         self.windows = dict(windows)
         self.guards = guards
         self.softcap = cfg.model.logit_softcap
+        self.takes_sinks = sinks_expected(cfg.model, view.role)
+        """Whether each layer's `forward` must take ``sinks=`` ([Hq] fp32): True, False, or None
+        (either: an own-pool draft of a model with sinks). Checked with guards on."""
+        self._sinks_rule = self.takes_sinks  # what `forward` checks (a fault may drop them past it)
         self.cascade = cfg.backend.tree_mask == "cascade"
         self._plan: ForwardPlan | None = None
         self._pool = None
@@ -107,7 +112,9 @@ class AttentionBackend(GraphContract, LayerPath):
 
     def _plan_forward(self, batch: ForwardBatch, graph: tuple[int, int] | None) -> ForwardPlan:
         if self.guards:  # the batch's own mistakes, in its terms, before the planner meets them
-            err = batch_error(batch, self.view.active_pool.sub_pools[0].k_bufs[0].device)
+            active = self.view.active_pool
+            err = (batch_error(batch, active.sub_pools[0].k_bufs[0].device)
+                   or full_id_error(batch, active))
             if err is not None:
                 raise err
         pool, source, lmap = self._source()
@@ -115,7 +122,7 @@ class AttentionBackend(GraphContract, LayerPath):
         if graph is not None:  # before the adapters refill buffers the batch would overflow
             self._graph.check_keys(fplan, *graph)
         if self.guards:
-            self._check_slots(batch, fplan)
+            self._check_slots(batch, fplan, pool)  # holes in every space (`SlotGuards`)
         self._pool = pool
         self._plan_kernels(fplan, pool, graph)  # kernels with host-side planning: here, once
         return fplan
@@ -135,25 +142,7 @@ class AttentionBackend(GraphContract, LayerPath):
         """The pool a graph bucket is captured against: the view's active pool."""
         return self.view.active_pool
 
-    # --- guards: positions without a slot, checked on the device (swafactory.guards) ------------
-
-    def _check_slots(self, batch: ForwardBatch, fplan: ForwardPlan) -> None:
-        """The missing-slot check: the word the fused planner computed (a GPU: no launch of
-        its own), else the plan's full-space tables reduced on the device. On CPU raise now
-        (reading is free); on CUDA keep it for `raise_pending` (no sync here)."""
-        qo_host = next(iter(fplan.groups.values())).tables.qo_host
-        if fplan.missing is not None:
-            self._defer(missing_check(batch, fplan.missing.word, fplan.missing.lists, qo_host))
-            return
-        reads = writes = None
-        for g in fplan.groups.values():
-            t = g.tables
-            if t.kv_indices.space == "full" and (reads is None or g.window is None):
-                reads = t  # an unwindowed full list covers every request's whole read range
-            if writes is None and g.write_locs is not None and g.write_locs.space == "full":
-                writes = g.write_locs.tensor
-        self._defer(slot_check(batch, None if reads is None else reads.kv_indices.tensor,
-                               None if reads is None else reads.kv_host, writes, qo_host))
+    # --- guards: slots checked on the device (swafactory.guards, backend.slot_guard) ----------
 
     def _defer(self, check) -> None:
         """A device check: read now where that is free (CPU), else kept for `raise_pending`."""
@@ -161,7 +150,8 @@ class AttentionBackend(GraphContract, LayerPath):
 
     def raise_pending(self) -> None:
         """Raise the first error the guards' device checks found since the last call: a
-        position read or written that has no slot (`guards.MissingSlotError`), a graph bucket's
+        position read or written that has no live slot, in any space, or a ``save_kv=False``
+        forward's own rows unwritten in check mode (`guards.MissingSlotError`), a graph bucket's
         padding row writing a live slot (SpaceError), a write slot out of bounds in check mode
         (CapacityError). Call it where the engine reads the device back anyway: it waits on the
         newest check's event (queued before that forward's kernels, not after them), once. A

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import torch
 
 from swafactory.backend.core import AttentionBackend
+from swafactory.backend.layer_contract import sinks_error
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.graphs.state import GraphKey, GraphState, bucket_writes
@@ -45,6 +46,8 @@ class FaultyBackend(AttentionBackend):
             windows = {j: (None if w is None else w + 1) for j, w in windows.items()}
         super().__init__(cfg, adapter, view, windows, guards, adapters)
         self._frozen = None
+        if f.sink_dropped:  # `forward` checks the caller's sinks itself, then drops them
+            self._sinks_rule = None
         if f.pool_cached_at_init:  # FAULT: what the view says at construction
             self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
 
@@ -107,6 +110,11 @@ class FaultyBackend(AttentionBackend):
                 layer_id: int, batch: ForwardBatch | None = None, save_kv: bool = True,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         if self.faults.sink_dropped:
+            # the caller's side of the contract still holds: only the kernel drops them
+            err = self.guards and sinks_error(layer_id, self.plan.mode, self.cfg.model,
+                                              self.q_heads, sinks, self.takes_sinks)
+            if err:
+                raise err
             if sinks is not None:
                 FAULT_COUNTS.acted("sink_dropped")
             sinks = None  # FAULT: the kernel takes sinks= and ignores it
@@ -124,4 +132,5 @@ def with_faults(backend: AttentionBackend, **switches: bool) -> FaultyBackend:
     backend.__class__ = FaultyBackend
     backend.faults = backend.cfg.faults.model_copy(update=switches)
     backend._frozen = None
+    backend._sinks_rule = None if backend.faults.sink_dropped else backend.takes_sinks
     return backend

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swafactory.backend.layer_contract import sinks_error
 from swafactory.errors import SpaceError
 from swafactory.guards import Q_DTYPES, forward_error
 from swafactory.kvcache.quant import is_fp8, store_rows
@@ -162,8 +163,9 @@ class LayerPath:
 
     def layer_scale(self, layer_id: int) -> float:
         """The softmax scale of ``layer_id`` in this forward: ``model.softmax_scale``, else the
-        head_dim^-0.5 of the buffers it reads (a frozen draft layer reads a target layer)."""
-        return self._scale(self._pool.sub_pool(layer_id))
+        head_dim^-0.5 of the buffers it reads (a frozen draft layer reads a target layer): the
+        planned pool's, else (before the first plan) the view's active pool's."""
+        return self._scale((self._pool or self.view.active_pool).sub_pool(layer_id))
 
     def _scale(self, sub) -> float:
         return self.cfg.model.softmax_scale or sub.head_dim ** -0.5
@@ -174,7 +176,9 @@ class LayerPath:
         """Attention of one layer.
 
         q: [total_q, Hq, D]; k, v: [total_q, Hkv, D] (this forward's new tokens, written first
-        when ``save_kv``); sinks: [Hq] fp32 or None. Returns [total_q, Hq, D] in q's dtype.
+        when ``save_kv``); sinks: the layer's [Hq] fp32 sink logits, required when
+        ``model.attention_sinks`` and refused otherwise (`layer_contract.sinks_error`). Scores
+        are scaled by `layer_scale`. Returns [total_q, Hq, D] in q's dtype.
         ``batch`` is accepted for engines that pass it; the plan is the one of
         `init_forward_metadata`.
         """
@@ -186,6 +190,9 @@ class LayerPath:
         if self.guards:
             if e.pair not in self._checked:
                 self._check_layer(layer_id, g, e.sub, e.pair)
+            if (sinks is None) is self._sinks_rule:  # the model's sinks dropped, or added to one
+                raise sinks_error(layer_id, self._plan.mode, self.cfg.model, self.q_heads, sinks,
+                                  self._sinks_rule)
             # metadata only, each property read once (the store takes k's and v's dtypes from
             # here); `guards.forward_error` names what differs
             hq, dev = self.q_heads, e.device
@@ -216,6 +223,8 @@ class LayerPath:
                 return ad.run(g.tables, q, k_buf, v_buf, sinks=sinks, lse=False, new_kv=new_kv,
                               **kw)[0]
             self._store(layer_id, e, k, v, kd, vd)
+        elif self.guards and e.wpair not in self._checked:  # its own rows: written before?
+            self._unsaved(layer_id, e)  # (`slot_guard.SlotGuards`: check mode)
         if g.cascade is not None:
             pre, exp = g.cascade
             o1, l1 = ad.run(pre, q, k_buf, v_buf, **kw)

@@ -23,7 +23,7 @@ from swafactory.outputs.job_log import job_console, log_line, screen_only
 from swafactory.resolve.layout import PlanSummary, describe
 from swafactory.registry.auto_note import auto_note
 from swafactory.registry.device import detect_device
-from swafactory.registry.select import validate
+from swafactory.registry.select import refuse_idle_faults, validate
 
 __all__ = ["run_cli", "render_plan", "help_text", "did_you_mean"]
 
@@ -74,9 +74,10 @@ def _names(cfg: DictConfig) -> dict[str, str]:
 
 def _write_result(out: Path | None, cfg: DictConfig, overrides: list[str], status: str, *,
                    reasons: list[str] = (), report=None, error: str | None = None,
-                   accept: str | None = None) -> None:
+                   accept: str | None = None) -> Path | None:
+    """Write the job's `result.json` (what a sweep's matrix.md reads); returns its path."""
     if out is None:
-        return
+        return None
     from swafactory.harness.callback import JobResult
 
     n = _names(cfg)
@@ -84,6 +85,7 @@ def _write_result(out: Path | None, cfg: DictConfig, overrides: list[str], statu
                     overrides=overrides, status=status, reasons=list(reasons), report=report,
                     error=error, accept=accept, **n)
     (out / "result.json").write_text(res.model_dump_json(indent=1))
+    return out / "result.json"
 
 
 def run_cli(cfg: DictConfig, output_dir: Path | None, *, overrides: list[str] = (),
@@ -103,6 +105,7 @@ def _run(cfg, output_dir, overrides, sweep, console) -> int:
         try:
             asked = from_hydra(cfg)
             device = detect_device(asked.workload.device)
+            refuse_idle_faults(asked, device)  # before autotuning times a run that proves nothing
             tuned, tuning = autotuned(asked, device)  # backend=auto on a GPU: by measurement
             conf = validate(tuned, device)
             lines = tuning.lines() if tuning is not None else []
@@ -145,8 +148,8 @@ def _plan(conf, device, cfg, output_dir, overrides, console, tuned=()) -> int:
         path = output_dir / "plan.json"
         path.write_text(json.dumps({"plan": plan.model_dump(), "autotune": list(tuned),
                                     "config": conf.model_dump(mode="json")}, indent=2))
-        _write_result(output_dir, cfg, overrides, "ok")
         console.print(f"wrote {path}")
+        console.print(f"wrote {_write_result(output_dir, cfg, overrides, 'ok')}")
     return EXIT_OK
 
 
@@ -154,7 +157,10 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
                  tuned=()) -> int:
     from swafactory.harness.report import progress, render_summary, write_report
     from swafactory.harness.run import run
+    from swafactory.harness.setup import pool_memory
 
+    # before anything is allocated (a sizing refusal raises here); one line, whatever the width
+    console.print(pool_memory(conf).line(), soft_wrap=True)
     with screen_only(console), progress(console) as bar:
         report = run(conf, device, on_progress=bar.update)
     if note:  # `conf` is resolved already: what auto chose, from the config as asked
@@ -165,7 +171,8 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
     if output_dir is not None:
         for path in write_report(report, output_dir):
             console.print(f"wrote {path}")
-        _write_result(output_dir, cfg, overrides, report.status, report=report)
+        done = _write_result(output_dir, cfg, overrides, report.status, report=report)
+        console.print(f"wrote {done}")
     if report.status == "inert":
         _stderr(console, f"conformance INERT: {report.inert}")
         return EXIT_OK if sweep else EXIT_INERT
@@ -189,11 +196,13 @@ def _generate(conf, device, cfg, output_dir, overrides, console, sweep, tuned=()
     if output_dir is not None:
         for path in write_generate(report, output_dir):
             console.print(f"wrote {path}")
-        _write_result(output_dir, cfg, overrides, report.status,
-                      error=None if report.status == "ok" else report.inert
-                      if report.status == "inert" else f"caught by {report.caught_by}: "
-                      f"{next(c.detail for c in report.checks if c.name == report.caught_by)}",
-                      accept=accept_line(report))
+        caught = next((c.detail for c in report.checks if c.name == report.caught_by), None)
+        done = _write_result(output_dir, cfg, overrides, report.status,
+                             error=None if report.status == "ok" else report.inert
+                             if report.status == "inert" else
+                             f"caught by {report.caught_by}: {caught}",
+                             accept=accept_line(report))
+        console.print(f"wrote {done}")
     if report.status == "inert":
         _stderr(console, f"generate INERT: {report.inert}")
         return EXIT_OK if sweep else EXIT_INERT

@@ -9,6 +9,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
 from swafactory.config.schema import SPEC_ALGORITHMS, SwaFactoryConfig
+from swafactory.config.typos import nearest_field, spec_owners
 from swafactory.errors import ConfigError, FieldError, Reason
 
 __all__ = ["from_hydra", "reasons_from_validation"]
@@ -37,7 +38,7 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "config"
 
 
-def _message(err: Mapping[str, Any]) -> str:
+def _message(err: Mapping[str, Any], field: str) -> str:
     kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
     if kind == "greater_than_equal":
         return f"must be ≥ {ctx['ge']}, got {got!r}"
@@ -45,8 +46,14 @@ def _message(err: Mapping[str, Any]) -> str:
         return f"must be > {ctx['gt']}, got {got!r}"
     if kind == "less_than_equal":
         return f"must be ≤ {ctx['le']}, got {got!r}"
-    if kind == "extra_forbidden":
-        return f"unknown field (got {got!r}); remove it or check its spelling"
+    if kind == "extra_forbidden":  # appended with +, so nothing refused the key before
+        loc, owners = err["loc"], spec_owners(field.split(".")[-1])
+        if field.count(".") == 1 and field.startswith("spec.") and owners:  # another algorithm's
+            return (f"spec={loc[1]} has no {loc[-1]} (got {got!r}); it is a field of "
+                    f"{' and '.join(f'spec={o}' for o in owners)}")
+        guess = nearest_field(field)
+        return f"unknown field (got {got!r}); " + (f"did you mean {guess}={got}?" if guess else
+                                                    "remove it or check its spelling")
     if kind == "missing":
         return "is required"
     if kind == "literal_error":
@@ -65,5 +72,5 @@ def reasons_from_validation(exc: ValidationError) -> list[Reason]:
         cause = (err.get("ctx") or {}).get("error")
         loc = err["loc"] + ((cause.field,) if isinstance(cause, FieldError) else ())
         field = _dotted(loc)
-        out.append(Reason(field.split(".")[0], field, _message(err)))
+        out.append(Reason(field.split(".")[0], field, _message(err, field)))
     return out

@@ -262,7 +262,8 @@ class WorkloadSpec(_Frozen):
     """Fraction of prefill attention calls compared with the oracle (decode, verify and draft
     calls, and calls right after an eviction, are always checked)."""
     layers: Literal["all", "subset"] = "all"
-    """`subset`: attend two layers per layer group (every geometry), still driving every pool."""
+    """`subset`: attend two layers per layer group (every geometry), still driving every pool;
+    the pools give rows to those layers only."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where pools and kernels live; `auto` = cuda when a GPU is visible."""
     seed: int = 0

@@ -32,7 +32,7 @@ from swafactory.drafts.language import greedy, lag_copy_agreement, lag_for, long
 from swafactory.models.hf import attention_modules, draft_from_layers, require_transformers
 from swafactory.drafts.train import (TOKENS_PER_BATCH, Batch, Recipe, Trained, batch_size,
                                      cache_dir, lm_loss, load_cached, load_weights, save_cached,
-                                     train)
+                                     say_cached, say_training, train)
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["DISTILL", "MASK_TOKEN", "prompt_over", "data_key", "make_draft", "load_draft",
@@ -242,6 +242,7 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
     path = cache_dir("drafts", fields)
     hit = load_cached(path, fields)
     if hit is not None:
+        say_cached(progress, f"draft {family}", path, hit)
         load_weights(draft, path)
         return Trained(**{**hit, "what": f"draft {family}", "seconds": 0.0, "cached": True,
                           "path": str(path)})
@@ -250,6 +251,7 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
     if progress is not None:
         print(f"distilling the {family} draft ({DISTILL.steps} steps): the target's greedy "
               "continuations of random prompts", file=progress, flush=True)
+    say_training(progress, "drafts", f"draft {family}", path, fields, DISTILL)
     groups, held = _data(target, vocab, window, seed, device, fields.get("target"))
     follows = target_follows(groups, window, progress)
     types = set(getattr(draft.config, "layer_types", None) or ["full_attention"])

@@ -25,17 +25,20 @@ from swafactory.drafts.drafters import EagleDraft, MtpDraft
 from swafactory.drafts.formats import load_feature_draft, save_feature_draft
 from swafactory.engine.runner import attn_implementation
 from swafactory.drafts.train import (TOKENS_PER_BATCH, Batch, Recipe, Trained, batch_size,
-                                     cache_dir, load_cached, save_cached, train)
+                                     cache_dir, load_cached, save_cached, say_cached,
+                                     say_training, train)
 
 __all__ = ["FEATURE_DISTILL", "BLOCK_DISTILL", "UNROLL", "distill_features", "recipe_for",
            "target_features"]
 
 FEATURE_DISTILL = Recipe(steps=200, lr=1e-2, batch=16)
-BLOCK_DISTILL = Recipe(steps=240, lr=5e-3, batch=16)
+BLOCK_DISTILL = Recipe(steps=240, lr=5e-3, batch=12)
 """DFlash's: a block row learns a token up to a block ahead, from fresh Qwen3 layers. At
 `model=tiny` on the CPU machine 1e-2 sat at chance for 100 steps, and after 320 its worst prompt
 length's loss was 0.81 (accept 6.86 of 8); 5e-3 after 240 steps: 0.90 (final loss 0.14, held-out
-top-1 1.00, accept 6.00), a quarter fewer steps of the 60 s budget."""
+top-1 1.00, accept 6.00). Batch 16 took 63 CPU s beside another test process, past the 60 s
+budget; batch 12 costs about a fifth less a step and reached 1.20 on its worst prompt length
+(final loss 0.18, held-out top-1 1.00, accept 6.86), where 180 steps of 16 left it at 3.01."""
 GPU_STEPS, GPU_STOP_LOSS = 2000, 0.05
 """On a GPU a step costs about 20 ms at run=generate's sizes, and a longer lag needs more of
 them (GPT-OSS's window 128: 320 DFlash steps at 1e-2 left held-out top-1 at 0.25 on the H200):
@@ -157,6 +160,7 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
     path = cache_dir("drafts", fields)
     hit = load_cached(path, fields)
     if hit is not None:
+        say_cached(progress, f"draft {family}", path, hit)
         loaded = load_feature_draft(path, target, device)
         return loaded, Trained(**{**hit, "what": f"draft {family}", "seconds": 0.0,
                                   "cached": True, "path": str(path)})
@@ -164,6 +168,7 @@ def distill_features(target, draft, *, family: str, window: int, seed: int, fiel
     if progress is not None:
         print(f"distilling the {family} draft ({recipe.steps} steps) on the target's "
               "hidden states and greedy continuations", file=progress, flush=True)
+    say_training(progress, "drafts", f"draft {family}", path, fields, recipe)
     groups, held = _data(target, target.config.vocab_size, window, seed, device,
                          fields.get("target"))
     follows = target_follows(groups, window, progress)

@@ -22,7 +22,7 @@ import torch
 
 from swafactory.engine.runner import attn_implementation
 from swafactory.drafts.train import (Batch, Recipe, Trained, batch_size, cache_dir, load_cached,
-                                     load_weights, save_cached, train)
+                                     load_weights, save_cached, say_cached, say_training, train)
 
 __all__ = ["PRETRAIN", "lag_for", "longest_prompt", "lag_copy", "lag_copy_agreement", "greedy",
            "pretrain"]
@@ -94,6 +94,7 @@ def pretrain(model, window: int | None, seed: int, key: dict,
     path = cache_dir("targets", fields)
     hit = load_cached(path, fields)
     if hit is not None:
+        say_cached(progress, "target", path, hit)
         load_weights(model, path)
         model.eval()
         return Trained(**{**hit, "seconds": 0.0, "cached": True, "path": str(path)})
@@ -112,8 +113,8 @@ def pretrain(model, window: int | None, seed: int, key: dict,
 
     if progress is not None:
         print(f"pretraining the target on the lag-{lag} copy language (up to {PRETRAIN.steps} "
-              "steps)",
-              file=progress, flush=True)
+              "steps)", file=progress, flush=True)
+    say_training(progress, "targets", "target", path, fields, PRETRAIN)
     seconds, loss, steps = train(model, batch, PRETRAIN, label="target", progress=progress)
     held = torch.Generator().manual_seed(seed + 1)
     agree = 1.0

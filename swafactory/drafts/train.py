@@ -27,7 +27,8 @@ import torch
 from swafactory.engine.runner import attn_implementation
 
 __all__ = ["Recipe", "Batch", "Trained", "TOKENS_PER_BATCH", "batch_size", "lm_loss",
-           "cache_root", "cache_dir", "load_cached", "save_cached", "load_weights", "train"]
+           "cache_root", "cache_dir", "load_cached", "save_cached", "load_weights", "train",
+           "REFERENCE_CPU_S", "estimate", "say_cached", "say_training"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,71 @@ def save_cached(model, path: Path, fields: dict, trained: Trained,
             tmp.rename(path)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+SHAPE = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "sliding_window")
+"""The config fields that set a training step's cost: a cached model with the same ones, on the
+same device kind, is "similar" (`estimate`)."""
+
+REFERENCE_CPU_S = {"target": (42.1, 149), "draft eagle": (39.5, 200), "draft eagle3": (29.8, 200),
+                   "draft nextn": (23.8, 200), "draft standalone": (32.2, 200),
+                   "draft dflash": (63.5, 240)}
+"""Seconds and steps each `model=tiny` training took on the 2-core CPU machine (the cache's
+records of the test runs; the target stopped early once its loss converged): the estimate when
+the cache holds nothing similar."""
+
+
+def _shape(fields: dict) -> dict:
+    configs = [v for k in ("config", "draft") if isinstance(v := fields.get(k), dict)]
+    return {k: c[k] for c in configs for k in SHAPE if k in c}
+
+
+def estimate(kind: str, what: str, fields: dict, recipe: Recipe) -> tuple[float, str] | None:
+    """(seconds, where the figure comes from) for training ``what`` (``target``, ``draft
+    <family>``) under ``recipe``: a similar cached model's seconds per step (`SHAPE`, the same
+    device), else `REFERENCE_CPU_S` on a CPU; None when neither applies. With ``stop_loss``, the
+    steps the earlier training ran (it stops once converged), else the recipe's."""
+    want, device = _shape(fields), fields.get("device")
+    for meta_file in sorted((cache_root() / kind).glob("*/swafactory.json")):
+        try:
+            meta = json.loads(meta_file.read_text())
+            t, f = meta["trained"], meta["fields"]
+            if (t["what"], f.get("device"), _shape(f)) != (what, device, want) or not t["steps"]:
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged or older entry tells nothing
+        steps = min(t["steps"], recipe.steps) if recipe.stop_loss else recipe.steps
+        return (t["trained_s"] / t["steps"] * steps, f"as a similar cached {what} took "
+                f"{t['trained_s']:.0f} s for {t['steps']} steps ({meta_file.parent})")
+    ref = REFERENCE_CPU_S.get(what)
+    if ref is None or not str(device).startswith("cpu"):
+        return None
+    secs, ref_steps = ref
+    steps = min(ref_steps, recipe.steps) if recipe.stop_loss else recipe.steps
+    return (secs / ref_steps * steps, f"if it is as small as model=tiny's, whose {what} took "
+            f"{secs:.0f} s for {ref_steps} steps on a 2-core CPU (more for a larger model)")
+
+
+def say_cached(progress: TextIO | None, what: str, path: Path, hit: dict) -> None:
+    """Tell ``progress`` that ``what`` comes from the cache at ``path``, not from training."""
+    if progress is not None:
+        print(f"{what}: reusing the cached weights at {path} (trained once in "
+              f"{hit['trained_s']:.0f} s, {hit['steps']} steps)", file=progress, flush=True)
+
+
+def say_training(progress: TextIO | None, kind: str, what: str, path: Path, fields: dict,
+                 recipe: Recipe) -> None:
+    """Tell ``progress``, before training, how long it should take and where it is cached."""
+    if progress is None:
+        return
+    est, device = estimate(kind, what, fields, recipe), fields.get("device", "this device")
+    when = f"about {est[0]:.0f} s on {device}, {est[1]}" if est else \
+        f"no estimate on {device} (the cache holds no similar model)"
+    most = f"at most {recipe.steps} steps" + (", fewer once the loss converges"
+                                               if recipe.stop_loss else "")
+    print(f"  {what}: not in the cache; {when}; {most}; caching it at {path} (a second run "
+          "reuses it)", file=progress, flush=True)
 
 
 def load_weights(model, path: Path) -> None:

@@ -19,7 +19,7 @@ from swafactory.engine.requests import logit_gap, tie_tolerance
 from swafactory.engine.report_model import CheckResult
 from swafactory.engine.runner import attn_implementation
 
-__all__ = ["NOISE_FACTOR", "ACCEPT_MARGIN", "logits_tolerance", "ideal_accept", "most_accept",
+__all__ = ["oracle_check", "NOISE_FACTOR", "ACCEPT_MARGIN", "logits_tolerance", "ideal_accept", "most_accept",
            "mean_accept", "logits_check", "lossless_check", "acceptance_check"]
 
 
@@ -263,3 +263,18 @@ def acceptance_check(cfg: SwaFactoryConfig, reqs, ref, rounding: float, clean=No
               f"{len(diff)} requests differ from the torch backend: {diff[0]}")
     return CheckResult(name="acceptance", status="failed" if diff else "ok", detail=detail)
 
+
+
+def oracle_check(watch) -> CheckResult:
+    """``run.oracle``'s verdict where it raised nothing (``watch``: its `AttentionWatch`): the
+    passes it checked, by runner, mode and eager/replay, and the largest error it saw. A watch
+    that sampled no pass is skipped, not ok."""
+    summary = watch.summary()
+    checked = {k: v for k, v in summary.items() if v["checked"]}
+    if not checked:
+        return CheckResult(name="oracle", status="skipped", detail="no pass was sampled")
+    worst = max(v["max_rel_err"] for v in checked.values())
+    seen = ", ".join(f"{k} {v['checked']}/{v['passes']}" for k, v in sorted(checked.items()))
+    return CheckResult(name="oracle", status="ok",
+                       detail=f"attention rows of {sum(v['checked'] for v in checked.values())} "
+                              f"passes within tolerance (max rel err {worst:.1e}): {seen}")

@@ -41,7 +41,8 @@ import torch
 from swafactory.config.schema import FaultsSpec, NoSpec, SwaFactoryConfig
 from swafactory.models.build import build, model_dtype
 from swafactory.engine.checks import (acceptance_check, ideal_accept, logits_check,
-                                      logits_tolerance, lossless_check, mean_accept, most_accept)
+                                      logits_tolerance, lossless_check, mean_accept, most_accept,
+                                      oracle_check)
 from swafactory.engine.generator import Generator
 from swafactory.models.hf import load_target, require_transformers
 from swafactory.engine.oracle_watch import attach_oracle
@@ -85,34 +86,36 @@ def estimate_steps(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -
 class _Outcome:
     """One generation's result: the generator, or the exception that stopped it."""
 
-    def __init__(self, gen: Generator | None, parts, error: BaseException | None, wall: float):
+    def __init__(self, gen: Generator | None, parts, error: BaseException | None, wall: float,
+                 watch=None):
         self.gen, self.parts, self.error, self.wall = gen, parts, error, wall
+        self.watch = watch  # run.oracle's AttentionWatch, or None
 
 
 def _generate(cfg: SwaFactoryConfig, device: DeviceInfo, model, prompts, outs,
               on_step: Callable[[Generator], None] | None = None,
               progress: TextIO | None = None) -> _Outcome:
-    parts = gen = None
+    parts = gen = watch = None
     t0 = time.perf_counter()
     try:
         parts = build(cfg, device, [len(p) for p in prompts], outs, model=model,
                       progress=progress)
         t0 = time.perf_counter()  # a draft's distillation is reported on its own
         gen = Generator(parts, prompts, outs, on_step)
-        attach_oracle(parts, gen)  # run.oracle: attention rows against the fp32 oracle
+        watch = attach_oracle(parts, gen)  # run.oracle: attention rows against the fp32 oracle
         gen.run()
     except ConfigError:
         raise  # a refusal (a saved draft that does not fit): before anything was allocated
     except CapacityError as exc:
         if gen is None or gen.step == 0:
             raise  # nothing ran: the pools cannot hold this workload, a refusal
-        return _Outcome(gen, parts, exc, time.perf_counter() - t0)
+        return _Outcome(gen, parts, exc, time.perf_counter() - t0, watch)
     except (SpaceError, RuntimeError, IndexError, ValueError) as exc:
-        return _Outcome(gen, parts, exc, time.perf_counter() - t0)
+        return _Outcome(gen, parts, exc, time.perf_counter() - t0, watch)
     finally:  # the target is shared with the reference runs: its feature hooks go
         if parts is not None and parts.target.tap is not None:
             parts.target.tap.remove()
-    return _Outcome(gen, parts, None, time.perf_counter() - t0)
+    return _Outcome(gen, parts, None, time.perf_counter() - t0, watch)
 
 
 def _kind(exc: BaseException) -> str:
@@ -163,6 +166,8 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
         checks[_kind(main.error)] = CheckResult(name=_kind(main.error), status="failed",
                                                 detail=f"{type(main.error).__name__}: {main.error}")
     else:
+        if main.watch is not None:  # it ran and raised nothing: say what it checked
+            checks["oracle"] = oracle_check(main.watch)
         books = main.parts.slots.leaks()
         bad = {k: v for k, v in books.items() if v}
         checks["leak"] = CheckResult(name="leak", status="failed" if bad else "ok",

@@ -74,6 +74,12 @@ def _leaks(leaked: dict[str, int]) -> str:
     return f"[red]{', '.join(bad)}[/]" if bad else f"none ({len(leaked)} pools and tables)"
 
 
+def _times(saving: float) -> str:
+    """full-only / hybrid in words: contexts barely past the window save nothing, and a hybrid
+    pool sized for a window plus a chunk can even be the larger one."""
+    return f"{saving:.2f}× smaller" if saving >= 1 or not saving else f"{1 / saving:.2f}× larger"
+
+
 def _facts(report: Report) -> Table:
     """The run's figures, two key/value pairs per row."""
     saving = report.full_only_bytes / report.hybrid_bytes if report.hybrid_bytes else 0.0
@@ -83,7 +89,7 @@ def _facts(report: Report) -> Table:
         ("peak pool use", f"SWA {_pct(report.peak_swa_use)}, full {_pct(report.peak_full_use)}"),
         ("evictions", f"{report.evictions:,} SWA positions"),
         ("target pools", f"{_bytes(report.hybrid_bytes)} vs full-only "
-                         f"{_bytes(report.full_only_bytes)} ({saving:.2f}× smaller)"),
+                         f"{_bytes(report.full_only_bytes)} ({_times(saving)})"),
         ("draft pool", _bytes(report.draft_pool_bytes) if report.draft_pool_bytes else "-"),
         ("steady per step", f"attention {report.attention_ms_per_step:.2f} ms, "
                             f"planning {report.planning_ms_per_step:.2f} ms"),

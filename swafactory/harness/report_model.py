@@ -109,7 +109,7 @@ class Report(_Model):
     """Why the run is `inert`: each fault that never acted, what the workload lacked, what to
     try (`swafactory.outputs.inert`)."""
     layers_attended: list[int]
-    """Target layers that ran attention (a subset in `smoke`)."""
+    """Target layers that ran attention (a subset in `quick` and `smoke`)."""
     draft_layers: int
     """Draft layers that ran attention."""
     requests: int
@@ -129,10 +129,13 @@ class Report(_Model):
     evictions: int
     """SWA positions evicted over the run."""
     hybrid_bytes: int
-    """Bytes of the target pools as allocated (hybrid)."""
+    """Bytes of the target pools (hybrid) at the run's slot counts, every layer counted."""
     full_only_bytes: int
-    """Bytes a full-only pool would need for the same full slots."""
+    """Bytes a full-only pool would need for the same full slots, every layer counted."""
     draft_pool_bytes: int
+    held_bytes: int | None = None
+    """Bytes the run's pools really took (target, draft): with `workload.layers=subset` only
+    the attended layers get rows. None in reports written before it was recorded."""
     accept_len: float | None = None
     """Mean accepted tokens per request per spec step (the bonus token included)."""
     attention_ms_per_step: float

@@ -1,7 +1,6 @@
 """`run(cfg) -> Report`: the conformance job. Build, serve the workload, check, report."""
 from __future__ import annotations
 
-import random
 import re
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from swafactory.outputs.inert import inert_message
 from swafactory.harness.kv_check import StaleKV
 from swafactory.harness.loop import Loop, Mismatched
 from swafactory.harness.report_model import Mismatch, ModeStats, Report, StepRecord, Tick
-from swafactory.harness.setup import build_parts, pool_sizes
+from swafactory.harness.setup import build_parts, draws, pool_sizes
 from swafactory.harness.workers import Check, Worker
 from swafactory.registry.auto_note import auto_note
 from swafactory.registry.device import DeviceInfo, detect_device
@@ -51,7 +50,7 @@ def run(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     dev = device or detect_device(cfg.workload.device)
     asked, cfg = cfg, validate(cfg, dev)
     note = auto_note(asked, cfg, dev)
-    _, prompts, outs = _draws(cfg)
+    _, prompts, outs = draws(cfg)
     pool_sizes(cfg, prompts, outs)  # a sizing refusal raises here, before any rank is spawned
     if cfg.parallel.tp > 1:
         from swafactory.harness.launch import launch
@@ -70,15 +69,6 @@ def run_rank(cfg: SwaFactoryConfig, shard) -> Report:
         import dataclasses
         dev = dataclasses.replace(dev, name=f"{dev.name} ×{shard.tp}")
     return _run_local(cfg, dev, None, shard)
-
-
-def _draws(cfg: SwaFactoryConfig) -> tuple[random.Random, list[int], list[int]]:
-    """The run's seeded prompt and output lengths, and the rng the loop goes on with."""
-    w, W = cfg.workload, cfg.model.sliding_window or 0
-    rng = random.Random(w.seed)
-    prompts = [W + rng.randint(*w.prompt_over_window) for _ in range(w.num_requests)]
-    outs = [rng.randint(*w.output_len) for _ in range(w.num_requests)]
-    return rng, prompts, outs
 
 
 class _Clock:
@@ -108,7 +98,7 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
                on_progress: Callable[[Tick], None] | None, shard) -> Report:
     w = cfg.workload
     FAULT_COUNTS.clear()  # each fault branch counts the times it acted during this run
-    rng, prompts, outs = _draws(cfg)
+    rng, prompts, outs = draws(cfg)
     gen = torch.Generator().manual_seed(w.seed)
     torch_dev = "cuda" if dev.kind == "cuda" else "cpu"
     t0 = time.perf_counter()
@@ -228,6 +218,12 @@ def _quant_error(parts) -> float | None:
     return max(float(e) for e in errs) if errs else None
 
 
+def _held(parts) -> int:
+    """Bytes the pools took: the rows of held layers (`KVPool.held`) of every pool built."""
+    pools = [parts.pool, parts.draft_pool, parts.swap.dummy if parts.swap else None]
+    return sum(sp.held_bytes for p in pools if p is not None for sp in p.sub_pools)
+
+
 def _graph_use(workers) -> str:
     """What the graphs did: a run that asked for them must show replays, not just say 'on'."""
     gs = [g for x in workers for g in x.graphs.values()]
@@ -278,7 +274,7 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, b
     attn, plan, _ = clock.per_step_ms(workers, steps)
     first_use = {f"{x.name}/{v}": sec for x in workers for v, sec in x.first_use.items()}
     tokens = sum(r.committed for r in (loop.done + loop.running)) if loop else 0
-    pool_bytes = sum(sp.bytes for sp in parts.pool.sub_pools) if parts else 0
+    pool_bytes = sum(sp.bytes for sp in parts.pool.sub_pools) if parts else 0  # every layer
     full_only = 0
     if parts:  # the same layers, each keeping every full slot (per rank when sharded)
         rows = parts.sizes.full + b.page_size
@@ -320,6 +316,7 @@ def _report(cfg, dev, parts, loop, stats, history, mismatch, tol, wall, clock, b
         full_only_bytes=full_only,
         draft_pool_bytes=sum(sp.bytes for sp in parts.draft_pool.sub_pools)
         if parts and parts.draft_pool is not None else 0,
+        held_bytes=_held(parts) if parts else None,
         accept_len=(sum(loop.core.accepts) / len(loop.core.accepts)) if loop and loop.core.accepts
         else None,
         attention_ms_per_step=attn, planning_ms_per_step=plan,

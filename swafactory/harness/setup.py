@@ -1,18 +1,27 @@
 """Build a conformance run's parts from a validated config: pool sizes, then the serving core's
 pools, slot books and backends (`serving.build_serving`) in `serving.Parts`, with a `Worker` per
-runner (seeded Q/K/V, its layers' oracle specs, the logical histories it records)."""
+runner (seeded Q/K/V, its layers' oracle specs, the logical histories it records).
+
+The pools give rows to the layers the run attends only (`workload.layers=subset`: two per layer
+group): every pool and index space is still driven, at the memory of a few layers, and
+`pool_memory` says how much before anything is allocated."""
 from __future__ import annotations
+
+import random
+from dataclasses import dataclass
 
 import torch
 
 from swafactory.backend import model_windows
-from swafactory.config.schema import SwaFactoryConfig
+from swafactory.config.schema import KV_DTYPE_BYTES, SwaFactoryConfig
 from swafactory.errors import CapacityError
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.harness.kv_quant import set_harness_scales
 from swafactory.harness.workers import LayerSpec, Worker
 from swafactory.harness.world import target_layer_specs
+from swafactory.kvcache.draft import draft_layer_types
 from swafactory.kvcache.factory import compute_dtype
+from swafactory.kvcache.pool import layers_mapping_for
 from swafactory.kvcache.shares import PoolSizes, size_pools
 from swafactory.kvcache.sizing import step_nodes
 from swafactory.resolve.layout import frozen_draft_binding
@@ -20,7 +29,16 @@ from swafactory.metadata.plan import group_key
 from swafactory.parallel import Shard, shard_config
 from swafactory.serving.parts import Parts, build_serving
 
-__all__ = ["pool_sizes", "build_parts"]
+__all__ = ["draws", "pool_sizes", "attended_layers", "PoolMemory", "pool_memory", "build_parts"]
+
+
+def draws(cfg: SwaFactoryConfig) -> tuple[random.Random, list[int], list[int]]:
+    """The run's seeded prompt and output lengths, and the rng the loop goes on with."""
+    w, W = cfg.workload, cfg.model.sliding_window or 0
+    rng = random.Random(w.seed)
+    prompts = [W + rng.randint(*w.prompt_over_window) for _ in range(w.num_requests)]
+    outs = [rng.randint(*w.output_len) for _ in range(w.num_requests)]
+    return rng, prompts, outs
 
 
 def pool_sizes(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> PoolSizes:
@@ -35,15 +53,77 @@ def pool_sizes(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int]) -> Po
                       chunk=T + (W + T) // 16)
 
 
-def _subset(cfg: SwaFactoryConfig, pool, extra: tuple[int, ...]) -> list[int]:
-    """Two layers per layer group (the last two), every geometry present, plus ``extra``."""
+def attended_layers(cfg: SwaFactoryConfig) -> list[int]:
+    """The target layers the run attends: all, or with `workload.layers=subset` the last two of
+    each layer group (every geometry present) and the layers a FROZEN_KV draft reads."""
     if cfg.workload.layers == "all":
         return list(range(cfg.model.num_layers))
+    extra = frozen_draft_binding(cfg) if cfg.spec.draft_kv == "target_pool" else ()
     windows = model_windows(cfg)
     groups: dict[str, list[int]] = {}
-    for layer, (sub, _) in sorted(pool.layers_mapping.items()):
+    for layer, (sub, _) in sorted(layers_mapping_for(cfg.model).items()):
         groups.setdefault(group_key(sub, windows[layer]), []).append(layer)
     return sorted({*(i for ids in groups.values() for i in ids[-2:]), *extra})
+
+
+@dataclass(frozen=True)
+class PoolMemory:
+    """What a run's pools take, known before they are allocated (`pool_memory`)."""
+
+    sizes: PoolSizes
+    held_bytes: int
+    """K + V bytes of the rows the run allocates: target, draft and a FROZEN_KV dummy pool."""
+    every_layer_bytes: int
+    """The same pools with rows for every layer (what an engine holds at these sizes)."""
+    layers_held: int
+    num_layers: int
+    draft_slots: int
+    """Slots of an own draft pool (0: none)."""
+
+    def line(self) -> str:
+        """The console's one line, printed before the pools are allocated."""
+        s = self.sizes
+        slots = ", ".join(f"{k} {v:,}" for k, v in (("full", s.full), ("swa", s.swa),
+                                                    ("draft", self.draft_slots)) if v)
+        rows = "" if self.layers_held == self.num_layers else (
+            f" (K/V of the {self.layers_held} attended layers of {self.num_layers}; all "
+            f"{self.num_layers}: {_gib(self.every_layer_bytes)})")
+        return f"pools will take {_gib(self.held_bytes)}{rows}: {slots} slots"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def pool_memory(cfg: SwaFactoryConfig) -> PoolMemory:
+    """The bytes `build_parts` will allocate for a validated ``cfg``, computed, not allocated
+    (all ranks together under tensor parallelism). Raises as `pool_sizes` does."""
+    _, prompts, outs = draws(cfg)
+    sizes = pool_sizes(cfg, prompts, outs)
+    tp = cfg.parallel.tp
+    m = (cfg if tp == 1 else shard_config(cfg, Shard(0, tp))).model  # one rank's heads
+    s, P = cfg.spec, cfg.backend.page_size
+    h = 0.5 if cfg.faults.no_draft_headroom else 1.0  # `build_parts`' headroom
+    cap = lambda n: max(P, int(n * h) // P * P)  # noqa: E731 (`kvcache.draft`'s sizes)
+    elt, held = KV_DTYPE_BYTES[cfg.backend.kv_dtype], set(attended_layers(cfg))
+    split = bool(m.swa_layers and m.hybrid_pool)
+    row = lambda geo: 2 * geo.num_kv_heads * geo.head_dim * elt  # noqa: E731
+    every = mine = 0
+    for i, (sub, _) in layers_mapping_for(m).items():
+        geo = (m.swa if sub == "swa" else m.full) if split else (m.full or m.swa)
+        n = row(geo) * ((sizes.swa if sub == "swa" else sizes.full) + P)
+        every, mine = every + n, mine + n * (i in held)
+    draft, dslots = 0, 0
+    if s.draft_kv == "target_pool":  # the dummy pool a FROZEN_KV runner holds between swaps
+        draft = len(frozen_draft_binding(cfg)) * row(m.full or m.swa) * (sizes.full + P)
+    elif s.draft_kv == "own_pool":
+        dslots = cap(sizes.full)
+        for t in draft_layer_types(cfg):  # a split draft's sliding layers: the SWA sub-pool's
+            swa = split and t == "sliding_attention"
+            draft += row(m.swa if swa else m.full or m.swa) * (
+                (cap(sizes.swa) if swa else dslots) + P)
+    return PoolMemory(sizes, tp * (mine + draft), tp * (every + draft), len(held), m.num_layers,
+                      dslots)
 
 
 def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], device: str,
@@ -57,10 +137,11 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
     scfg = cfg if shard is None else shard_config(cfg, shard)
     sizes = pool_sizes(cfg, prompts, outs)
     headroom = 0.5 if f.no_draft_headroom else 1.0
+    layers = attended_layers(cfg)
     sv = build_serving(scfg, sizes, device, check_mode=True, draft_layout="config", gen=gen,
                        headroom=headroom, unsafe_undersized=f.no_draft_headroom,
-                       on_pool=set_harness_scales)  # fp8 KV: per-layer scales, as a checkpoint
-    pool = sv.pool
+                       on_pool=set_harness_scales,  # fp8 KV: per-layer scales, as a checkpoint
+                       layers=None if len(layers) == m.num_layers else layers)
     kv = cfg.backend.kv_dtype
     q_dtype = compute_dtype(kv)
     sinks = {i: (torch.randn(m.num_attention_heads, generator=gen) * 2)
@@ -68,7 +149,6 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
     binding = frozen_draft_binding(cfg) if s.draft_kv == "target_pool" else ()
     specs = target_layer_specs(cfg)
     hist_t: dict = {}  # each request's logical history, beside the pools (the oracle's input)
-    layers = _subset(cfg, pool, tuple(binding))
     target = Worker("target", sv.target, {i: specs[i] for i in layers}, hist_t, writes=True,
                     q_dtype=q_dtype, device=device, gen=gen, sinks=sinks, shard=shard)
     parts = Parts.of(cfg, sizes, sv, target)

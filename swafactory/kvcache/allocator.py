@@ -163,6 +163,8 @@ class TokenAllocator(PagedSlots):
                              "(double free, the dummy page, or out of range)")
         self._owned[pages] = False
         self._free = torch.cat([self._free, pages])
+        for pool in self.pools:  # a backend that planned before this free checks its slots again
+            pool.freed += 1
         if self.check_mode:
             self._each_pool("poison", pages)
 

@@ -36,7 +36,8 @@ def move_kv(pool: HybridSWAPool, src: Locs, dst: Locs) -> None:
             raise SpaceError(f"move_kv: {s.space}-space slots of {s.pool_id!r} cannot index "
                              f"{sub.pool_id!r}")
         si, di = s.tensor.long(), d.tensor.long()
-        for k, v in zip(sub.k_bufs, sub.v_bufs):
-            for buf in (k, v):  # the stored bytes move as they are (an fp8 row keeps its scale)
+        for i in sub.held:  # a layer built without rows has nothing to move
+            # the stored bytes move as they are (an fp8 row keeps its scale)
+            for buf in (sub.k_bufs[i], sub.v_bufs[i]):
                 raw = buf.view(torch.uint8) if is_fp8(buf.dtype) else buf
                 raw.index_copy_(0, di, raw.index_select(0, si))

@@ -1,4 +1,5 @@
-"""KV buffers: one `KVPool` per index space, a `HybridSWAPool` that routes layers, `ReqToToken`.
+"""KV buffers: one `KVPool` per index space, a `HybridSWAPool` that routes layers (`ReqToToken`,
+the request → slot table, is `kvcache.req_to_token`'s, re-exported here).
 
 A layer's K/V live where ``layers_mapping[layer_id] -> (sub_pool, local_id)`` says (DESIGN
 invariant 3); whether a layer *has a window* is a separate, masking-only fact. Each sub-pool has
@@ -12,7 +13,6 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Literal
 
-import numpy as np
 import torch
 
 from swafactory.errors import SpaceError
@@ -20,22 +20,12 @@ from swafactory.errors import CapacityError
 from swafactory.guards import DeviceCheck
 from swafactory.kvcache.locs import Locs, SlotMapping, Space
 from swafactory.kvcache.quant import poison_rows, store_rows
+from swafactory.kvcache.req_to_token import ReqToToken, host_to_device
 
 __all__ = ["KVPool", "HybridSWAPool", "ReqToToken", "CapacityError", "SubPool",
            "layers_mapping_for", "host_to_device"]
 
 SubPool = Literal["full", "swa"]
-
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``t`` on ``device`` without waiting for the device's queue: on CUDA pinned and
-    copied asynchronously (the caching host allocator keeps the pinned source until the copy has
-    read it); on the CPU ``t`` itself."""
-    if device.type != "cuda":
-        return t.to(device)
-    if t.numel() == 0:  # nothing to copy (nor to pin)
-        return torch.empty(t.shape, dtype=t.dtype, device=device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class KVPool:
@@ -53,7 +43,8 @@ class KVPool:
     def __init__(self, size: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", *,
                  pool_id: str = "target.full", space: Space = "full",
-                 indexed_by: str | None = None, check_mode: bool = False) -> None:
+                 indexed_by: str | None = None, check_mode: bool = False,
+                 held: Iterable[int] | None = None) -> None:
         for name, v in (("size", size), ("page_size", page_size), ("num_layers", num_layers),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(v, int) or v < 1:
@@ -74,16 +65,23 @@ class KVPool:
         self.check_mode = check_mode
         self.rows = size + page_size  # page 0 is the dummy page
         fill = float("nan") if check_mode else 0.0
-        shape = (self.rows, num_kv_heads, head_dim)
-        self.k_bufs = [torch.full(shape, fill, dtype=dtype, device=self.device)
-                       for _ in range(num_layers)]
-        self.v_bufs = [torch.full(shape, fill, dtype=dtype, device=self.device)
-                       for _ in range(num_layers)]
+        # ``held``: the local layers given rows (None: all); the others get 0 rows, so a run that
+        # attends a few layers takes their memory only, and a read or write of another raises
+        self.held = tuple(range(num_layers) if held is None else sorted(set(held)))
+        if self.held and not 0 <= self.held[0] <= self.held[-1] < num_layers:
+            raise ValueError(f"KVPool {pool_id!r}: held layers {self.held} outside "
+                             f"0..{num_layers - 1}")
+        shape = lambda i: (self.rows if i in self.held else 0, num_kv_heads, head_dim)  # noqa: E731
+        self.k_bufs = [torch.full(shape(i), fill, dtype=dtype, device=self.device)
+                       for i in range(num_layers)]
+        self.v_bufs = [torch.full(shape(i), fill, dtype=dtype, device=self.device)
+                       for i in range(num_layers)]
         # per local layer: an fp8 pool stores x / scale (`swafactory.kvcache.quant`); host
         # floats, so a kernel takes them as arguments without a device read
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.scales_version = 0  # bumped by set_scales: a backend's cached layer kwargs follow
+        self.freed = 0  # frees of its rows (its allocator counts): older plans are re-checked
 
     def set_scales(self, local: int, k_scale: float, v_scale: float) -> None:
         """Local layer ``local``'s K and V scales (a checkpoint's calibrated ones); set them before
@@ -97,9 +95,14 @@ class KVPool:
 
     @property
     def bytes(self) -> int:
-        """K + V bytes of all layers."""
+        """K + V bytes of all layers at this size (held or not)."""
         return 2 * self.num_layers * self.rows * self.num_kv_heads * self.head_dim * \
             self.k_bufs[0].element_size()
+
+    @property
+    def held_bytes(self) -> int:
+        """K + V bytes of the layers given rows: the memory this pool takes."""
+        return self.bytes * len(self.held) // self.num_layers
 
     def clear(self, rows: torch.Tensor) -> None:
         """Fill ``rows`` ([n] int64) with zeros in every layer: pages just handed out (a no-op
@@ -107,7 +110,7 @@ class KVPool:
         if not self.check_mode or rows.numel() == 0:
             return
         rows = rows.to(self.device, torch.int64)
-        for buf in (*self.k_bufs, *self.v_bufs):
+        for buf in (b for i in self.held for b in (self.k_bufs[i], self.v_bufs[i])):
             (buf.view(torch.uint8) if buf.element_size() == 1 else buf).index_fill_(0, rows, 0)
 
     def poison(self, rows: torch.Tensor) -> None:
@@ -118,9 +121,9 @@ class KVPool:
         if not self.check_mode or rows.numel() == 0:
             return
         rows = rows.to(self.device, torch.int64)
-        for k, v in zip(self.k_bufs, self.v_bufs):  # index_fill_: `k[rows] = nan` would send
-            poison_rows(k, rows)                    # the scalar to the GPU, a sync per layer
-            poison_rows(v, rows)
+        for i in self.held:  # index_fill_: `k[rows] = nan` would send the scalar to the GPU,
+            poison_rows(self.k_bufs[i], rows)  # a sync per layer
+            poison_rows(self.v_bufs[i], rows)
 
     def accepts(self, locs: Locs) -> bool:
         """True when ``locs`` are slot ids in this pool's index space."""
@@ -336,63 +339,3 @@ class HybridSWAPool:
     def __repr__(self) -> str:
         return (f"HybridSWAPool({self.name!r}, full={self.full!r}, swa={self.swa!r}, "
                 f"read_only={self.read_only})")
-
-
-class ReqToToken:
-    """Request row → full slot of each position: ``table`` ``[max_requests, max_context]``.
-
-    Entries of unused rows and positions are 0 (the dummy slot). ``dtype`` int64 (default) or
-    int32, as kernels that build page tables from it want. ``host`` is a CPU mirror, equal entry
-    for entry: the books read it, and write both through `write` and `zero`, so no bookkeeping
-    reads the device table back (a read would wait for the device's queue).
-    """
-
-    def __init__(self, max_requests: int, max_context: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.int64) -> None:
-        if max_requests < 1 or max_context < 1:
-            raise ValueError(f"ReqToToken needs max_requests, max_context >= 1, got "
-                             f"{max_requests}, {max_context}")
-        if dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"ReqToToken dtype must be int32 or int64, got {dtype}")
-        self.max_requests, self.max_context = max_requests, max_context
-        self.table = torch.zeros(max_requests, max_context, dtype=dtype, device=device)
-        # lazily zeroed pages: rows never written cost no host memory
-        self.host = torch.from_numpy(np.zeros((max_requests, max_context),
-                                              dtype=np.int64 if dtype == torch.int64
-                                              else np.int32))
-        self._free_rows = list(range(max_requests - 1, -1, -1))
-
-    def write(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``table[rows[i], cols[i]] = slots[i]`` on both sides; all three ``[n]`` int64 on the
-        host. Returns ``slots`` on the table's device, int64 (they travel with the indices, in
-        one copy)."""
-        self.host[rows, cols] = slots.to(self.host.dtype)
-        both = host_to_device(torch.stack([rows, cols, slots]), self.table.device)
-        self.table[both[0], both[1]] = both[2].to(self.table.dtype)
-        return both[2]
-
-    def zero(self, row: int, start: int, end: int) -> None:
-        """Entries ``[start, end)`` of ``row`` back to 0 on both sides."""
-        self.host[row, start:end] = 0
-        self.table[row, start:end].zero_()
-
-    def available_size(self) -> int:
-        return len(self._free_rows)
-
-    def leaked_rows(self, live_rows: Iterable[int] = ()) -> int:
-        """Rows taken but not among ``live_rows`` (the rows of requests still open; none once
-        every request has finished, when every row must be released). 0 = no leak."""
-        taken = set(range(self.max_requests)).difference(self._free_rows)
-        return len(taken.difference(live_rows))
-
-    def alloc(self) -> int | None:
-        """A free row, or None when every row is taken."""
-        return self._free_rows.pop() if self._free_rows else None
-
-    def free(self, row: int) -> None:
-        """Release ``row`` and zero its entries."""
-        if not 0 <= row < self.max_requests or row in self._free_rows:
-            raise ValueError(f"row {row} is not an allocated ReqToToken row")
-        self.table[row].zero_()
-        self.host[row].zero_()
-        self._free_rows.append(row)

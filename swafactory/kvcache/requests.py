@@ -9,10 +9,14 @@ last page, so pages and positions line up, and a page is freed only when no kept
 The books read `ReqToToken.host` and the allocators' host books only: the device table is written
 (host to device copies, which do not wait for queued kernels), never read back, so an engine whose
 host runs a forward ahead is not stalled by its own slot allocation.
+
+A book is found from its table (`books_of`): the guards name, on an error only, which request
+holds a row, which finished and where a request's SWA frontier is (`backend.slot_guard`).
 """
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Hashable, Union
@@ -25,9 +29,18 @@ from swafactory.kvcache.allocator import SWAAllocator, TokenAllocator
 from swafactory.kvcache.locs import Locs
 from swafactory.kvcache.pool import ReqToToken, host_to_device
 
-__all__ = ["RequestSlots", "ReqState"]
+__all__ = ["RequestSlots", "ReqState", "books_of"]
 
 Allocator = Union[TokenAllocator, SWAAllocator]
+_BOOKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(table) → its book
+_FINISHED_KEPT = 1024  # finished requests remembered, for the guards' messages
+
+
+def books_of(table) -> RequestSlots | None:
+    """The `RequestSlots` whose `ReqToToken` has ``table`` (the tensor a `ForwardBatch` holds),
+    or None: the guards read it to say how a slot went missing (host books only)."""
+    book = _BOOKS.get(id(table))
+    return book if book is not None and book.req_to_token.table is table else None
 
 
 @dataclass
@@ -53,6 +66,11 @@ class RequestSlots:
         self.allocator, self.req_to_token = allocator, req_to_token
         self.page_size = allocator.page_size
         self.reqs: dict[Hashable, ReqState] = {}
+        self.row_owners: list[Hashable | None] = [None] * req_to_token.max_requests
+        """Row → the open request holding it (None: free)."""
+        self.finished: dict[Hashable, int] = {}
+        """The last finished requests (up to 1024) → the row each held, oldest first."""
+        _BOOKS[id(req_to_token.table)] = self
 
     def open(self, rid: Hashable) -> ReqState:
         """Start request ``rid`` with no tokens; raises when ``req_to_token`` has no free row."""
@@ -63,6 +81,8 @@ class RequestSlots:
             raise RuntimeError(f"no free ReqToToken row for request {rid!r} "
                                f"({self.req_to_token.max_requests} requests at most)")
         self.reqs[rid] = state = ReqState(row)
+        self.row_owners[row] = rid
+        self.finished.pop(rid, None)
         return state
 
     def slots(self, rid: Hashable, start: int = 0, end: int | None = None) -> Locs:
@@ -224,6 +244,10 @@ class RequestSlots:
         self.allocator.free_pages(pages)
         self.req_to_token.free(s.row)
         del self.reqs[rid]
+        self.row_owners[s.row] = None
+        self.finished[rid] = s.row
+        if len(self.finished) > _FINISHED_KEPT:
+            del self.finished[next(iter(self.finished))]
 
     def held_pages(self) -> dict[str, torch.Tensor]:
         """Space id → ``[k]`` int64 page ids the open requests hold: the full pages of positions

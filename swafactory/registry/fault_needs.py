@@ -1,7 +1,10 @@
 """What each fault needs to bite, as data: a fault switched on where it cannot act would let a
-green run pass as proof. `faults_rule` turns a missing need into a reason naming the field that
-is missing and the override that supplies it. (Every fault needs sliding-window layers, which
-every model file has.)"""
+green run pass as proof. `faults_rule` turns each missing need into a reason naming the fault,
+what it needs, the field's value and the override that supplies it. These needs are the
+configuration's alone, whatever the backend: `registry.select` refuses them before choosing one.
+What the workload decides at run time (a batch that never shrinks, a draft never rejected) is
+left to the run, which ends `inert` (`outputs.inert`). (Every fault needs sliding-window layers,
+which every model file has.)"""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -10,49 +13,103 @@ from dataclasses import dataclass
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import Reason
 
-__all__ = ["FAULT_NEEDS", "FaultNeed", "faults_rule"]
+__all__ = ["FAULT_NEEDS", "FaultNeed", "faults_rule", "fault_needs_unmet"]
 
 
 @dataclass(frozen=True)
 class FaultNeed:
-    """``holds(cfg)``: the fault can act; else ``field`` is what lacks it, ``fix`` supplies it."""
+    """``holds(cfg)``: the fault can act; else ``field`` lacks ``needs`` (``what``, in words)
+    and ``fix`` supplies it."""
 
     holds: Callable[[SwaFactoryConfig], bool]
     field: str
+    needs: str
     what: str
     fix: str
 
 
-FAULT_NEEDS: dict[str, FaultNeed] = {
-    "graph_pad_stale_swa_loc": FaultNeed(
-        lambda c: c.backend.cuda_graph, "backend.cuda_graph", "CUDA-graph replay",
-        "backend.cuda_graph=true"),
-    "graph_key_without_mode": FaultNeed(
-        lambda c: c.backend.cuda_graph and c.spec.algorithm != "none", "backend.cuda_graph",
-        "CUDA-graph replay of a draft's passes (a spec's draft_decode and draft_extend share "
-        "buckets)", "backend.cuda_graph=true spec=dflash"),
-    "fp8_descale_dropped": FaultNeed(
-        lambda c: c.backend.kv_dtype.startswith("fp8"), "backend.kv_dtype", "fp8 KV",
-        "backend.kv_dtype=fp8_e4m3"),
-    "paged_free_stale_mapping": FaultNeed(
-        lambda c: c.backend.page_size > 1, "backend.page_size", "pages of more than one slot",
-        "backend.page_size=16"),
-    "sink_dropped": FaultNeed(
-        lambda c: c.model.attention_sinks, "model.attention_sinks", "a model with attention sinks",
-        "model=gpt_oss_20b"),
-    "tree_mask_not_rebased": FaultNeed(
-        lambda c: c.spec.topk > 1, "spec.topk", "a draft tree (topk > 1)", "spec=eagle3"),
-    "premature_free_on_reject": FaultNeed(
-        lambda c: c.spec.algorithm != "none", "spec.algorithm", "rejected drafts", "spec=eagle"),
+def _split(fix: str = "model.hybrid_pool=true") -> FaultNeed:
+    # eviction, the full→SWA mapping and SWA-space tables exist only in a split pool
+    return FaultNeed(lambda c: c.model.hybrid_pool, "model.hybrid_pool", "model.hybrid_pool=true",
+                     "an SWA sub-pool beside the full one", fix)
+
+
+def _drafts(fix: str, what: str = "rejected drafts") -> FaultNeed:
+    return FaultNeed(lambda c: c.spec.algorithm != "none", "spec.algorithm",
+                     "a speculative spec (not spec=none)", what, fix)
+
+
+def _tree(fix: str = "spec=eagle3") -> FaultNeed:
+    return FaultNeed(lambda c: c.spec.topk > 1, "spec.topk", "spec.topk > 1", "a draft tree", fix)
+
+
+def _draft_kv(kind: str, what: str, fix: str) -> FaultNeed:
+    return FaultNeed(lambda c: c.spec.draft_kv == kind, "spec.draft_kv", f"spec.draft_kv={kind}",
+                     what, fix)
+
+
+_GRAPHS = FaultNeed(lambda c: c.backend.cuda_graph, "backend.cuda_graph", "backend.cuda_graph=true",
+                    "CUDA-graph replay", "backend.cuda_graph=true")
+
+FAULT_NEEDS: dict[str, tuple[FaultNeed, ...]] = {
+    "graph_pad_stale_swa_loc": (_GRAPHS,),
+    "graph_key_without_mode": (_GRAPHS, _drafts("spec=dflash", "a draft's passes (its "
+                                                "draft_decode and draft_extend share buckets)")),
+    "fp8_descale_dropped": (FaultNeed(
+        lambda c: c.backend.kv_dtype.startswith("fp8"), "backend.kv_dtype",
+        "backend.kv_dtype=fp8_e4m3", "fp8 KV", "backend.kv_dtype=fp8_e4m3"),),
+    "paged_free_stale_mapping": (FaultNeed(
+        lambda c: c.backend.page_size > 1, "backend.page_size", "backend.page_size > 1",
+        "pages of more than one slot", "backend.page_size=16"), _split()),
+    "sink_dropped": (FaultNeed(
+        lambda c: c.model.attention_sinks, "model.attention_sinks", "model.attention_sinks=true",
+        "a model with attention sinks", "model=gpt_oss_20b"),),
+    "tree_mask_not_rebased": (_tree(),),
+    "skip_spec_translation": (_tree(), _split()),
+    "allocator_pool_for_own_pool_draft": (
+        _draft_kv("own_pool", "a draft with its own pool", "spec=dflash"), _split(),
+        # a split draft pool is its own source: the allocator's is never asked
+        FaultNeed(lambda c: not getattr(c.spec, "draft_pool_split", False),
+                  "spec.draft_pool_split", "spec.draft_pool_split=false",
+                  "a full-indexed own draft pool", "spec.draft_pool_split=false")),
+    # only a FROZEN_KV draft's view moves off the pool it was built with
+    "pool_cached_at_init": (_draft_kv("target_pool", "a draft that reads the target's pool",
+                                      "spec=frozen_kv_mtp"),),
+    "no_draft_headroom": (
+        _draft_kv("own_pool", "a draft with its own pool", "spec=eagle"),
+        # the conformance harness builds the short draft pool; run=generate sizes its own
+        FaultNeed(lambda c: c.run.mode != "generate", "run.mode", "run=conformance",
+                  "the conformance run's draft pool", "run=conformance")),
+    "leak_rejected_draft_slots": (_drafts("spec=eagle"), _split()),
+    "premature_free_on_reject": (_drafts("spec=eagle"), _split()),
+    "no_swa_eviction": (_split(),),
 }
 
 
+def _value(cfg: SwaFactoryConfig, field: str) -> str:
+    obj = cfg
+    for part in field.split("."):
+        obj = getattr(obj, part, None)
+    return str(obj).lower() if isinstance(obj, bool) or obj is None else str(obj)
+
+
+def fault_needs_unmet(cfg: SwaFactoryConfig) -> list[Reason]:
+    """A reason per need of a switched-on fault that ``cfg`` lacks (any backend alike)."""
+    out = []
+    for fault in cfg.faults.active:
+        for need in FAULT_NEEDS.get(fault, ()):
+            if need.holds(cfg):
+                continue
+            who = f"faults={fault}" if cfg.faults.name == fault else \
+                f"faults={cfg.faults.name}: {fault}"
+            value = _value(cfg, need.field)
+            out.append(Reason(need.field.split(".")[0], need.field,
+                              f"{who} needs {need.needs} ({need.what}), got {need.field}={value}, "
+                              "so it could not act",
+                              need.fix, rule="faults_rule"))
+    return out
+
+
 def faults_rule(cfg: SwaFactoryConfig, *_) -> Iterator[Reason]:
-    """A reason per switched-on fault whose need ``cfg`` lacks."""
-    for name in cfg.faults.active:
-        need = FAULT_NEEDS.get(name)
-        if need is not None and not need.holds(cfg):
-            yield Reason(need.field.split(".")[0], need.field,
-                         f"faults={cfg.faults.name} acts only with {need.what}, which this "
-                         f"configuration lacks: the run could not show the fault", need.fix,
-                         rule="faults")
+    """`check`'s rule: the reasons of `fault_needs_unmet`."""
+    yield from fault_needs_unmet(cfg)

@@ -55,22 +55,70 @@ def runner_windows(cfg: SwaFactoryConfig, view: RunnerView) -> dict[int, int | N
                      f"got {view.role!r}")
 
 
-def check_own_pool(view: RunnerView, windows: Mapping[int, int | None]) -> None:
+def check_own_pool(view: RunnerView, windows: Mapping[int, int | None], model=None) -> None:
     """A pool the runner owns (target, own-pool draft) must hold only derived layers, and a split
     one must keep exactly its windowed layers in its SWA sub-pool: else the config describes
-    another runner than the engine built, and the windows would be wrong without an error."""
-    lmap = view.active_pool.layers_mapping
-    split = getattr(view.active_pool, "is_split", False)
+    another runner than the engine built, and the windows would be wrong without an error.
+    model: the backend's `ModelSpec`, named with the pools' own model in the message."""
+    pool = view.active_pool
+    lmap = pool.layers_mapping
+    split = getattr(pool, "is_split", False)
     bad = sorted(set(lmap) - set(windows)) or [
         j for j, (sub, _) in sorted(lmap.items())
         if split and (sub == "swa") != (windows[j] is not None)]
-    if bad:
-        derived = {j: windows.get(j) for j in sorted(windows)}
-        pool = {j: sub for j, (sub, _) in sorted(lmap.items())}
-        field = "spec.draft_pool_split" if view.role == "draft_own_pool" else "model.layer_types"
+    if not bad:
+        return
+    kinds = "".join("F" if windows[j] is None else "S" for j in sorted(windows))
+    ours = f"{len(kinds)} layers {_pattern(kinds)}"
+    if model is not None:
+        w = f", window {model.sliding_window}" if model.sliding_window else ""
+        ours = f"model {model.name} ({ours}{w}; {_geometry(model)})"
+    where = _layers(bad)
+    if view.role == "draft_own_pool":
         raise ConfigError([Reason(
-            "spec" if view.role == "draft_own_pool" else "model", field,
-            f"the {view.role} runner's pool holds layers {pool} but the config gives it windows "
-            f"{derived} (layers {bad} disagree)",
-            "build the pool from the same config (swafactory.kvcache.build_draft_pool), or pass "
-            "build_backend(..., windows=) explicitly", rule="windows")])
+            "spec", "spec.draft_pool_split",
+            f"the draft's own pool ({_pool(pool)}) is not the one this config's draft has "
+            f"({len(kinds)} layers {_pattern(kinds)}; S sliding, F full): {where} disagree, as "
+            "when the pool was built with another spec.draft_pool_split",
+            "build the draft pool from the same config as the backend: "
+            "swafactory.kvcache.build_draft_pool(cfg, pool, alloc)", rule="windows")])
+    theirs = getattr(pool, "model", None)
+    raise ConfigError([Reason(
+        "model", "model",
+        f"this backend is built for {ours}, but its pools were built for "
+        f"{theirs or 'another config'} ({_pool(pool)}; S sliding, F full): {where} disagree",
+        "build the backend from the config the pools were built from: "
+        "build_backend(cfg, pools=pool) with the cfg given to build_pools"
+        + (f" (model={theirs})" if theirs else ""), rule="windows")])
+
+
+def _pattern(kinds: str) -> str:
+    """``SFSFSF`` → ``SF×3``: the shortest unit that repeats to the whole string."""
+    n = len(kinds)
+    for p in range(1, n + 1):
+        if n % p == 0 and kinds[:p] * (n // p) == kinds:
+            return kinds if p == n else f"{kinds[:p]}×{n // p}"
+    return kinds
+
+
+def _geometry(m) -> str:
+    """``sliding 8 KV heads × 64, full 8 KV heads × 64``: each group's KV geometry."""
+    parts = [f"{what} {g.num_kv_heads} KV heads × {g.head_dim}"
+             for what, g in (("sliding", m.swa), ("full", m.full)) if g is not None]
+    return ", ".join(parts)
+
+
+def _pool(pool) -> str:
+    """A pool in one line: its layers' sub-pools as S/F and each sub-pool's KV geometry."""
+    lmap = pool.layers_mapping
+    kinds = "".join("S" if lmap[j][0] == "swa" else "F" for j in sorted(lmap))
+    subs = sorted(pool.sub_pools, key=lambda p: p.space != "swa")  # sliding first, as models
+    subs = ", ".join(f"{'sliding' if p.space == 'swa' else 'full'} {p.num_kv_heads} KV heads × "
+                     f"{p.head_dim}" for p in subs)
+    return f"{len(kinds)} layers {_pattern(kinds)}; {subs}"
+
+
+def _layers(ids: list[int]) -> str:
+    shown = ", ".join(map(str, ids[:6]))
+    return f"layer{'s' if len(ids) > 1 else ''} {shown}" + (
+        f" and {len(ids) - 6} more" if len(ids) > 6 else "")

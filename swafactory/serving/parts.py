@@ -25,7 +25,7 @@ specs and pool pressure; the engine's HF models and greedy sampling.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -90,7 +90,8 @@ def build_serving(cfg: SwaFactoryConfig, sizes: PoolSizes, device: str, *, check
                   gen: torch.Generator | None = None,
                   headroom: float = 1.0, unsafe_undersized: bool = False,
                   on_pool: Callable[[object], None] | None = None,
-                  draft_model: ModelSpec | None = None) -> Serving:
+                  draft_model: ModelSpec | None = None,
+                  layers: Collection[int] | None = None) -> Serving:
     """Pools, slot books and backends for a validated ``cfg`` (a tensor-parallel rank's: the
     pools hold its heads).
 
@@ -102,10 +103,12 @@ def build_serving(cfg: SwaFactoryConfig, sizes: PoolSizes, device: str, *, check
     with each pool built (the harness's fp8 scales).
     draft_model: the attention an own-pool draft's layers do when it is not the target's (an
     EAGLE-3 head is a Llama layer: its own scale, no sinks); None: the target's.
+    layers: the target layers whose K/V get rows (`kvcache.build_pools`); None: every layer.
     """
     s, m = cfg.spec, cfg.model
     P = cfg.backend.page_size
-    pool, alloc = build_pools(cfg, sizes.full, sizes.swa, device, check_mode=check_mode)
+    pool, alloc = build_pools(cfg, sizes.full, sizes.swa, device, check_mode=check_mode,
+                              layers=layers)
     if on_pool is not None:
         on_pool(pool)
     if gen is not None:

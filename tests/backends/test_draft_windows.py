@@ -94,7 +94,9 @@ def run_family(model: str, spec: str) -> tuple[dict[int, float], dict[int, float
         writer, wpool, written = None, dpool, list(range(s.draft_num_layers))
         reads = {j: j for j in written}
     new = build_backend(cfg, view=view)  # what an engine writes: no windows=
-    old = build_backend(cfg, view=view, windows=model_windows(cfg))  # the old default
+    # the old default, unguarded: the guards refuse its SWA layers' reads of evicted slots
+    # (`slot_guard`), and this test shows the oracle tells its wrong windows apart
+    old = build_backend(cfg, view=view, windows=model_windows(cfg), guards=False)
     writer = writer or new
 
     def swap():

@@ -78,6 +78,20 @@ def _ok(rig):
     return [ReqForward("a", rig.row, 0, 10)]
 
 
+def _with_sinks(rig):
+    """``rig`` with a backend whose model has attention sinks (tiny with
+    ``model.attention_sinks=true``, over the same pools): its layers take ``sinks=``, so what
+    is checked is their kind, shape, dtype and device (tiny itself refuses any)."""
+    m = rig.cfg.model.model_copy(update={"attention_sinks": True})
+    rig.backend = swafactory.build_backend(rig.cfg.model_copy(update={"model": m}),
+                                           pools=rig.pool)
+    return rig
+
+
+def _sinks(rig, sinks):
+    return lambda: _plan_then_forward(_with_sinks(rig), _ok(rig), sinks=sinks)
+
+
 def _q(rig, **kw):
     return lambda: _plan_then_forward(rig, _ok(rig), q=rig.qkv(**kw)[0])
 
@@ -100,8 +114,7 @@ CASES = {
                       ValueError, "k/v must be [10, 2, 32]"),
     "v_wrong_shape": (lambda r: lambda: _plan_then_forward(r, _ok(r), v=r.rand(10, 2, 16)),
                       ValueError, "k/v must be [10, 2, 32]"),
-    "sinks_wrong_length": (lambda r: lambda: _plan_then_forward(r, _ok(r), sinks=r.rand(4)),
-                           ValueError, "sinks must be [8]"),
+    "sinks_wrong_length": (lambda r: _sinks(r, r.rand(4)), ValueError, "sinks must be [8]"),
     "layer_not_planned": (lambda r: lambda: _plan_then_forward(r, _ok(r), layer_id=99),
                           KeyError, "layer 99 is not in this plan"),
     "row_never_opened": (lambda r: lambda: _plan_then_forward(
@@ -121,13 +134,11 @@ CASES = {
     # found beyond the reported table
     "forward_before_plan": (lambda r: lambda: r.backend.forward(*r.qkv(), 2), RuntimeError,
                             "call init_forward_metadata(batch)"),
-    "sinks_int64": (lambda r: lambda: _plan_then_forward(
-        r, _ok(r), sinks=torch.ones(8, dtype=torch.int64, device=r.device)), TypeError,
-        "sinks are int64"),
+    "sinks_int64": (lambda r: _sinks(r, torch.ones(8, dtype=torch.int64, device=r.device)),
+                    TypeError, "sinks are int64"),
     "q_a_list": (lambda r: lambda: _plan_then_forward(r, _ok(r), q=[[0.0]]), TypeError,
                  "q must be a tensor [10, 8, 32], got list"),
-    "sinks_a_list": (lambda r: lambda: _plan_then_forward(r, _ok(r), sinks=[0.0] * 8), TypeError,
-                     "sinks must be a tensor [8]"),
+    "sinks_a_list": (lambda r: _sinks(r, [0.0] * 8), TypeError, "sinks must be a tensor [8]"),
     "row_twice_in_batch": (lambda r: lambda: _plan_then_forward(
         r, [ReqForward("a", r.row, 0, 5), ReqForward("b", r.row, 5, 5)]), ValueError,
         "requests 'a' and 'b' both use req_to_token row"),
@@ -234,10 +245,10 @@ def test_misuse_raises_on_cuda(name: str) -> None:
 def test_host_tensor_for_cuda_pool(arg: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    rig = Rig("cuda")
+    rig = _with_sinks(Rig("cuda")) if arg == "sinks" else Rig("cuda")
     before = rig.snapshot()
     q, k, v = rig.qkv()
-    over = {"q": q, "k": k, "v": v, "sinks": torch.zeros(8, device="cuda")}
+    over = {"q": q, "k": k, "v": v, **({"sinks": torch.zeros(8)} if arg == "sinks" else {})}
     over[arg] = over[arg].cpu()
     with pytest.raises(ValueError, match=f"{arg} (is|are) on cpu, the layer's pool on cuda"):
         _plan_then_forward(rig, _ok(rig), **over)

@@ -8,6 +8,7 @@ import torch
 import swafactory
 from swafactory.backend import TargetView, build_backend, model_windows
 from swafactory.errors import SpaceError
+from swafactory.guards import MissingSlotError
 from swafactory.harness.world import World, oracle_for
 from swafactory.kvcache.draft import frozen_draft_view
 from swafactory.resolve.layout import frozen_draft_binding
@@ -96,9 +97,13 @@ def test_wrong_window_reads_an_evicted_slot_as_nan_and_fails_the_oracle() -> Non
     assert good[0].error() < 1e-5
     assert w.slots.evict_out_of_window("a", 3 * W + 2, W) == 1  # position 3W+2-W = 2W+2 dies
     wrong = {layer: (W + 1 if win else None) for layer, win in model_windows(w.cfg).items()}
-    w.backend = build_backend(w.cfg, pools=w.pool, windows=wrong)  # one key too many
+    w.backend = build_backend(w.cfg, pools=w.pool, windows=wrong, guards=False)  # a key too many
     bad = w.forward("decode", [w.req("a", 3 * W + 2, 1)], [0])
     assert torch.isnan(bad[0].out).all() and bad[0].error() == float("inf")
+    # guarded (the default): the SWA hole is named at planning, before any kernel runs
+    w.backend = build_backend(w.cfg, pools=w.pool, windows=wrong)
+    with pytest.raises(MissingSlotError, match=f"reads position {2 * W + 2} .* in SWA space"):
+        w.forward("decode", [w.req("a", 3 * W + 2, 1)], [0])
 
 
 class SwappingDraftView:

@@ -22,7 +22,8 @@ from swafactory.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("distill")
 
-BASE = ["run=generate", "model=tiny", "backend=torch", "run.target_weights=pretrained"]
+BASE = ["run=generate", "model=tiny", "backend=torch", "run.target_weights=pretrained",
+        "workload=smoke"]  # the accept-length targets were set on its four requests
 CHAIN4 = ["spec.num_steps=4", "spec.num_draft_tokens=5"]
 FAMILIES = {  # spec overrides, the accept-length target
     "eagle": (["spec=eagle", *CHAIN4], 2.0),

@@ -21,7 +21,8 @@ from swafactory.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("distill")
 
-BASE = ["run=generate", "model=tiny", "backend=torch", "run.target_weights=pretrained"]
+BASE = ["run=generate", "model=tiny", "backend=torch", "run.target_weights=pretrained",
+        "workload=smoke"]  # the workload its drafts were checked on
 CHAIN4 = ["spec.num_steps=4", "spec.num_draft_tokens=5"]
 SPECS = {"eagle": ["spec=eagle", *CHAIN4], "eagle3": ["spec=eagle3", "spec.topk=1", *CHAIN4],
          "nextn": ["spec=nextn", *CHAIN4], "dflash": ["spec=dflash"]}

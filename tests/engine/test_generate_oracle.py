@@ -26,7 +26,8 @@ SPECS = sorted(p.stem for p in (CONF / "spec").glob("*.yaml"))  # every shipped 
 SMALL = ["run=generate", "backend=torch", "model=tiny", "workload.num_requests=2",
          "workload.seed=1", "workload.max_running_requests=2", "workload.prompt_over_window=[4,20]",
          "workload.output_len=[5,7]", "workload.chunk_size=16", "run.hidden_size=32",
-         "run.intermediate_size=32", "run.vocab_size=128", "run.oracle=true"]
+         "run.intermediate_size=32", "run.vocab_size=128", "run.oracle=true",
+         "run.oracle_rate=1.0"]  # the watch's own tests check every pass
 
 
 @pytest.fixture
@@ -77,6 +78,16 @@ def test_every_spec_checks_every_pass_against_the_oracle(spec: str, watches) -> 
     assert not any(how == "replay" for _, _, how in watches[0].passes)
     # the reference runs (spec=none for lossless) are watched too
     assert all(w is not None and not w.off for w in watches)
+    # and the report says what it checked: ok with the passes, not "skipped"
+    got = {c.name: c for c in r.checks}["oracle"]
+    assert got.status == "ok" and "passes within tolerance" in got.detail, got
+    assert "target target_verify eager" in got.detail or spec == "none", got.detail
+
+
+def test_the_report_says_skipped_when_the_oracle_is_off() -> None:
+    r = run_generate(swafactory.compose([*SMALL, "spec=eagle", "run.oracle=false"]))
+    assert r.status == "ok", (r.caught_by, r.checks)
+    assert {c.name: c for c in r.checks}["oracle"].status == "skipped"
 
 
 @pytest.mark.parametrize("spec", ["eagle3", "frozen_kv_mtp", "dflash"])
@@ -152,8 +163,11 @@ def test_the_flag_is_off_by_default_and_on_where_the_suites_say(monkeypatch) -> 
     """Off for users; SWAFACTORY_ORACLE=true (the test and GPU suites) turns it on, an override
     wins, and a bad value or rate is refused by name."""
     monkeypatch.delenv("SWAFACTORY_ORACLE", raising=False)
+    monkeypatch.delenv("SWAFACTORY_ORACLE_RATE", raising=False)
     cfg = swafactory.compose(["run=generate"])
     assert cfg.run.oracle is False and cfg.run.oracle_rate == 1.0
+    monkeypatch.setenv("SWAFACTORY_ORACLE_RATE", "0.25")  # the test suite's sampling
+    assert swafactory.compose(["run=generate"]).run.oracle_rate == 0.25
     monkeypatch.setenv("SWAFACTORY_ORACLE", "true")
     assert swafactory.compose(["run=generate"]).run.oracle is True
     assert swafactory.compose(["run=generate", "run.oracle=false"]).run.oracle is False

@@ -237,7 +237,7 @@ def test_real_cli_multirun_writes_the_matrix(tmp_path) -> None:
     sweep = tmp_path / "multirun"
     # one short request per job (as test_experiments' CHEAP): the matrix is the point here; the
     # smoke workload itself runs for every spec in test_conformance.py
-    cheap = ["workload.num_requests=1", "workload.output_len=[4,4]",
+    cheap = ["workload=smoke", "workload.num_requests=1", "workload.output_len=[4,4]",
              "workload.prompt_over_window=[2,8]"]
     out = subprocess.run([sys.executable, "-m", "swafactory", "-m", "backend=torch,flash_attn",
                           "spec=none,eagle3", "model=gpt_oss_20b", *cheap,

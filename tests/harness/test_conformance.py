@@ -77,9 +77,10 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "plan_without_window": ("none", "oracle"),  # a chunk's later queries see past W
     "sink_dropped": ("none", "oracle"),  # gpt_oss_20b has sinks
     "fp8_descale_dropped": ("none", "oracle"),  # the harness's fp8 scales are 1/8-1/32
-    "premature_free_on_reject": ("eagle", "nan"),  # a freed in-window slot reads the dummy
+    "premature_free_on_reject": ("eagle", "space"),  # the guards: an SWA hole in the window
     "tree_mask_not_rebased": ("eagle3", "oracle"),  # nodes past depth lose window-edge keys
-    "paged_free_stale_mapping": ("none", "nan"),  # a freed page's mapped rows are read
+    # the guards: a partly freed page leaves SWA holes where the key list starts
+    "paged_free_stale_mapping": ("none", "space"),
     "graph_pad_stale_swa_loc": ("none", "space"),  # the replay guard: padding writes a live slot
 }
 # faults of the engine's own path (its graph keying), shown by run=generate on CPU
@@ -183,19 +184,38 @@ def test_long_forwards_checked_layer_by_layer_catch_the_same(fault: str, monkeyp
         assert r.status == "failed" and r.mismatch.check == caught, r.mismatch
 
 
+# an override that takes one need away from the configuration a fault's test uses
+TAKES_AWAY = {"backend.cuda_graph=true": "backend.cuda_graph=false",
+              "backend.kv_dtype=fp8_e4m3": "backend.kv_dtype=bfloat16",
+              "backend.page_size > 1": "backend.page_size=1",
+              "model.attention_sinks=true": "model.attention_sinks=false",
+              "model.hybrid_pool=true": "model.hybrid_pool=false",
+              "spec.topk > 1": "spec=eagle", "a speculative spec (not spec=none)": "spec=none",
+              "spec.draft_kv=own_pool": "spec=frozen_kv_mtp",
+              "spec.draft_kv=target_pool": "spec=eagle",
+              "spec.draft_pool_split=false": "spec.draft_pool_split=true",
+              "run=conformance": "run=generate"}
+
+
 @pytest.mark.parametrize("fault", sorted(FAULT_NEEDS))
 def test_a_fault_that_could_not_act_is_refused_naming_what_it_needs(fault: str) -> None:
-    """A fault switched on where it cannot act (no graphs, no fp8, no sinks, ...) would let the
-    run pass as if it proved something: the registry refuses it, naming the field and the fix,
-    and the configuration the fault tests use is accepted."""
-    need = FAULT_NEEDS[fault]
+    """A fault switched on where it cannot act (no graphs, no fp8, no sinks, no tree, no SWA
+    pool, ...) would let the run pass as if it proved something: each need taken away is
+    refused, naming the need, the field's value and the fix, before any backend is chosen; the
+    configuration the fault tests use is accepted."""
     spec, _ = FAULTS.get(fault) or ENGINE_FAULTS[fault]
-    bare = swafactory.compose(["backend=torch", "model=tiny", "spec=none", f"faults={fault}",
-                               "backend.cuda_graph=false", "model.attention_sinks=false"])
-    assert not need.holds(bare)
-    reasons = [r for r in swafactory.check(bare) if r.rule == "faults_rule"]
-    assert [r.field for r in reasons] == [need.field] and reasons[0].fix == need.fix
-    assert f"faults={fault}" in reasons[0].message
-    used = swafactory.compose(["backend=torch", "model=gpt_oss_20b", f"spec={spec}",
-                               f"faults={fault}", *FAULT_OVERRIDES.get(fault, ())])
-    assert need.holds(used) and not swafactory.check(used)
+    base = ["model=gpt_oss_20b", f"spec={spec}", f"faults={fault}",
+            *FAULT_OVERRIDES.get(fault, ())]
+    used = swafactory.compose(["backend=torch", *base])
+    assert all(n.holds(used) for n in FAULT_NEEDS[fault]) and not swafactory.check(used)
+    for need in FAULT_NEEDS[fault]:
+        bare = swafactory.compose(["backend=auto", *base, TAKES_AWAY[need.needs]])
+        assert not need.holds(bare)
+        reasons = [r for r in swafactory.check(bare) if r.field == need.field]
+        assert len(reasons) == 1 and reasons[0].fix == need.fix and reasons[0].rule == "faults_rule"
+        assert f"faults={fault} needs {need.needs}" in reasons[0].message
+        with pytest.raises(swafactory.ConfigError) as refused:
+            swafactory.validate(bare)
+        text = str(refused.value)
+        assert f"faults={fault} cannot act with backend=auto" in text
+        assert "found no backend" not in text and "registered backend" not in text

@@ -97,8 +97,8 @@ def test_submitit_local_launcher_runs_a_sweep(tmp_path) -> None:
     # each job was pickled, run by submitit in its own process, and its result pickled back
     assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2
     rows = _rows((sweep / "matrix.md").read_text())
-    assert [r[:5] for r in rows] == [["torch", "eagle3", "gpt_oss_20b", "smoke", "**ok**"],
-                                     ["torch", "eagle3", "tiny", "smoke", "**ok**"]]
+    assert [r[:5] for r in rows] == [["torch", "eagle3", "gpt_oss_20b", "quick", "**ok**"],
+                                     ["torch", "eagle3", "tiny", "quick", "**ok**"]]
     for n in (0, 1):
         plan = json.loads((sweep / str(n) / "plan.json").read_text())["plan"]
         assert plan["rows"], "each job planned its model"

@@ -1,6 +1,7 @@
 """Every fault counts the times it acted: on its documented launch line (the `# Launch:` line of
 its conf/faults file) it acts and is caught; on a workload that gives it nothing to change the
-run is `inert` (exit 3), never ok."""
+run is `inert` (exit 3), never ok; where the configuration alone cannot feed it, it is refused
+(exit 2) before anything runs."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pytest
 
 import swafactory
 from swafactory.config.paths import conf_dir, group_options
-from swafactory.errors import EXIT_CONFORMANCE, EXIT_INERT
+from swafactory.errors import EXIT_CONFIG, EXIT_CONFORMANCE, EXIT_INERT
 from swafactory.harness.callback import build_matrix
 from swafactory.outputs.inert import LACKS
 from swafactory.engine.report_model import GenerateReport
@@ -78,6 +79,26 @@ def test_a_fault_whose_workload_never_shrinks_a_bucket_is_inert_not_ok(tmp_path)
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "inert"
     md = build_matrix(tmp_path)  # a sweep shows inert as its own outcome
     assert "0 ok, 0 refused, 0 failed, 1 inert" in md and "| **inert** |" in md
+
+
+@pytest.mark.parametrize("args,needs", [
+    (["faults=tree_mask_not_rebased", "spec=none"], "tree_mask_not_rebased needs spec.topk > 1"),
+    (["faults=skip_spec_translation", "spec=none", "model=tiny"],
+     "skip_spec_translation needs spec.topk > 1"),
+    (["faults=allocator_pool_for_own_pool_draft", "spec=none", "run=plan"],
+     "allocator_pool_for_own_pool_draft needs spec.draft_kv=own_pool"),
+], ids=["conformance", "tiny", "plan"])
+def test_a_fault_the_configuration_cannot_feed_is_refused_in_every_mode(tmp_path, args,
+                                                                        needs) -> None:
+    """One rule: where `fault_needs` can tell, a fault that cannot act is refused at
+    configuration time (exit 2), naming its needs, not a backend; nothing runs or is planned.
+    Inert (exit 3) is left to what the workload decides at run time."""
+    out = _cli(tmp_path, *args)
+    assert out.returncode == EXIT_CONFIG, out.stderr[-2000:]
+    assert needs in out.stderr and "Fix: spec=" in out.stderr
+    assert "found no backend" not in out.stderr and "registered backend" not in out.stderr
+    assert not (tmp_path / "report.json").exists() and not (tmp_path / "plan.json").exists()
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "refused"
 
 
 def test_in_process_counts_start_from_zero_per_run() -> None:
