@@ -57,7 +57,8 @@ def main() -> None:
         print(line, file=sys.stderr, flush=True)
     typos = unknown_keys(sys.argv[1:])  # a mistyped field: refused before Hydra's "use +" advice
     if typos:
-        print(ConfigError(typos, headline=f"cannot compose {' '.join(sys.argv[1:])}:"),
+        asked = " ".join(a for a in sys.argv[1:] if not a.lstrip("+~").startswith("hydra."))
+        print(ConfigError(typos, headline=f"cannot compose {asked}:"),
               file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     try:
