@@ -169,10 +169,8 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
         report = report.model_copy(update={"autotune": list(tuned)})
     render_summary(report, console)
     if output_dir is not None:
-        for path in write_report(report, output_dir):
-            console.print(f"wrote {path}")
-        done = _write_result(output_dir, cfg, overrides, report.status, report=report)
-        console.print(f"wrote {done}")
+        _print_written(console, write_report(report, output_dir), output_dir, cfg, overrides,
+                       report.status, report=report)
     if report.status == "inert":
         _stderr(console, f"conformance INERT: {report.inert}")
         return EXIT_OK if sweep else EXIT_INERT
@@ -185,6 +183,14 @@ def _conformance(conf, device, cfg, output_dir, overrides, console, sweep, note=
     return EXIT_OK
 
 
+def _print_written(console, paths, output_dir: Path, cfg: DictConfig, overrides: list[str],
+                   status: str, **result) -> None:
+    """A ``wrote …`` line per report file, then one for result.json (its fields: ``result``)."""
+    for path in paths:
+        console.print(f"wrote {path}")
+    console.print(f"wrote {_write_result(output_dir, cfg, overrides, status, **result)}")
+
+
 def _generate(conf, device, cfg, output_dir, overrides, console, sweep, tuned=()) -> int:
     from swafactory.engine.report import accept_line, render_generate, write_generate
     from swafactory.engine.run import run_generate
@@ -194,15 +200,11 @@ def _generate(conf, device, cfg, output_dir, overrides, console, sweep, tuned=()
         report = report.model_copy(update={"autotune": list(tuned)})
     render_generate(report, console)
     if output_dir is not None:
-        for path in write_generate(report, output_dir):
-            console.print(f"wrote {path}")
         caught = next((c.detail for c in report.checks if c.name == report.caught_by), None)
-        done = _write_result(output_dir, cfg, overrides, report.status,
-                             error=None if report.status == "ok" else report.inert
-                             if report.status == "inert" else
-                             f"caught by {report.caught_by}: {caught}",
-                             accept=accept_line(report))
-        console.print(f"wrote {done}")
+        _print_written(console, write_generate(report, output_dir), output_dir, cfg, overrides,
+                       report.status, error=None if report.status == "ok" else report.inert
+                       if report.status == "inert" else f"caught by {report.caught_by}: {caught}",
+                       accept=accept_line(report))
     if report.status == "inert":
         _stderr(console, f"generate INERT: {report.inert}")
         return EXIT_OK if sweep else EXIT_INERT

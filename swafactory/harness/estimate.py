@@ -51,9 +51,10 @@ def estimate_steps(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int],
     the pool is not split (then prefill chunks are ``workload.chunk_size``).
     """
     lengths = accepted_lengths(cfg)
+    evicts = not cfg.faults.no_swa_eviction  # the fault's run never moves its frontier
     if len(set(lengths)) == 1:
-        return replay_steps(cfg, prompts, outs, lambda: lengths[0], swa_share)
+        return replay_steps(cfg, prompts, outs, lambda: lengths[0], swa_share, evicts=evicts)
     rng = random.Random(cfg.workload.seed)
-    runs = [replay_steps(cfg, prompts, outs, lambda: rng.choice(lengths), swa_share)
-            for _ in range(_REPLAYS)]
+    runs = [replay_steps(cfg, prompts, outs, lambda: rng.choice(lengths), swa_share,
+                         evicts=evicts) for _ in range(_REPLAYS)]
     return round(sum(runs) / len(runs))

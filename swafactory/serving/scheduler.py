@@ -277,16 +277,17 @@ class Scheduler:
 
 
 def replay_steps(cfg, prompts: list[int], outs: list[int], accepted: Callable[[], int],
-                 swa_share: int | None = None) -> int:
+                 swa_share: int | None = None, *, evicts: bool = True) -> int:
     """Scheduler steps to serve ``prompts`` / ``outs`` (tokens per request) under ``cfg`` (a
     `SwaFactoryConfig`), replayed on paper with this module's rules: admission, prefill chunks
     clamped to ``swa_share`` SWA slots a request (None: no clamp) with the eviction frontier
-    moving as `Scheduler` moves it, then decode or spec steps committing ``accepted()`` tokens
-    per request (progress estimates: no pool is touched)."""
+    moving as `Scheduler` moves it (``evicts=False``: it never moves, as under the harness's
+    no_swa_eviction fault), then decode or spec steps committing ``accepted()`` tokens per
+    request (progress estimates: no pool is touched)."""
     m, w, P = cfg.model, cfg.workload, cfg.backend.page_size
     W = m.sliding_window or 0
     split = bool(m.swa_layers) and m.hybrid_pool
-    evicts = split and not cfg.faults.no_swa_eviction
+    evicts = split and evicts
     reread = cfg.spec.draft_kv == "target_pool"  # FROZEN_KV keeps position L-1
     # per request: [prompt, out, committed, generated, swa_evicted]
     split = split and swa_share is not None
