@@ -57,7 +57,8 @@
 #                  core      the `core` suite; with OLD_TGZ (`git archive` of an older commit)
 #                            also its graph-route probe there (bench/probes/graph_routes.py)
 #                  generate  run=generate x gemma4, gpt_oss_20b x every spec, graphs at start-up
-#                            and the oracle on, with overlap and without (tokens/s of each)
+#                            and overlap on: checked (the oracle on), then timed (warm, the
+#                            oracle off; tokens/s with overlap and without)
 #                  faults    every fault x flashinfer, triton x guards on and off
 #                  speed     the `factory` suite, then `longctx` in what is left
 # Environment:
@@ -346,13 +347,16 @@ evidence_core() {  # the `core` suite's tests beside its probe (and the older co
     wait "$pid" || return $?
     return $r
 }
-evidence_generate() {  # overlap on, then off: tokens/s of each, both lossless under the oracle
+evidence_generate() {  # checked, then timed: both passes run overlap (and its twin without)
+    # checked: graphs captured at start-up, overlap on, the attention oracle on; every job is
+    # lossless and its overlap twin equal. timed: the same jobs again on warm kernel caches with
+    # the oracle off (its readbacks are host syncs): tokens/s with overlap and without
     local o base=$D
-    for o in true false; do
-        D=$base/overlap_$o
+    for o in checked:true timed:false; do
+        D=$base/${o%%:*}
         mkdir -p "$D"
-        GRAPHS=true LANES=${LANES:-flashinfer:0} DEADLINE=190 \
-            OVERRIDES="run.overlap=$o ${OVERRIDES:-}" suite_generate
+        SWAFACTORY_ORACLE=${o#*:} GRAPHS=true LANES=${LANES:-flashinfer:0} DEADLINE=190 \
+            OVERRIDES="run.overlap=true ${OVERRIDES:-}" suite_generate
     done
     D=$base
 }

@@ -165,7 +165,10 @@ class GenerateReport(_Model):
     error: str | None = None
     """The exception that stopped the run, if one did."""
     wall_s: float
+    """The generation loop's wall time: from the first step to the last, after start-up (the
+    pools, a draft's distillation, every CUDA graph captured)."""
     tokens_per_s: float
+    """Generated tokens over `wall_s`."""
     overlap: bool = False
     """``run.overlap``: the run planned each forward before the last one's tokens came back."""
     tokens_per_s_no_overlap: float | None = None
