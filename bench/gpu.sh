@@ -183,6 +183,7 @@ suite_faults() {  # each fault on the spec it belongs to (tests/harness/test_con
                 paged_free_stale_mapping:none:gemma4:backend.page_size=16 \
                 fp8_descale_dropped:none:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton \
                 graph_pad_stale_swa_loc:none:gpt_oss_20b:backend.cuda_graph=true,$shrink \
+                graph_key_without_mode:dflash:tiny:run=generate,backend.cuda_graph=true \
                 none:none:gpt_oss_20b:backend.cuda_graph=true,$shrink; do
         IFS=: read -r fault spec model extra <<< "$pair"
         while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-6}" ]; do wait -n; done

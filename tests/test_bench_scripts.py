@@ -29,6 +29,16 @@ def test_bench_holds_the_benches_and_one_gpu_script() -> None:
     assert [p.name for p in (ROOT / "bench").glob("*.sh")] == ["gpu.sh"]
 
 
+def test_the_fault_suite_runs_every_shipped_fault() -> None:
+    """The GPU half of the fault matrix (`faults`, and the evidence's `faults` part) launches
+    each fault in conf/faults with its clean twin: a new fault that is not listed there never
+    runs on a GPU."""
+    body = re.search(r"^suite_faults\(\) \{(.*?)^\}", GPU_SH.read_text(), re.M | re.S).group(1)
+    listed = set(re.findall(r"(\w+):(?:none|eagle3?|dflash|frozen_kv_mtp)\b", body))
+    shipped = {p.stem for p in (ROOT / "conf" / "faults").glob("*.yaml")}
+    assert shipped == listed, (sorted(shipped - listed), sorted(listed - shipped))
+
+
 @pytest.mark.parametrize("arg, rc", [("--help", 0), ("-h", 0), ("--deadline=5", 2)])
 def test_an_option_is_not_an_out_folder(arg: str, rc: int, tmp_path: Path) -> None:
     r = _sh(arg, cwd=tmp_path)
