@@ -19,7 +19,6 @@ import torch
 __all__ = ["oracle_attention", "masked_attention", "visibility", "tree_visibility",
            "causal_visibility"]
 
-_TINY = torch.finfo(torch.float32).tiny
 
 
 def causal_visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -84,19 +83,25 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     nk, hkv = keys.shape[1], keys.shape[2]
     group = hq // hkv
     scale = d ** -0.5 if scale is None else scale
-    # GQA: query head h reads KV head h // group, so view q as [B·Hkv, group·nq, D]
+    # GQA: query head h reads KV head h // group, so view q as [B·Hkv, group·nq, D]; the scale
+    # goes on q (smaller than the scores) and every pass over the scores runs in place
     qg = q.float().reshape(b, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, group * nq, d)
+    if softcap is None:
+        qg = qg * scale
     kt = keys.float().permute(0, 2, 3, 1).reshape(b * hkv, d, nk)
-    s = torch.bmm(qg, kt).reshape(b, hq, nq, nk) * scale
+    s = torch.bmm(qg, kt).reshape(b, hq, nq, nk)
     if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~allowed[:, None], -math.inf)
+        s = s.mul_(scale / softcap).tanh_().mul_(softcap)
+    s.masked_fill_(~allowed[:, None], -math.inf)
     if sinks is not None:  # the sink is one more logit in each head's denominator, with no value
         s = torch.cat([s, sinks.float().view(1, hq, 1, 1).expand(b, hq, nq, 1)], dim=3)
     m = s.amax(dim=3, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    p = p.masked_fill(p < _TINY, 0.0)  # denormals (< 1e-38 of the max) slow CPU matmuls ~20×
+    # exp of -inf or of anything below -88 leaves the CPU's vector path (4-15x slower), and
+    # its denormals slow the matmul ~20x: clamp (exp(-80) of the max is nothing in fp32), then
+    # the keys not allowed to exactly 0
+    p = s.sub_(m).clamp_(min=-80.0).exp_()
+    p[..., :nk].masked_fill_(~allowed[:, None], 0.0)
     denom = p.sum(dim=3).permute(0, 2, 1)[..., None]  # [B, nq, Hq, 1]
     pv = p[..., :nk].reshape(b * hkv, group * nq, nk)
     vv = values.float().permute(0, 2, 1, 3).reshape(b * hkv, nk, d)

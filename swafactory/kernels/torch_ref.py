@@ -42,7 +42,8 @@ from swafactory.registry.capabilities import Capabilities
 __all__ = ["CAPABILITIES", "Adapter", "attend", "attention_reference", "check_contract",
            "merge_state", "apply_sinks"]
 
-_TINY = torch.finfo(torch.float32).tiny
+_FLOOR = -80.0
+"""Scores below the row's max by more than this weigh exp(-80) ≈ 2e-35 of it: nothing in fp32."""
 _SCORE_BUDGET = 1 << 25  # elements of one fp32 score chunk (128 MiB): parallel runs share a GPU
 
 CAPABILITIES = Capabilities(
@@ -101,7 +102,9 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
     for b in range(nb):
         q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
         nq, nk = q1 - q0, k1 - k0
-        if nq == 0:
+        if nq == 0 or nk == 0:  # no key: zeros and lse -inf, as initialized (a sink alone
+            if nk == 0 and sk is not None:  # still takes the whole denominator: lse = sink)
+                lse[q0:q1] = sk.reshape(1, hq).expand(nq, hq)
             continue
         rows = kv_indices[k0:k1].long()
         kb, vb = k_buf[rows].float(), v_buf[rows].float()                    # [nk, Hkv, D]
@@ -110,9 +113,12 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
         kp = kv_pos[k0:k1].long()
         # 0·NaN would leak a masked non-finite value: multiply clean values, then poison only
         # the queries that really see a non-finite value.
-        finite = torch.isfinite(vb)
-        vclean = torch.where(finite, vb, torch.zeros_like(vb))
-        bad = (~finite).any(-1).float()                                      # [nk, Hkv]
+        # (a row with a non-finite value is zeroed whole: every query that sees it is poisoned
+        # anyway, and one that does not gives it weight exactly 0; amax propagates NaN)
+        bad = ~torch.isfinite(vb.abs().amax(-1))                             # [nk, Hkv]
+        vclean = vb.masked_fill(bad[..., None], 0.0)
+        kt, vt = kb.permute(1, 2, 0), vclean.permute(1, 0, 2)                # [Hkv, D, nk], [Hkv, nk, D]
+        bad = bad.float()
         # queries in chunks: a long prefill's [Hq, nq, nk] scores stay within _SCORE_BUDGET
         step = max(1, _SCORE_BUDGET // max(1, hq * nk))
         for c0 in range(q0, q1, step):
@@ -126,17 +132,30 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
                 allowed = mask[m0:m0 + n * nk].view(n, nk).bool()
             if window is not None:
                 allowed = allowed & (qp[:, None] - kp[None, :] < window)
-            qg = q[c0:c1].float().view(n, hkv, group, d)
-            s = torch.einsum("qhgd,khd->hgqk", qg, kb) * scale                # [Hkv, G, n, nk]
+            # [Hkv, G·n, D] @ [Hkv, D, nk]: the scale folded into q (smaller than the scores),
+            # then every pass over the scores in place, one exp (a logsumexp would take two)
+            qh = q[c0:c1].float().view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(
+                hkv, group * n, d)
+            if softcap is None:
+                qh = qh * scale
+            s = torch.bmm(qh, kt).view(hkv, group, n, nk)                       # [Hkv, G, n, nk]
             if softcap is not None:
-                s = softcap * torch.tanh(s / softcap)
-            s = s.masked_fill(~allowed, -math.inf)  # a masked NaN key becomes -inf here
-            full = s if sk is None else torch.cat([s, sk[:, :, None, None].expand(-1, -1, n, 1)], -1)
-            lse_b = torch.logsumexp(full, dim=-1)                             # [Hkv, G, n]
-            base = torch.where(lse_b == -math.inf, torch.zeros_like(lse_b), lse_b)
-            p = torch.exp(s - base[..., None])                                # masked → exactly 0
-            p = p.masked_fill(p < _TINY, 0.0)  # denormals (< 1e-38 of the sum) slow CPU matmuls ~20×
-            ob = torch.einsum("hgqk,khd->qhgd", p, vclean)
+                s = s.mul_(scale / softcap).tanh_().mul_(softcap)
+            s.masked_fill_(~allowed, -math.inf)  # a masked NaN key becomes -inf here
+            m = s.amax(dim=-1)                                                # [Hkv, G, n]
+            if sk is not None:  # the sink: one more logit in the denominator, with no value
+                m = torch.maximum(m, sk[:, :, None].expand_as(m))
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            # exp of -inf or of anything below -88 leaves the CPU's vector path (4-15x slower),
+            # and its denormals slow the matmul ~20x: clamp, then the masked keys to exactly 0
+            p = s.sub_(m[..., None]).clamp_(min=_FLOOR).exp_().masked_fill_(~allowed, 0.0)
+            den = p.sum(dim=-1)
+            if sk is not None:
+                den = den + torch.exp(sk[:, :, None] - m)
+            lse_b = m + torch.log(den)                                        # -inf: sees nothing
+            ob = torch.bmm(p.view(hkv, group * n, nk), vt).view(hkv, group, n, d)
+            ob = (ob / torch.where(den > 0, den, torch.ones_like(den))[..., None]).permute(
+                2, 0, 1, 3)                                                   # [n, Hkv, G, D]
             seen_bad = (allowed.float() @ bad) > 0                            # [n, Hkv]
             ob = ob.masked_fill(seen_bad[:, :, None, None], math.nan)
             o[c0:c1] = ob.reshape(n, hq, d)

@@ -25,6 +25,7 @@ import math
 import types
 
 import torch
+from fake_softmax import attend
 
 __all__ = ["module", "calls"]
 
@@ -72,7 +73,6 @@ def _attend(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, soft
         if d > 128:  # PagedKVManager: page_entry_per_thread = tile_n // 128 == 0
             raise ValueError("Expected size in shape to be strictly positive, but got 0")
     hq, hkv = q.shape[1], k.shape[-2]
-    group = hq // hkv
     scale = softmax_scale or d ** -0.5
     left, right = window_size
     if causal:
@@ -93,10 +93,6 @@ def _attend(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, soft
             kb, vb = k[pages, j % page].float(), v[pages, j % page].float()
         else:
             kb, vb = k[b, :sk].float(), v[b, :sk].float()
-        kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), kb) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
         i = torch.arange(sq)[:, None] + sk - sq
         j = torch.arange(loaded)[None, :]
         ok = (j < sk).expand(sq, loaded).clone()  # rows past sk: masked, weigh 0 (0·NaN = NaN)
@@ -104,11 +100,7 @@ def _attend(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, soft
             ok &= j <= i + right
         if left is not None:
             ok &= j >= i - left
-        s = s.masked_fill(~ok[None], -math.inf)
-        m = torch.logsumexp(s, dim=2)
-        p = torch.exp(s - m.masked_fill(torch.isinf(m), 0)[..., None])
-        o[q0:q1] = torch.einsum("hqk,khd->qhd", p, vb)
-        lse[:, q0:q1] = m
+        o[q0:q1], lse[:, q0:q1] = attend(q[q0:q1], kb, vb, ok, scale, softcap or 0.0)
     return o.to(q.dtype), (lse if return_lse else None)
 
 

@@ -35,6 +35,7 @@ import math
 import types
 
 import torch
+from fake_softmax import attend
 
 __all__ = ["module", "runs"]
 
@@ -78,17 +79,13 @@ class _Wrapper:
         kv = self.kv.tolist()  # per-request key rows from the pages
         o = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:2], -math.inf)
-        group = self.hq // self.hkv
         mask_off = 0
         for b in range(len(kv) - 1):
             q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
             nq, nk = q1 - q0, k1 - k0
             rows = self.rows[k0:k1]
-            k = (k_cache[rows, 0].float() * ks).repeat_interleave(group, dim=1)  # [nk, Hq, D]
-            v = (v_cache[rows, 0].float() * vs).repeat_interleave(group, dim=1)
-            s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * self.scale
-            if self.softcap > 0:
-                s = self.softcap * torch.tanh(s / self.softcap)
+            k = k_cache[rows, 0].float() * ks  # [nk, Hkv, D]
+            v = v_cache[rows, 0].float() * vs
             i = torch.arange(nq)[:, None]
             j = torch.arange(nk)[None, :]
             ok = torch.ones(nq, nk, dtype=torch.bool)
@@ -103,10 +100,7 @@ class _Wrapper:
                 ok = j <= nk - nq + i
             if self.window_left >= 0:  # FlashInfer: relative to the query's index in the list
                 ok = ok & (j + nq + self.window_left >= nk + i)
-            s = s.masked_fill(~ok[None], -math.inf)
-            m = torch.logsumexp(s, dim=2)  # [Hq, nq]
-            p = torch.exp(s - m.masked_fill(torch.isinf(m), 0)[..., None])
-            o[q0:q1] = torch.einsum("hqk,khd->qhd", p, v)
+            o[q0:q1], m = attend(q[q0:q1], k, v, ok.expand(nq, nk), self.scale, self.softcap)
             lse[q0:q1] = (m / math.log(2.0)).T  # base 2
         o = o.to(q.dtype)
         return (o, lse) if return_lse else o
