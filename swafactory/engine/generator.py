@@ -243,10 +243,10 @@ class Generator(Payload):
             k += n
             if mode == "extend" and n:
                 self._take(r, rows[0], len(r.prompt) - 1, ids[0])  # the prompt's last logits
-                r.pending -= 1
+                r.pending, r.plain = r.pending - 1, r.plain + 1
             elif mode == "decode":
                 self._take(r, rows[0], f.prefix_len, ids[0])
-                r.pending -= 1
+                r.pending, r.plain = r.pending - 1, r.plain + 1
             elif mode == "draft_decode":
                 self._drafted(f, rows, ids)
             elif mode == "target_verify":

@@ -99,6 +99,12 @@ def render_generate(r: GenerateReport, console: Console) -> None:
         console.print(f"[b]tokens/s[/]: {r.tokens_per_s:.1f} with run.overlap=true, " + (
             "- without (not run)" if not off else
             f"{off:.1f} without (x{r.tokens_per_s / off:.2f})"))
+    m = r.spec_metrics
+    if m is not None and m.num_spec_steps:  # vLLM's per-response figures, per request in report.json
+        console.print(f"[b]spec metrics[/]: {m.num_spec_steps} spec steps, "
+                      f"{m.num_accepted_tokens} of {m.num_draft_tokens} draft tokens accepted "
+                      f"(rate {m.draft_acceptance_rate or 0.0:.2f}), mean acceptance length "
+                      f"{m.mean_acceptance_length:.2f}, histogram {m.acceptance_histogram}")
     if r.inert:
         console.print(Panel(r.inert, title="inert: the fault never acted", title_align="left",
                             border_style="yellow", expand=False))

@@ -10,10 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Rejection", "RequestRecord", "GenStep", "CheckResult", "GenerateReport", "CHECK_ORDER"]
+__all__ = ["Rejection", "RequestRecord", "GenStep", "CheckResult", "GenerateReport", "CHECK_ORDER",
+           "SpecMetrics"]
 
 CHECK_ORDER = ("space", "nan", "oracle", "kernel", "capacity", "leak", "logits", "draft_logits",
-               "lossless", "overlap", "acceptance")
+               "lossless", "overlap", "acceptance", "spec_metrics")
 """Every check, in the order that names the one that caught a failure (`GenerateReport.caught_by`;
 `failed_checks` lists all): the guards, the attention oracle (``run.oracle``: a pass's rows
 against the fp32 oracle over each request's logical history) and a kernel fault stop the run
@@ -51,6 +52,28 @@ class Rejection(_Model):
     max(1, max |fp64|). Near 0: a true near tie, which rounding may break either way."""
 
 
+class SpecMetrics(_Model):
+    """Speculative decoding's figures for one request or a whole run, with vLLM's per-response
+    field names (`spec_metrics.py` computes them and checks them against each other)."""
+
+    num_spec_steps: int
+    """Verify steps (sglang's ``spec_verify_ct``)."""
+    num_draft_tokens: int
+    """Draft tokens sent to verification: the verified tokens of each step but its root."""
+    num_accepted_tokens: int
+    """Draft tokens the target accepted (each step's committed tokens but its bonus)."""
+    mean_acceptance_length: float | None
+    """Tokens committed per spec step, the bonus included (sglang's ``spec_accept_length``)."""
+    draft_acceptance_rate: float | None
+    """num_accepted_tokens / num_draft_tokens."""
+    acceptance_histogram: list[int]
+    """Entry a: the spec steps that committed a tokens."""
+    completion_tokens: int
+    """Tokens generated, a last step's past ``max_new_tokens`` included."""
+    non_spec_tokens: int
+    """Of those, the tokens no spec step committed: the prefill's, a plain decode's."""
+
+
 class RequestRecord(_Model):
     """One request: what it was asked and what it produced."""
 
@@ -68,6 +91,8 @@ class RequestRecord(_Model):
     accept_histogram: list[int] = []
     """Spec steps that committed each length: entry a counts the steps that committed a tokens
     (entry 0 stays 0: a step always commits its root)."""
+    spec_metrics: SpecMetrics | None = None
+    """This request's spec figures (None without a spec algorithm)."""
 
 
 class GenStep(_Model):
@@ -146,6 +171,8 @@ class GenerateReport(_Model):
     max_accept_len: int | None = None
     """The most tokens one spec step can commit with this spec (chain length, verified tree
     depth + 1, DFlash block): the ideal a perfect draft would reach."""
+    spec_metrics: SpecMetrics | None = None
+    """The run's spec figures over every request (None without a spec algorithm)."""
     accept_len_clean: float | None = None
     """A draft of its own weights, with a fault on: the clean twin's mean accept length (the same
     config with faults=none, run in the same process), beside ``accept_len``."""

@@ -40,6 +40,8 @@ class GenReq:
     """The draft's logits of its ``draft_extend`` rows (committed tokens), per position."""
     rejections: list[Rejection] = field(default_factory=list)
     """Each chain step's first rejected draft (`Rejection`)."""
+    plain: int = 0
+    """Generated tokens that no spec step committed (the prefill's, a plain decode's)."""
     pending: int = 0
     """Generated tokens launched whose values are not back on the host yet (`run.overlap`)."""
 

@@ -25,7 +25,10 @@ Checks (`report_model.CHECK_ORDER`):
   the rounding the logits checks measured (`checks.acceptance_check`); the detail names it. A
   draft of its own weights (``spec.draft_weights``: random, distilled or a saved one) has no
   ideal: with a fault on, its mean accept length must stay within `checks.ACCEPT_MARGIN` of its
-  clean twin's (the same config with faults=none, run here after the main run).
+  clean twin's (the same config with faults=none, run here after the main run);
+* ``spec_metrics``: the per-request and total figures (`spec_metrics`: vLLM's schema) against
+  each other: accept length = spec-committed tokens / verify steps, the histogram sums to the
+  steps and commits those tokens, accepted + one bonus a step = those tokens.
 
 The checks themselves live in `checks`.
 """
@@ -50,8 +53,10 @@ from swafactory.harness.watch import OracleMismatch
 from swafactory.serving.scheduler import replay_steps
 from swafactory.guards import GuardError
 from swafactory.engine.report import GenProgress
+from swafactory.engine.spec_metrics import (draft_tokens_per_step, request_metrics,
+                                            spec_metrics_check, total_metrics)
 from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateReport,
-                                            RequestRecord)
+                                            RequestRecord, SpecMetrics)
 from swafactory.engine.runner import NonFinite
 from swafactory.errors import CapacityError, ConfigError, SpaceError
 from swafactory.fault_counts import FAULT_COUNTS
@@ -202,10 +207,25 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
         checks["acceptance"] = acceptance_check(cfg, reqs, ref, err + derr if sound else 0.0,
                                                 clean)
     ref_s = time.perf_counter() - t_ref
+    per, total = _spec_figures(cfg, main)
+    if total is not None:  # vLLM's per-request figures, held to each other as sglang does
+        checks["spec_metrics"] = spec_metrics_check(
+            [(r.rid, r.accepts, per[r.rid]) for r in main.gen.done], total)
     failed = [c for c in CHECK_ORDER if c in checks and checks[c].status == "failed"]
     return _report(cfg, dev, tf.__version__, model, main, checks, failed,
                    err if main.error is None else None, npos if main.error is None else 0,
-                   none_run, ref_s, tol, recipe, twin, acted, clean, target_training)
+                   none_run, ref_s, tol, recipe, twin, acted, clean, target_training,
+                   (per, total))
+
+
+def _spec_figures(cfg: SwaFactoryConfig, main: _Outcome) -> tuple[dict, SpecMetrics | None]:
+    """(request id → `SpecMetrics`, the run's) of a spec run that finished; ({}, None) else."""
+    if cfg.spec.algorithm == "none" or main.error is not None or main.gen is None:
+        return {}, None
+    drafted = draft_tokens_per_step(cfg.spec)
+    per = {r.rid: request_metrics(r.accepts, drafted, len(r.generated), r.plain)
+           for r in main.gen.done}
+    return per, total_metrics([per[rid] for rid in sorted(per)])
 
 
 def _histogram(accepts: list[int]) -> list[int]:
@@ -225,13 +245,15 @@ def _tokens_per_s(run: _Outcome | None) -> float | None:
 def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, npos, none_run,
             ref_s, tol, recipe, twin: _Outcome | None = None,
             acted: dict[str, int] | None = None, clean: _Outcome | None = None,
-            target_training=None) -> GenerateReport:
+            target_training=None, figures: tuple[dict, SpecMetrics | None] = ({}, None)
+            ) -> GenerateReport:
     gen = main.gen
     reqs = sorted([*(gen.done if gen else []), *(gen.running if gen else [])], key=lambda r: r.rid)
     records = [RequestRecord(rid=r.rid, prompt_ids=r.prompt, generated_ids=r.generated[:r.out],
                              max_new_tokens=r.out, accept_lengths=r.accepts,
                              tie_positions=sorted(set(r.ties)), rejections=r.rejections,
-                             accept_histogram=_histogram(r.accepts))
+                             accept_histogram=_histogram(r.accepts),
+                             spec_metrics=figures[0].get(r.rid))
                for r in reqs]
     steps = gen.history if gen else []
     scfg = main.parts.cfg if main.parts else cfg
@@ -257,7 +279,7 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
         dtype=str(model_dtype(cfg)).removeprefix("torch."), requests=records,
         steps=steps, logits_max_rel_err=err, logits_tolerance=tol,
         logits_positions=npos, lossless=lossless,
-        accept_len=mean_accept(reqs),
+        accept_len=mean_accept(reqs), spec_metrics=figures[1],
         ideal_accept_len=ideal_accept(cfg.spec), max_accept_len=most_accept(cfg.spec),
         accept_len_clean=None if clean is None or clean.gen is None else
         mean_accept(clean.gen.done),
