@@ -53,7 +53,7 @@ from swafactory.harness.watch import OracleMismatch
 from swafactory.serving.scheduler import replay_steps
 from swafactory.guards import GuardError
 from swafactory.engine.report import GenProgress
-from swafactory.engine.spec_metrics import (draft_tokens_per_step, request_metrics,
+from swafactory.engine.spec_metrics import (draft_tokens_per_step, histogram, request_metrics,
                                             spec_metrics_check, total_metrics)
 from swafactory.engine.report_model import (CHECK_ORDER, CheckResult, GenerateReport,
                                             RequestRecord, SpecMetrics)
@@ -228,14 +228,6 @@ def _spec_figures(cfg: SwaFactoryConfig, main: _Outcome) -> tuple[dict, SpecMetr
     return per, total_metrics([per[rid] for rid in sorted(per)])
 
 
-def _histogram(accepts: list[int]) -> list[int]:
-    """Counts of each accept length (index = length)."""
-    out = [0] * (max(accepts, default=0) + 1)
-    for a in accepts:
-        out[a] += 1
-    return out
-
-
 def _tokens_per_s(run: _Outcome | None) -> float | None:
     if run is None or run.gen is None or not run.wall:
         return None
@@ -252,7 +244,7 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
     records = [RequestRecord(rid=r.rid, prompt_ids=r.prompt, generated_ids=r.generated[:r.out],
                              max_new_tokens=r.out, accept_lengths=r.accepts,
                              tie_positions=sorted(set(r.ties)), rejections=r.rejections,
-                             accept_histogram=_histogram(r.accepts),
+                             accept_histogram=histogram(r.accepts),
                              spec_metrics=figures[0].get(r.rid))
                for r in reqs]
     steps = gen.history if gen else []

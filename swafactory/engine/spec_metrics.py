@@ -10,13 +10,22 @@ from collections.abc import Sequence
 
 from swafactory.engine.report_model import CheckResult, SpecMetrics
 
-__all__ = ["draft_tokens_per_step", "request_metrics", "total_metrics", "spec_metrics_check"]
+__all__ = ["draft_tokens_per_step", "histogram", "request_metrics", "total_metrics",
+           "spec_metrics_check"]
 
 
 def draft_tokens_per_step(spec) -> int:
     """Draft tokens one step sends to verification: the verified tokens but the root (a chain's
     num_steps, a tree's verified nodes, a DFlash block's mask rows); 0 without a spec."""
     return max(0, spec.num_draft_tokens - 1)
+
+
+def histogram(accepts: Sequence[int]) -> list[int]:
+    """Counts of each accept length (index = length; entry 0 stays 0: a step commits its root)."""
+    out = [0] * (max(accepts, default=0) + 1)
+    for a in accepts:
+        out[a] += 1
+    return out
 
 
 def request_metrics(accepts: Sequence[int], drafted: int, completion: int,
@@ -26,14 +35,11 @@ def request_metrics(accepts: Sequence[int], drafted: int, completion: int,
     spec step committed."""
     steps = len(accepts)
     accepted = sum(accepts) - steps  # each step's root is the bonus, not a draft
-    hist = [0] * (max(accepts, default=0) + 1)
-    for a in accepts:
-        hist[a] += 1
     return SpecMetrics(num_spec_steps=steps, num_draft_tokens=drafted * steps,
                        num_accepted_tokens=accepted,
                        mean_acceptance_length=sum(accepts) / steps if steps else None,
                        draft_acceptance_rate=accepted / (drafted * steps) if steps and drafted
-                       else None, acceptance_histogram=hist, completion_tokens=completion,
+                       else None, acceptance_histogram=histogram(accepts), completion_tokens=completion,
                        non_spec_tokens=non_spec)
 
 
@@ -58,11 +64,12 @@ def _broken(m: SpecMetrics, accepts: Sequence[int] | None) -> list[str]:
     """Each relation ``m`` breaks (accepts: the request's own accept lengths, where known)."""
     bad, steps = [], m.num_spec_steps
     spec_tokens = m.completion_tokens - m.non_spec_tokens
-    if sum(m.acceptance_histogram) != steps:
-        bad.append(f"the histogram sums to {sum(m.acceptance_histogram)}, not the {steps} steps")
-    if sum(a * n for a, n in enumerate(m.acceptance_histogram)) != spec_tokens:
-        bad.append(f"the histogram commits {sum(a * n for a, n in enumerate(m.acceptance_histogram))}"
-                   f" tokens, the spec steps {spec_tokens}")
+    counted = sum(m.acceptance_histogram)
+    committed = sum(a * n for a, n in enumerate(m.acceptance_histogram))
+    if counted != steps:
+        bad.append(f"the histogram sums to {counted}, not the {steps} steps")
+    if committed != spec_tokens:
+        bad.append(f"the histogram commits {committed} tokens, the spec steps {spec_tokens}")
     if m.num_accepted_tokens + steps != spec_tokens:
         bad.append(f"accepted {m.num_accepted_tokens} + one bonus a step ({steps}) is not the "
                    f"{spec_tokens} tokens the spec steps committed")

@@ -19,6 +19,9 @@ import torch
 __all__ = ["oracle_attention", "masked_attention", "visibility", "tree_visibility",
            "causal_visibility"]
 
+_FLOOR = -80.0
+"""Scores below the row's max by more than this weigh exp(-80) ≈ 2e-35 of it: nothing in fp32
+(and the exp of anything below -88, or of -inf, leaves the CPU's vector path)."""
 
 
 def causal_visibility(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -97,10 +100,9 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         s = torch.cat([s, sinks.float().view(1, hq, 1, 1).expand(b, hq, nq, 1)], dim=3)
     m = s.amax(dim=3, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    # exp of -inf or of anything below -88 leaves the CPU's vector path (4-15x slower), and
-    # its denormals slow the matmul ~20x: clamp (exp(-80) of the max is nothing in fp32), then
-    # the keys not allowed to exactly 0
-    p = s.sub_(m).clamp_(min=-80.0).exp_()
+    # clamp (`_FLOOR`: a CPU exp below -88 is 4-15x slower, its denormals slow the matmul ~20x),
+    # then the keys not allowed to exactly 0
+    p = s.sub_(m).clamp_(min=_FLOOR).exp_()
     p[..., :nk].masked_fill_(~allowed[:, None], 0.0)
     denom = p.sum(dim=3).permute(0, 2, 1)[..., None]  # [B, nq, Hq, 1]
     pv = p[..., :nk].reshape(b * hkv, group * nq, nk)

@@ -102,8 +102,8 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
     for b in range(nb):
         q0, q1, k0, k1 = qo[b], qo[b + 1], kv[b], kv[b + 1]
         nq, nk = q1 - q0, k1 - k0
-        if nq == 0 or nk == 0:  # no key: zeros and lse -inf, as initialized (a sink alone
-            if nk == 0 and sk is not None:  # still takes the whole denominator: lse = sink)
+        if nq == 0 or nk == 0:  # no key: zeros, and lse -inf as initialized or the sink's
+            if nq and sk is not None:  # logit, the whole denominator
                 lse[q0:q1] = sk.reshape(1, hq).expand(nq, hq)
             continue
         rows = kv_indices[k0:k1].long()
