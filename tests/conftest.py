@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from cli_process import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,9 +119,7 @@ def cli(tmp_path):
     """Run `python -m swafactory …` in a temp dir; returns the CompletedProcess."""
 
     def run(*overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "swafactory", *overrides, f"hydra.run.dir={tmp_path}/run"],
-            capture_output=True, text=True, cwd=tmp_path, timeout=120,
-            env={**os.environ, "COLUMNS": "160", **(env or {})})
+        return run_cli([*overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120,
+                       env={**os.environ, "COLUMNS": "160", **(env or {})})
 
     return run

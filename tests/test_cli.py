@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+from cli_process import run_cli
+
 
 def test_plan_prints_gemma4_groups_and_writes_plan_json(cli, tmp_path) -> None:
     out = cli("backend=torch", "spec=eagle3", "model=gemma4", "run=plan")
@@ -101,13 +103,10 @@ SMALL = ("workload=smoke", "workload.num_requests=2", "workload.prompt_over_wind
 
 def _sweep(tmp_path, *overrides: str):
     import os
-    import subprocess
-    import sys
 
     sweep = tmp_path / "multirun"
-    out = subprocess.run([sys.executable, "-m", "swafactory", "-m", *overrides,
-                          f"hydra.sweep.dir={sweep}"], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=300, env={**os.environ, "COLUMNS": "160"})
+    out = run_cli(["-m", *overrides, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300,
+                  env={**os.environ, "COLUMNS": "160"})
     return out, sweep
 
 
@@ -217,13 +216,9 @@ def test_a_crash_in_a_sweep_job_leaves_a_failed_result(tmp_path, monkeypatch) ->
 
 
 def test_help_opens_with_what_it_does_exit_codes_and_groups(tmp_path) -> None:
-    import subprocess
-    import sys
-
     from swafactory.config.paths import GROUPS, group_options
 
-    out = subprocess.run([sys.executable, "-m", "swafactory", "--help"], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=120)
+    out = run_cli(["--help"], cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     ours, _, hydra_help = out.stdout.partition("swafactory is powered by Hydra.")
     assert hydra_help and "== Configuration groups ==" in hydra_help  # Hydra's own help follows

@@ -27,12 +27,12 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from cli_process import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "docs" / "cli.md"]
@@ -92,9 +92,8 @@ def run_sample(command: str, cols: int, tmp: Path) -> list[str]:
     run_dir = tmp / f"run{len(_RUNS)}"
     env = {**os.environ, "COLUMNS": str(cols), "HYDRA_FULL_ERROR": "0"}
     env.pop("SWAFACTORY_ORACLE", None)  # the samples are a user's defaults
-    done = subprocess.run([sys.executable, "-m", "swafactory", *words[3:],
-                           f"hydra.run.dir={run_dir}"], cwd=tmp, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    done = run_cli([*words[3:], f"hydra.run.dir={run_dir}"], cwd=tmp, env=env, timeout=900,
+                   merge_stderr=True)
     lines = [ln.rstrip().replace(str(run_dir), HYDRA_DIR) for ln in done.stdout.splitlines()]
     progress = [i for i, ln in enumerate(lines) if ln.startswith("serving: step ")]
     if len(progress) > 2:  # how many come depends on the machine's speed: first and last

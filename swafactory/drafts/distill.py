@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TextIO
 
@@ -41,9 +41,10 @@ __all__ = ["DISTILL", "MASK_TOKEN", "prompt_over", "data_key", "make_draft", "lo
 MASK_TOKEN = 0
 """The token id of a DFlash block's not-yet-drafted positions (the generator's too)."""
 
-DISTILL = Recipe(steps=200, lr=1e-2, batch=16)
-"""The drafts' recipe: at the tiny geometry a 1-layer draft trains in about 11 s on the CPU
-machine, DFlash's 5 layers in about 31 s."""
+DISTILL = Recipe(steps=200, lr=1e-2, batch=16, stop_loss=0.15, stop_each=0.3)
+"""The standalone draft's recipe (a small model of the target's own kind), stopping as the feature
+drafts do (`distill_features.FEATURE_DISTILL`): at `model=tiny` on the CPU machine at step 122 of
+200 (worst prompt length 0.22, held-out top-1 0.999, accept 4.5)."""
 GROUPS, PROMPTS_PER_GROUP, NEW_TOKENS = 16, 64, 48
 """Distillation data: GROUPS groups of prompts, each of the window plus `prompt_over` random
 tokens (one length per group), with the target's greedy continuations of NEW_TOKENS tokens.
@@ -186,8 +187,9 @@ class PromptLosses:
     """A training loss that keeps each prompt length's losses: ``group`` is set by the batch
     function to the batch's group before the loss is taken."""
 
-    LAST = 10
-    """Steps of each length that its figure averages."""
+    LAST = 2
+    """Steps of each length that its figure averages: where training left it (16 groups in
+    turn, so the last 32 steps; a longer mean reaches back to chance after an early stop)."""
 
     def __init__(self, loss, groups: Sequence[torch.Tensor]) -> None:
         self.loss, self.group, self.seen = loss, 0, {}
@@ -197,6 +199,19 @@ class PromptLosses:
         value = self.loss(model, b)
         self.seen.setdefault(self.group, []).append(value.detach())  # read once, at the end
         return value
+
+    def below(self, bound: float | None) -> Callable[[], bool] | None:
+        """A `train` stop condition: every group's last `LAST` losses are below ``bound`` (a mean
+        loss under the recipe's stop_loss can hide a prompt length still near chance); None:
+        none."""
+        if bound is None:
+            return None
+
+        def ready() -> bool:
+            return len(self.seen) == len(self.lengths) and all(
+                len(v) >= self.LAST and max(float(x) for x in v[-self.LAST:]) < bound
+                for v in self.seen.values())
+        return ready
 
     def summary(self) -> dict[int, float]:
         """{prompt length: mean loss of its groups' last `LAST` steps each}."""
@@ -281,7 +296,7 @@ def distill(target, draft, *, family: str, block: int, window: int, seed: int, f
         return make(seqs[rows], seqs.shape[1] - NEW_TOKENS, None)
 
     _, loss, steps = train(draft, batch, DISTILL, label=f"{family} draft", progress=progress,
-                           loss=losses)
+                           loss=losses, ready=losses.below(DISTILL.stop_each))
     start = held.shape[1] - NEW_TOKENS
     with torch.no_grad():
         b = make(held, start, start + (NEW_TOKENS - block) // 2)

@@ -44,6 +44,8 @@ class Recipe:
     batch: int
     stop_loss: float | None = None
     autocast: str | None = None
+    stop_each: float | None = None
+    """With ``stop_loss``: a draft also needs each prompt length's latest loss below this."""
 
 
 @dataclass(frozen=True)
@@ -249,17 +251,18 @@ def _snapshot(model) -> dict:
 
 def train(model, batches: Callable[[int], Batch], recipe: Recipe, *, label: str,
           progress: TextIO | None = None,
-          loss: Callable[[object, Batch], torch.Tensor] | None = None
-          ) -> tuple[float, float, int]:
+          loss: Callable[[object, Batch], torch.Tensor] | None = None,
+          ready: Callable[[], bool] | None = None) -> tuple[float, float, int]:
     """Train ``model`` (fp32, in place) on ``batches(step)``; returns (seconds, final loss: the
     mean of the last tenth of the steps run, steps run). Prints ``label`` with the step, loss and
     time ten times to ``progress``. loss: (model, batch) → scalar (default: a causal LM's
-    cross-entropy on the labels)."""
+    cross-entropy on the labels). ready: with ``recipe.stop_loss``, a further condition for the
+    early stop (a draft's: every prompt length learnt, not only the mean)."""
     # the same model code that serves, with transformers' SDPA attention where the model has it
     # (eager keeps every score: O(T^2) memory per head); eager otherwise (GPT-OSS's sinks)
     with attn_implementation(model, "sdpa" if getattr(model, "_supports_sdpa", False)
                              else "eager"):
-        return _train(model, batches, recipe, label, progress, loss or lm_loss)
+        return _train(model, batches, recipe, label, progress, loss or lm_loss, ready)
 
 
 ROLLBACKS = 3
@@ -268,7 +271,7 @@ good weights with half the learning rate, at most this many times, then fails: A
 took an EAGLE head on GPT-OSS's geometry from loss 0.8 to NaN within 75 steps on an H100."""
 
 
-def _train(model, batches, recipe: Recipe, label: str, progress, loss_fn
+def _train(model, batches, recipe: Recipe, label: str, progress, loss_fn, ready=None
            ) -> tuple[float, float, int]:
     model.train()
     lr = recipe.lr
@@ -313,7 +316,7 @@ def _train(model, batches, recipe: Recipe, label: str, progress, loss_fn
         if step % 25 == 24:  # good weights to return to (the recent losses were all in line)
             good = _snapshot(model)
         done = recipe.stop_loss is not None and step >= 20 and \
-            sum(losses[-10:]) / 10 < recipe.stop_loss
+            sum(losses[-10:]) / 10 < recipe.stop_loss and (ready is None or ready())
         if progress is not None and (step % every == 0 or step == recipe.steps - 1 or done):
             print(f"  {label}: step {step + 1}/{recipe.steps}, loss {value:.3f}, "
                   f"{time.perf_counter() - t0:.1f} s" + (" (converged)" if done else ""),

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from cli_process import run_cli
 
 pytest.importorskip("transformers")
 
@@ -32,10 +32,9 @@ def test_a_fault_that_acted_is_counted_and_caught() -> None:
 def test_a_fault_that_never_acted_is_inert_not_ok(tmp_path) -> None:
     """A self-draft accepts every token: the fault that leaks rejected drafts' slots has nothing
     to change, so the run proves nothing and must not end ok."""
-    out = subprocess.run([sys.executable, "-m", "swafactory", *SMALL, "spec=eagle",
-                          "faults=leak_rejected_draft_slots", f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "COLUMNS": "140"})
+    out = run_cli([*SMALL, "spec=eagle", "faults=leak_rejected_draft_slots",
+                   f"hydra.run.dir={tmp_path}"], timeout=300, cwd=tmp_path,
+                  env={**os.environ, "COLUMNS": "140"})
     assert out.returncode == EXIT_INERT, out.stderr[-2000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["status"] == "inert" and report["fault_acted"] == {

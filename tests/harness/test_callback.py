@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from cli_process import run_cli
+
 from swafactory.harness.callback import JobResult, sweep_status, write_matrix
 
 REASON_HEAD = "- `backend.name`: flash_attn needs a CUDA GPU"
@@ -239,11 +241,9 @@ def test_real_cli_multirun_writes_the_matrix(tmp_path) -> None:
     # smoke workload itself runs for every spec in test_conformance.py
     cheap = ["workload=smoke", "workload.num_requests=1", "workload.output_len=[4,4]",
              "workload.prompt_over_window=[2,8]"]
-    out = subprocess.run([sys.executable, "-m", "swafactory", "-m", "backend=torch,flash_attn",
-                          "spec=none,eagle3", "model=gpt_oss_20b", *cheap,
-                          f"hydra.sweep.dir={sweep}"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                         env={**os.environ, "COLUMNS": "160"})
+    out = run_cli(["-m", "backend=torch,flash_attn", "spec=none,eagle3", "model=gpt_oss_20b",
+                   *cheap, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600,
+                  env={**os.environ, "COLUMNS": "160"})
     assert out.returncode == 2, out.stderr[-3000:]  # the worst job was refused: ok < refused
     rows = {(r[0], r[1], r[4]) for r in _table_rows((sweep / "matrix.md").read_text())}
     assert rows == {("torch", "none", "**ok**"), ("torch", "eagle3", "**ok**"),

@@ -3,10 +3,10 @@ and every fault switch makes the run fail, named by the check that caught it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from cli_process import run_cli
 
 import swafactory
 from swafactory.config.paths import group_options
@@ -141,9 +141,8 @@ def test_each_fault_fails_the_run_naming_its_check(fault: str) -> None:
 
 
 def test_cli_writes_a_valid_report_and_a_png(tmp_path) -> None:
-    out = subprocess.run([sys.executable, "-m", "swafactory", "backend=torch", "model=tiny",
-                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+    out = run_cli(["backend=torch", "model=tiny", f"hydra.run.dir={tmp_path}"], timeout=300,
+                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     Report.model_validate_json((tmp_path / "report.json").read_text())
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -156,12 +155,10 @@ def test_triton_backend_under_the_interpreter_on_tiny(tmp_path) -> None:
     pytest.importorskip("triton")
     # prompts W+2..W+8 (smoke's run to W+128): each still crosses the window and the draft still
     # verifies every step, in about half the interpreted time
-    out = subprocess.run([sys.executable, "-m", "swafactory", "backend=triton", "model=tiny",
-                          "backend.groups.swa=torch", "spec=eagle3", "backend.kv_dtype=float32",
-                          "workload.num_requests=2", "workload.prompt_over_window=[2,8]",
-                          f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    out = run_cli(["backend=triton", "model=tiny", "backend.groups.swa=torch", "spec=eagle3",
+                   "backend.kv_dtype=float32", "workload.num_requests=2",
+                   "workload.prompt_over_window=[2,8]", f"hydra.run.dir={tmp_path}"],
+                  timeout=600, cwd=tmp_path, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     r = Report.model_validate_json((tmp_path / "report.json").read_text())
     assert r.backend == "triton" and r.status == "ok" and r.checks == r.passed > 0

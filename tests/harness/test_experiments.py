@@ -12,11 +12,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+
+from cli_process import run_cli
 
 from swafactory.config.paths import conf_dir
 from swafactory.harness.callback import JobResult
@@ -33,8 +34,7 @@ pytestmark = pytest.mark.xdist_group("distill")
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swafactory", *args], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path, env={**os.environ, "COLUMNS": "160"})
+    return run_cli(list(args), timeout=300, cwd=tmp_path, env={**os.environ, "COLUMNS": "160"})
 
 
 def _rows(md: str) -> list[list[str]]:

@@ -8,10 +8,11 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from cli_process import run_cli
 
 import swafactory
 from swafactory.config.paths import conf_dir, group_options
@@ -34,9 +35,8 @@ def launch_args(fault: str) -> list[str]:
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swafactory", *args, f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "COLUMNS": "140"})
+    return run_cli([*args, f"hydra.run.dir={tmp_path}"], timeout=300, cwd=tmp_path,
+                   env={**os.environ, "COLUMNS": "140"})
 
 
 def test_every_fault_has_a_launch_line_and_an_inert_hint() -> None:
