@@ -1,6 +1,5 @@
 # Two commands do all the set-up on a fresh machine: `make run` and `make test`.
 # The CPU build of torch is installed first, so no dependency pulls a multi-GB CUDA build.
-# --no-compile: Python compiles what a process imports on first use (about half a minute less to install).
 PY    ?= python3
 VENV  ?= .venv
 TORCH ?= torch==2.13.0
@@ -10,8 +9,8 @@ STAMP := $(VENV)/.swafactory-installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --no-compile $(TORCH)
-	$(VENV)/bin/python -m pip install -q --no-compile -e '.[dev]'
+	$(VENV)/bin/python -m pip install -q $(TORCH)
+	$(VENV)/bin/python -m pip install -q -e '.[dev]'
 	touch $@
 
 .PHONY: install run test matrix
