@@ -15,6 +15,7 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.models.build import OWN_COPY, model_dtype
+from swafactory.engine.draft_trace import first_difference
 from swafactory.engine.requests import logit_gap, tie_tolerance
 from swafactory.engine.report_model import CheckResult
 from swafactory.engine.runner import attn_implementation
@@ -190,7 +191,9 @@ def mean_accept(reqs) -> float | None:
 def _against_clean(cfg: SwaFactoryConfig, reqs, clean) -> CheckResult:
     """A draft of its own weights has no ideal: its mean accept length must stay within
     `ACCEPT_MARGIN` of its clean twin's (``clean``: the same config with faults=none, an
-    `_Outcome`; None: this run has no fault and is that twin)."""
+    `_Outcome`; None: this run has no fault and is that twin), and every draft row (draft
+    decode, block and extend) must equal the twin's (`draft_trace`): a drop inside the margin
+    is not a pass where the draft proposed something else."""
     most = most_accept(cfg.spec)
     mine = mean_accept(reqs)
     if mine is None:
@@ -203,11 +206,18 @@ def _against_clean(cfg: SwaFactoryConfig, reqs, clean) -> CheckResult:
                            detail=f"the clean twin (faults=none) stopped: {clean.error}")
     twin = mean_accept(clean.gen.done) or 0.0
     drop = (twin - mine) / twin if twin else 0.0
+    moved = first_difference({r.rid: r.draft_trace for r in reqs},
+                             {r.rid: r.draft_trace for r in clean.gen.done}, logits_tolerance(cfg))
+    rows = sum(len(t.ids) for r in clean.gen.done for t in r.draft_trace)
     detail = (f"mean accept length {mine:.2f} against the clean twin's {twin:.2f} (faults=none, "
               f"at most {most}): a drop of {100 * drop:.0f}%, the margin is "
-              f"{100 * ACCEPT_MARGIN:.0f}%")
-    return CheckResult(name="acceptance", status="failed" if drop > ACCEPT_MARGIN else "ok",
-                       detail=("accept length collapsed: " if drop > ACCEPT_MARGIN else "") + detail)
+              f"{100 * ACCEPT_MARGIN:.0f}%; " + (f"the draft rows first leave the twin's at {moved}"
+                                                if moved else f"all {rows} draft rows equal the "
+                                                "twin's"))
+    bad = drop > ACCEPT_MARGIN or moved is not None
+    return CheckResult(name="acceptance", status="failed" if bad else "ok",
+                       detail=("accept length collapsed: " if drop > ACCEPT_MARGIN else
+                               "the draft moved: " if bad else "") + detail)
 
 
 def acceptance_check(cfg: SwaFactoryConfig, reqs, ref, rounding: float, clean=None

@@ -32,6 +32,7 @@ from swafactory.models.build import model_dtype
 from swafactory.drafts.distill import MASK_TOKEN
 from swafactory.drafts.features import FeatureBook
 from swafactory.serving.readback import Readback, pinned_ids
+from swafactory.engine.draft_trace import fingerprint
 from swafactory.engine.report_model import GenStep
 from swafactory.engine.requests import (GenReq, argmax_tie, logit_gap, pack_ids, rejection,
                                         tie_tolerance)
@@ -51,8 +52,10 @@ class Generator(Payload):
     frozen_query = "mtp"
 
     def __init__(self, parts: Parts[Runner], prompts: list[list[int]], outs: list[int],
-                 on_step: Callable[[Generator], None] | None = None) -> None:
+                 on_step: Callable[[Generator], None] | None = None, trace: bool = False
+                 ) -> None:
         self.p, self.cfg = parts, parts.cfg
+        self.trace = trace  # keep every draft pass's top logits (`GenReq.draft_trace`)
         self.by_id: dict[Hashable, GenReq] = {}
         self.history: list[GenStep] = []
         self.current = ("-", "setup")
@@ -172,7 +175,7 @@ class Generator(Payload):
         every = keep == list(range(row))
         rb = Readback(f"{runner.name} {mode}", logits,
                       None if every else pinned_ids(keep, runner.device),
-                      rows=not (mode == "draft_decode" and reqs and reqs[0].block),
+                      rows=self.trace or not (mode == "draft_decode" and reqs and reqs[0].block),
                       then=lambda host: self._resolved(runner, mode, reqs, host, early))
         self.launched += 1
         rb.index = self.launched
@@ -241,6 +244,8 @@ class Generator(Payload):
                 f.q_len - 1 if f.block else f.q_len
             ids, rows = host.ids[k:k + n], None if host.rows is None else host.rows[k:k + n]
             k += n
+            if self.trace and n and rows is not None and mode in ("draft_decode", "draft_extend"):
+                r.draft_trace.append(fingerprint(len(r.accepts), mode, rows))
             if mode == "extend" and n:
                 self._take(r, rows[0], len(r.prompt) - 1, ids[0])  # the prompt's last logits
                 r.pending, r.plain = r.pending - 1, r.plain + 1

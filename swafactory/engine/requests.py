@@ -38,6 +38,9 @@ class GenReq:
     """The committed length L at each spec step (its verified positions start there)."""
     draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     """The draft's logits of its ``draft_extend`` rows (committed tokens), per position."""
+    draft_trace: list = field(default_factory=list)
+    """Every draft pass's rows as `draft_trace.TraceRow`s, in launch order (a run with a fault
+    and its clean twin only: `draft_trace.first_difference` compares the two)."""
     rejections: list[Rejection] = field(default_factory=list)
     """Each chain step's first rejected draft (`Rejection`)."""
     plain: int = 0

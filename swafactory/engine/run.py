@@ -99,13 +99,13 @@ class _Outcome:
 
 def _generate(cfg: SwaFactoryConfig, device: DeviceInfo, model, prompts, outs,
               on_step: Callable[[Generator], None] | None = None,
-              progress: TextIO | None = None) -> _Outcome:
+              progress: TextIO | None = None, trace: bool = False) -> _Outcome:
     parts = gen = watch = None
     t0 = time.perf_counter()
     try:
         parts = build(cfg, device, [len(p) for p in prompts], outs, model=model,
                       progress=progress)
-        gen = Generator(parts, prompts, outs, on_step)
+        gen = Generator(parts, prompts, outs, on_step, trace=trace)
         watch = attach_oracle(parts, gen)  # run.oracle: attention rows against the fp32 oracle
         # the loop's wall: a draft's distillation and the start-up graph captures (every bucket
         # x mode, before the first step) are not generation, as an engine's throughput is not
@@ -162,7 +162,10 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     on_step = None if progress is None else GenProgress(
         progress, len(prompts), estimate_steps(cfg, [len(p) for p in prompts], outs))
     FAULT_COUNTS.clear()  # each fault branch counts the times it acted in the main run
-    main = _generate(cfg, dev, model, prompts, outs, on_step, progress)
+    # a fault with a draft of its own weights: every draft row is held to the clean twin's
+    twinned = cfg.faults.active and cfg.spec.algorithm != "none" and \
+        cfg.spec.draft_weights != "target"
+    main = _generate(cfg, dev, model, prompts, outs, on_step, progress, trace=twinned)
     acted = FAULT_COUNTS.of(cfg.faults.active)  # the reference runs below have no fault
     t_ref = time.perf_counter()
     s = cfg.spec
@@ -202,7 +205,7 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
             ref = torch_run
         if s.draft_weights != "target" and cfg.faults.active:  # the clean twin: faults=none
             clean = _generate(cfg.model_copy(update={"faults": FaultsSpec()}), dev, model,
-                              prompts, outs)
+                              prompts, outs, trace=True)
         sound = all(checks[c].status == "ok" for c in ("logits", "draft_logits") if c in checks)
         checks["acceptance"] = acceptance_check(cfg, reqs, ref, err + derr if sound else 0.0,
                                                 clean)

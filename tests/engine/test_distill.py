@@ -241,9 +241,24 @@ def test_seed2_collapses_the_accept_length_and_its_clean_twin_passes() -> None:
     assert r.status == "failed" and "acceptance" in r.failed_checks, r.checks
     acc = {c.name: c for c in r.checks}["acceptance"]
     assert "collapsed" in acc.detail and "clean twin" in acc.detail
+    assert "the draft rows first leave the twin's at request" in acc.detail, acc.detail
     assert r.accept_len_clean >= 2.0 and r.accept_len <= r.accept_len_clean / 2
     clean = _gen("spec=dflash", "spec.draft_weights=distilled", "run.guards=false")
     assert clean.status == "ok" and clean.accept_len == pytest.approx(r.accept_len_clean)
+
+
+def test_a_drop_inside_the_margin_still_fails_where_the_draft_moved(monkeypatch) -> None:
+    """With the margin opened wide the collapse alone passes; the draft's rows, held to the
+    clean twin's on every draft pass, still fail the run and name the first step it moved."""
+    from swafactory.engine import checks
+
+    monkeypatch.setattr(checks, "ACCEPT_MARGIN", 1.0)
+    r = _gen("spec=dflash", "spec.draft_weights=distilled", "run.guards=false",
+             "faults=allocator_pool_for_own_pool_draft", "run.oracle=false")
+    acc = {c.name: c for c in r.checks}["acceptance"]
+    assert acc.status == "failed" and acc.detail.startswith("the draft moved: "), acc.detail
+    assert "the draft rows first leave the twin's at request" in acc.detail, acc.detail
+    assert "draft_decode" in acc.detail or "draft_extend" in acc.detail, acc.detail
 
 
 @pytest.mark.parametrize(("fault", "spec"), [
