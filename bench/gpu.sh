@@ -59,7 +59,8 @@
 #                  generate  run=generate x gemma4, gpt_oss_20b x every spec, graphs at start-up
 #                            and overlap on: checked (the oracle on), then timed (warm, the
 #                            oracle off; tokens/s with overlap and without)
-#                  faults    every fault x flashinfer, triton x guards on and off
+#                  faults    every fault x flashinfer, triton, guards on; the engine-path
+#                            faults with them off (FAULTS_GUARDED, FAULTS_UNGUARDED)
 #                  speed     the `factory` suite, then `longctx` in what is left
 # Environment:
 #   WHEELS, FA4  folders of wheels to install into /tmp/site (offline hosts; docs/gpu.md);
@@ -168,34 +169,56 @@ suite_missing() {  # one matrix per (backend, model) the record lacks, in parall
     [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
     wait
 }
-suite_faults() {  # each fault on the spec it belongs to (tests/harness/test_conformance.py)
-    # graphs: a batch that shrinks inside its bucket of 4 (faults=none is the clean twin)
-    local shrink=workload.max_running_requests=4,workload.num_requests=6 pair fault spec model extra
-    local fx=${FAULT_EXTRA:-}  # more overrides for every fault run (comma list)
-    # fault:spec[:model[:overrides]]; the model defaults to gemma4 (sinks need gpt_oss_20b, fp8
-    # on flashinfer needs gemma4's D = 512 layers on triton)
-    for pair in skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash \
-                pool_cached_at_init:frozen_kv_mtp window_off_by_one:none \
-                no_swa_eviction:none no_draft_headroom:eagle \
-                leak_rejected_draft_slots:eagle plan_without_window:none \
-                sink_dropped:none:gpt_oss_20b tree_mask_not_rebased:eagle3 \
-                premature_free_on_reject:eagle \
-                paged_free_stale_mapping:none:gemma4:backend.page_size=16 \
-                fp8_descale_dropped:none:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton \
-                graph_pad_stale_swa_loc:none:gpt_oss_20b:backend.cuda_graph=true,$shrink \
-                graph_key_without_mode:dflash:tiny:run=generate,backend.cuda_graph=true \
-                none:none:gpt_oss_20b:backend.cuda_graph=true,$shrink; do
+# The fault runs, fault:spec[:model[:overrides]] (model default gemma4: sinks need gpt_oss_20b,
+# fp8 on flashinfer needs gemma4's D = 512 layers on triton). Guards on: the conformance harness
+# (its typed-space checks are always on; faults=none is the graph faults' clean twin, a batch
+# that shrinks inside its bucket of 4). Guards off: run=generate with run.guards=false at a
+# geometry FlashInfer serves, the faults that act on the engine's path, each caught by its
+# symptom (tests/engine/test_generate.py); drafts that accept where the symptom is the accept
+# length or the draft's rows against the clean twin's.
+SHRINK=workload.max_running_requests=4,workload.num_requests=6
+PRETRAINED=run.target_weights=pretrained,spec.draft_weights=distilled
+BLOCK16=spec.block_size=16,spec.num_draft_tokens=16  # DFlash's two modes in one graph bucket
+FAULTS_GUARDED=(skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash
+    pool_cached_at_init:frozen_kv_mtp window_off_by_one:none no_swa_eviction:none
+    no_draft_headroom:eagle leak_rejected_draft_slots:eagle plan_without_window:none
+    sink_dropped:none:gpt_oss_20b tree_mask_not_rebased:eagle3 premature_free_on_reject:eagle
+    paged_free_stale_mapping:none:gemma4:backend.page_size=16
+    fp8_descale_dropped:none:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton
+    graph_pad_stale_swa_loc:none:gpt_oss_20b:backend.cuda_graph=true,$SHRINK
+    graph_key_without_mode:dflash:gpt_oss_20b:run=generate,backend.cuda_graph=true,$BLOCK16
+    none:none:gpt_oss_20b:backend.cuda_graph=true,$SHRINK)
+FAULTS_UNGUARDED=(skip_spec_translation:eagle3:gpt_oss_20b
+    pool_cached_at_init:frozen_kv_mtp:gpt_oss_20b
+    allocator_pool_for_own_pool_draft:dflash:gpt_oss_20b:$PRETRAINED
+    plan_without_window:none:gpt_oss_20b tree_mask_not_rebased:eagle3:gpt_oss_20b
+    sink_dropped:none:gpt_oss_20b
+    graph_key_without_mode:dflash:gpt_oss_20b:backend.cuda_graph=true,$BLOCK16,$PRETRAINED
+    none:dflash:gpt_oss_20b:backend.cuda_graph=true,$BLOCK16,$PRETRAINED)
+fault_lane() {  # FIXED ENTRY...: each entry with the FIXED overrides (comma list) in $D/FAULT;
+    # a line per run in $D/faults.txt; fails where a fault is refused (exit 2), is not caught
+    # (exit 0) or never acts (exit 3), or the clean twin fails
+    local fixed=$1 pair fault spec model extra bad=0 want
+    shift
+    : > "$D/faults.txt"
+    for pair in "$@"; do
         IFS=: read -r fault spec model extra <<< "$pair"
         while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-6}" ]; do wait -n; done
-        # shellcheck disable=SC2086  # extra: overrides, one word each
+        # shellcheck disable=SC2086  # extra, fixed: overrides, one word each
         ( limit 300 python3 -m swafactory backend="${FAULT_BACKEND:-flashinfer}" \
               model="${model:-gemma4}" workload=smoke faults="$fault" spec="$spec" \
-              ${extra//,/ } ${fx//,/ } \
+              ${extra//,/ } ${fixed//,/ } \
               hydra.run.dir="$D/$fault" > "$D/$fault.log" 2>&1
           echo "fault $fault (spec $spec): exit $?" ) >> "$D/faults.txt" &
     done
     wait
+    while read -r _ fault _ _ _ rc; do
+        want=1; [ "$fault" = none ] && want=0
+        [ "$rc" = "$want" ] || { echo "fault $fault: exit $rc, wanted $want" >&2; bad=1; }
+    done < "$D/faults.txt"
+    return $bad
 }
+suite_faults() { fault_lane "${FAULT_EXTRA:-}" "${FAULTS_GUARDED[@]}"; }
 suite_generate() {  # one lane per backend (one process, jobs one after another) per pass
     local g lane b gpu left t0 dir
     warm 256 512 64 128
@@ -361,13 +384,16 @@ evidence_generate() {  # checked, then timed: both passes run overlap (and its t
     done
     D=$base
 }
-evidence_faults() {  # the fault list of `faults` on each backend, guards on and off, in parallel
-    local b g base=$D
-    for b in flashinfer triton; do for g in true false; do
-        ( D=$base/${b}_guards_$g; mkdir -p "$D"
-          FAULT_BACKEND=$b FAULT_EXTRA=run.guards=$g JOBS=3 suite_faults ) &
-    done; done
-    wait
+evidence_faults() {  # each backend x guards on (FAULTS_GUARDED) and off (FAULTS_UNGUARDED)
+    local b base=$D rc=0
+    for b in flashinfer triton; do
+        ( D=$base/${b}_guards_true; mkdir -p "$D"; FAULT_BACKEND=$b JOBS=3 suite_faults ) &
+        ( D=$base/${b}_guards_false; mkdir -p "$D"
+          FAULT_BACKEND=$b JOBS=3 fault_lane run=generate,run.guards=false \
+              "${FAULTS_UNGUARDED[@]}" ) &
+    done
+    for b in $(jobs -p); do wait "$b" || rc=1; done
+    return $rc
 }
 evidence_speed() {
     suite_factory || return $?

@@ -29,14 +29,49 @@ def test_bench_holds_the_benches_and_one_gpu_script() -> None:
     assert [p.name for p in (ROOT / "bench").glob("*.sh")] == ["gpu.sh"]
 
 
+def _fault_lanes() -> dict[str, list[str]]:
+    """gpu.sh's fault lists, as bash expands them: {name: [fault:spec[:model[:overrides]]]}."""
+    text = GPU_SH.read_text()
+    block = text[text.index("\nSHRINK="):text.index("\nfault_lane()")]
+    out = {}
+    for name in ("FAULTS_GUARDED", "FAULTS_UNGUARDED"):
+        r = subprocess.run(["bash", "-c", block + f'\nprintf "%s\\n" "${{{name}[@]}}"'],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        out[name] = r.stdout.split()
+    return out
+
+
 def test_the_fault_suite_runs_every_shipped_fault() -> None:
     """The GPU half of the fault matrix (`faults`, and the evidence's `faults` part) launches
     each fault in conf/faults with its clean twin: a new fault that is not listed there never
     runs on a GPU."""
-    body = re.search(r"^suite_faults\(\) \{(.*?)^\}", GPU_SH.read_text(), re.M | re.S).group(1)
-    listed = set(re.findall(r"(\w+):(?:none|eagle3?|dflash|frozen_kv_mtp)\b", body))
+    lanes = _fault_lanes()
+    listed = {e.split(":")[0] for e in lanes["FAULTS_GUARDED"]}
     shipped = {p.stem for p in (ROOT / "conf" / "faults").glob("*.yaml")}
     assert shipped == listed, (sorted(shipped - listed), sorted(listed - shipped))
+    assert {e.split(":")[0] for e in lanes["FAULTS_UNGUARDED"]} <= shipped
+    assert any(e.startswith("none:") for e in lanes["FAULTS_UNGUARDED"])
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_every_fault_run_of_the_gpu_lanes_composes_and_fits_a_hopper_card(backend: str) -> None:
+    """What a GPU call would find only after minutes: each run of both lanes (guards on, and
+    off through run=generate) is a valid configuration that the backend serves on an H100/H200
+    (a lane once passed `run.guards` to conformance runs, which have no such field, and sent
+    FlashInfer a model of head_dim 16: every run was refused)."""
+    import swafactory
+    from swafactory.registry.device import H200
+
+    for lane, fixed in (("FAULTS_GUARDED", []), ("FAULTS_UNGUARDED",
+                                                 ["run=generate", "run.guards=false"])):
+        for entry in _fault_lanes()[lane]:
+            fault, spec, model, extra = (entry.split(":", 3) + ["", ""])[:4]
+            cfg = swafactory.compose([f"backend={backend}", f"model={model or 'gemma4'}",
+                                      "workload=smoke", f"faults={fault}", f"spec={spec}",
+                                      *[x for x in extra.split(",") if x], *fixed])
+            reasons = swafactory.check(cfg, H200)
+            assert not reasons, (lane, entry, [str(r) for r in reasons])
 
 
 @pytest.mark.parametrize("arg, rc", [("--help", 0), ("-h", 0), ("--deadline=5", 2)])
