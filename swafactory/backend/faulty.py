@@ -6,7 +6,7 @@ so the default path carries no fault code at all.
 | fault | step it changes |
 |---|---|
 | window_off_by_one | the runner's windows: sliding layers see W + 1 keys |
-| pool_cached_at_init | `_source`/`_capture_pool`: the pool and source seen at construction (sglang #26957) |
+| pool_cached_at_init | `_source`/`_tables`: "split?" decided at construction, over the runner's own pool: full slots index the target's SWA buffer (sglang #26957) |
 | allocator_pool_for_own_pool_draft | `_source`: an own-pool draft resolved to the allocator's pool, its reads keyed on it (sglang #27737) |
 | skip_spec_translation, plan_without_window, tree_mask_not_rebased | `_tables`: the planner's switches (sglang #24402, #31501, #39160) |
 | graph_pad_stale_swa_loc | `_bucket_writes`: padding rows keep an earlier replay's SWA slots (sglang #24743) |
@@ -48,14 +48,20 @@ class FaultyBackend(AttentionBackend):
         self._frozen = None
         if f.sink_dropped:  # `forward` checks the caller's sinks itself, then drops them
             self._sinks_rule = None
-        if f.pool_cached_at_init:  # FAULT: what the view says at construction
-            self._frozen = (view.active_pool, resolve_kv_source(view, cfg.backend.resolver))
+        if f.pool_cached_at_init:  # FAULT: "is my pool split?" asked once, of the pool the
+            # runner was built over (sglang #25103's predicate on a FROZEN_KV draft: its own
+            # dummy pool, unsplit, so no translation)
+            self._frozen = (view.active_pool, resolve_kv_source(view, "active_pool"))
 
     def _source(self):
         f = self.faults
         if self._frozen is not None:
-            pool, source = self._frozen  # FAULT pool_cached_at_init (sglang #26957)
-            if pool is not self.view.active_pool:
+            # FAULT pool_cached_at_init (sglang #26957): the target's split pool, swapped in
+            # per forward, is read with that decision: full slots index its SWA buffer, in
+            # bounds until the full pool hands out a slot past the SWA pool's size
+            built, source = self._frozen
+            pool = self.view.active_pool
+            if pool is not built and source is None:
                 FAULT_COUNTS.acted("pool_cached_at_init")  # the view moved on since then
             return pool, source, pool.layers_mapping
         pool = self.view.active_pool
@@ -66,16 +72,14 @@ class FaultyBackend(AttentionBackend):
             lmap = {j: source.pool.layers_mapping[j] for j in lmap}  # FAULT: reads keyed on it
         return pool, source, lmap
 
-    def _capture_pool(self):
-        return self.view.active_pool if self._frozen is None else self._frozen[0]
-
     def _tables(self, batch: ForwardBatch, pool, source, lmap) -> ForwardPlan:
         f = self.faults
         fplan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
                      writes=not pool.read_only, page_size=pool.sub_pools[0].page_size,
                      skip_spec_translation=f.skip_spec_translation,
                      plan_without_window=f.plan_without_window,
-                     tree_mask_not_rebased=f.tree_mask_not_rebased)
+                     tree_mask_not_rebased=f.tree_mask_not_rebased,
+                     untranslated=self._frozen is not None and source is None)
         if f.window_off_by_one and lists_past_window(fplan.groups, narrower=1):
             FAULT_COUNTS.acted("window_off_by_one")  # a list holds the key W positions back
         return fplan

@@ -125,6 +125,16 @@ def _generate(cfg: SwaFactoryConfig, device: DeviceInfo, model, prompts, outs,
     return _Outcome(gen, parts, None, time.perf_counter() - t0, watch)
 
 
+def _where(gen) -> str:
+    """Where a run stopped: the step, the runner and mode, and the pools' use at the last
+    step that finished (an out-of-bounds read shows past a use threshold: sglang #26957)."""
+    if gen is None:
+        return ""
+    use = f"; SWA pool {100 * gen.history[-1].swa_use:.0f}% used, full " \
+          f"{100 * gen.history[-1].full_use:.0f}%" if gen.history else ""
+    return f" (at step {gen.step}, {gen.current[0]} {gen.current[1]}{use})"
+
+
 def _kind(exc: BaseException) -> str:
     if isinstance(exc, NonFinite):
         return "nan"
@@ -173,8 +183,9 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     checks: dict[str, CheckResult] = {}
     tol = logits_tolerance(cfg)
     if main.error is not None:
-        checks[_kind(main.error)] = CheckResult(name=_kind(main.error), status="failed",
-                                                detail=f"{type(main.error).__name__}: {main.error}")
+        checks[_kind(main.error)] = CheckResult(
+            name=_kind(main.error), status="failed",
+            detail=f"{type(main.error).__name__}: {main.error}" + _where(main.gen))
     else:
         if main.watch is not None:  # it ran and raised nothing: say what it checked
             checks["oracle"] = oracle_check(main.watch)
@@ -282,9 +293,8 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
         draft_training=None if main.parts is None or main.parts.draft_training is None else
         main.parts.draft_training.as_dict(), checks=[checks[c] for c in CHECK_ORDER],
         caught_by=failed[0] if failed else None, failed_checks=failed,
-        error=None if main.error is None else f"{type(main.error).__name__}: {main.error} "
-              f"(at step {gen.step if gen else 0}, {gen.current[0]} {gen.current[1]})"
-              if gen else f"{type(main.error).__name__}: {main.error}",
+        error=None if main.error is None else f"{type(main.error).__name__}: {main.error}"
+              + _where(gen),
         wall_s=main.wall, tokens_per_s=tokens / main.wall if main.wall else 0.0,
         reference_s=ref_s, overlap=cfg.run.overlap, tokens_per_s_no_overlap=_tokens_per_s(twin),
         cuda_graphs={r.name: dict(r.graph_use) for r in (main.parts.target, main.parts.draft)

@@ -4,7 +4,6 @@ returned. gloo on CPU, NCCL on GPUs."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 
@@ -16,13 +15,7 @@ from swafactory.parallel import Shard
 __all__ = ["launch"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, tp: int, port: int, cfg_json: str, device_kind: str, out: str,
+def _rank_main(rank: int, tp: int, init: str, cfg_json: str, device_kind: str, out: str,
                run_rank: Callable) -> None:
     import torch.distributed as dist
 
@@ -31,7 +24,7 @@ def _rank_main(rank: int, tp: int, port: int, cfg_json: str, device_kind: str, o
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     dist.init_process_group("nccl" if device_kind == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+                            init_method=init, rank=rank, world_size=tp)
     try:
         report = run_rank(SwaFactoryConfig.model_validate_json(cfg_json), Shard(rank, tp))
         if rank == 0:
@@ -54,8 +47,10 @@ def launch(cfg: SwaFactoryConfig, device_kind: str, run_rank: Callable):
         raise RuntimeError(f"parallel.tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
-        mp.spawn(_rank_main, args=(tp, _free_port(), cfg.model_dump_json(), device_kind, out,
-                                   run_rank),
+        # the ranks meet in a file of the job's own folder: a free TCP port picked here can be
+        # taken by another job before rank 0 binds it (two sweeps' ranks on one host did)
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        mp.spawn(_rank_main, args=(tp, init, cfg.model_dump_json(), device_kind, out, run_rank),
                  nprocs=tp, join=True)
         with open(out) as f:
             return Report.model_validate_json(f.read())

@@ -356,7 +356,8 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          windows: Mapping[int, int | None], source, *, cascade: bool = False,
          writes: bool = True, skip_spec_translation: bool = False,
          impl: str = "auto", page_size: int = 1,
-         plan_without_window: bool = False, tree_mask_not_rebased: bool = False) -> ForwardPlan:
+         plan_without_window: bool = False, tree_mask_not_rebased: bool = False,
+         untranslated: bool = False) -> ForwardPlan:
     """Plan one forward.
 
     layers_mapping: the *active* pool's ``layer -> (sub_pool, local_id)`` (physical, after any
@@ -373,18 +374,20 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     plan_without_window: the fault switch of sglang #31501: windowed groups keep their trimmed
     key lists but are planned with no window, so no kernel masks it. tree_mask_not_rebased:
     the switch of sglang #39160: lists are trimmed by depth as always, but tree nodes' positions
-    (and so the window bound) come from their flat slot index.
+    (and so the window bound) come from their flat slot index. untranslated: the switch of
+    sglang #26957: every SWA group keeps full-space tables in every mode (a runner that decided
+    its pool is not split), so full slots index the smaller SWA buffer.
     """
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     keys, layer_groups = groups_of(layers_mapping, windows)
-    skip = skip_spec_translation and batch.has_tree
+    skip = (skip_spec_translation and batch.has_tree) or untranslated
     groups, h, missing = _plan_vector(batch, keys, source, writes, skip, impl, page_size,
                              tree_mask_not_rebased and batch.has_tree)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
         groups = {k: _split_cascade(g, kv_nodes, page_size) for k, g in groups.items()}
-    if skip and any(g.sub_pool == "swa" for g in groups.values()):
+    if skip and not untranslated and any(g.sub_pool == "swa" for g in groups.values()):
         FAULT_COUNTS.acted("skip_spec_translation")  # an SWA group kept full-space tables
     if tree_mask_not_rebased and batch.has_tree and _flat_bound_cuts(batch, groups):
         FAULT_COUNTS.acted("tree_mask_not_rebased")

@@ -269,8 +269,26 @@ def test_the_other_seed_faults_fail_as_they_did_in_sglang(fault: str, spec: list
     """These two gave the target's or the frozen draft's kernels indices or a pool they cannot
     address: a crash (IMA on a GPU), not a quiet accept-length drop. Here: the kernel check."""
     weights = ["spec.draft_weights=distilled"] if spec == ["spec=eagle3"] else []
-    r = _gen(*spec, *weights, "run.guards=false", f"faults={fault}")
+    longer = ["workload.output_len=[24,32]"] if fault == "pool_cached_at_init" else []
+    r = _gen(*spec, *weights, "run.guards=false", f"faults={fault}", *longer)
     assert r.status == "failed" and r.caught_by == "kernel", r.checks
+    if longer:  # where it went out of bounds: the step, the runner and the pools' use
+        assert "out of bounds" in r.error and "draft draft_decode; SWA pool" in r.error, r.error
+
+
+def test_the_frozen_draft_reads_wrong_keys_in_bounds_before_it_crashes() -> None:
+    """sglang #26957's other regime: while every full slot is inside the SWA buffer, the
+    untranslated reads land on other tokens' K/V. No crash: the accept length falls, and the
+    acceptance check (the torch backend's steps without the fault) fails it; with the guards
+    on, the typed-space check refuses the first draft forward, naming the pools."""
+    r = _gen("spec=frozen_kv_mtp", *CHAIN4, "run.guards=false", "faults=pool_cached_at_init",
+             "run.oracle=false")  # as users ran
+    assert r.error is None and r.fault_acted["pool_cached_at_init"] > 0, r.error
+    assert r.status == "failed" and r.caught_by == "acceptance", r.checks
+    assert r.accept_len < 2.0, r.accept_len  # the clean draft's ≥ 2.0 (the test above); 4.0 seen
+    guarded = _gen("spec=frozen_kv_mtp", *CHAIN4, "faults=pool_cached_at_init")
+    assert guarded.caught_by == "space", guarded.checks
+    assert "'target.swa' (swa space)" in guarded.error and "'target.full'" in guarded.error
 
 
 def test_a_draft_that_does_not_fit_is_refused_before_allocation(tmp_path, monkeypatch) -> None:

@@ -66,7 +66,7 @@ GRAPHS_SHRINK = ["workload.max_running_requests=4", "workload.num_requests=6"]
 FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "skip_spec_translation": ("eagle3", "space"),
     "allocator_pool_for_own_pool_draft": ("dflash", "space"),
-    "pool_cached_at_init": ("frozen_kv_mtp", "nan"),
+    "pool_cached_at_init": ("frozen_kv_mtp", "space"),  # full slots in the SWA group: typed
     "window_off_by_one": ("none", "oracle"),
     "no_swa_eviction": ("none", "capacity"),
     "no_draft_headroom": ("eagle", "capacity"),
