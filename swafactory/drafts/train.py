@@ -45,7 +45,8 @@ class Recipe:
     stop_loss: float | None = None
     autocast: str | None = None
     stop_each: float | None = None
-    """With ``stop_loss``: a draft also needs each prompt length's latest loss below this."""
+    """With ``stop_loss``: a draft also needs each prompt length's last losses below this
+    (`distill.PromptLosses.below`)."""
 
 
 @dataclass(frozen=True)

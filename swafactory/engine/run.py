@@ -172,7 +172,8 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     on_step = None if progress is None else GenProgress(
         progress, len(prompts), estimate_steps(cfg, [len(p) for p in prompts], outs))
     FAULT_COUNTS.clear()  # each fault branch counts the times it acted in the main run
-    # a fault with a draft of its own weights: every draft row is held to the clean twin's
+    # a fault with a draft of its own weights: a clean twin (faults=none) runs after, and every
+    # draft row of the two is kept to be held to each other
     twinned = cfg.faults.active and cfg.spec.algorithm != "none" and \
         cfg.spec.draft_weights != "target"
     main = _generate(cfg, dev, model, prompts, outs, on_step, progress, trace=twinned)
@@ -214,7 +215,7 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
                                                             cfg.backend.name != "torch"):
             torch_run = _generate(_variant(cfg, dev, torch_backend=True), dev, model, prompts, outs)
             ref = torch_run
-        if s.draft_weights != "target" and cfg.faults.active:  # the clean twin: faults=none
+        if twinned:  # the clean twin: faults=none
             clean = _generate(cfg.model_copy(update={"faults": FaultsSpec()}), dev, model,
                               prompts, outs, trace=True)
         sound = all(checks[c].status == "ok" for c in ("logits", "draft_logits") if c in checks)
