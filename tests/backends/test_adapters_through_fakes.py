@@ -16,9 +16,9 @@ from test_flashinfer_host import adapter_world, set_policy
 
 # backend → (module name its adapter imports, the fake module, Gemma 4 overrides it serves:
 # flash-attn-4 takes head_dim ≤ 256, so its full layers shrink to 128, still two geometries;
-# both in the first 6 layers, and FlashInfer's at half the heads, GQA kept: its 17-64-row
+# both in the first 6 layers, and FlashInfer's at a quarter of the heads, GQA kept: its 17-64-row
 # passes at head_dim 512 run the Triton tile, interpreted here; test_flashinfer_host.py runs
-# that tile at Gemma 4's 32 heads)
+# that tile at half of Gemma 4's heads, two KV heads in the full group)
 FAKES = {
     "flashinfer": ("flashinfer", fake_flashinfer, ["model.sliding_window=8", *GEMMA4_SIX_LAYERS,
                                                    *TRITON_INTERPRETED_HEADS]),

@@ -267,8 +267,12 @@ def test_verify_runs_our_tile_not_flashinfers_prefill(fake, mode, swa) -> None:
     from test_backends_vs_oracle import assert_close, run_mode
 
     # the first 6 layers (5 sliding, then a full one): Gemma 4's 60 layers of fp32 pools at
-    # head_dim 512 took 13.7 GB, enough to run a 24 GB machine out of memory beside a worker
-    world, _ = adapter_world("gemma4", 1, ["model.sliding_window=8", "model.num_layers=6"])
+    # head_dim 512 took 13.7 GB, enough to run a 24 GB machine out of memory beside a worker;
+    # half its heads (GQA 2 / 8 and so the tiles kept, two KV heads in the full group): the
+    # tile runs interpreted, one program per KV head
+    world, _ = adapter_world("gemma4", 1, ["model.sliding_window=8", "model.num_layers=6",
+                                           "model.num_attention_heads=16",
+                                           "model.swa.num_kv_heads=8", "model.full.num_kv_heads=2"])
     ad = world.backend.adapter
     set_policy(world, "gemma4", f"backend.kernels.swa.verify={swa}")
     planned = []
