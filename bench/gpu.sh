@@ -180,6 +180,7 @@ SHRINK=workload.max_running_requests=4,workload.num_requests=6
 PRETRAINED=run.target_weights=pretrained,spec.draft_weights=distilled
 BLOCK16=spec.block_size=16,spec.num_draft_tokens=16  # DFlash's two modes in one graph bucket
 FAULTS_GUARDED=(skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:dflash
+    swa_pool_missed:dflash:gpt_oss_20b:spec.draft_pool_split=true
     pool_cached_at_init:frozen_kv_mtp window_off_by_one:none no_swa_eviction:none
     no_draft_headroom:eagle leak_rejected_draft_slots:eagle plan_without_window:none
     sink_dropped:none:gpt_oss_20b tree_mask_not_rebased:eagle3 premature_free_on_reject:eagle
@@ -191,6 +192,7 @@ FAULTS_GUARDED=(skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:d
 FAULTS_UNGUARDED=(skip_spec_translation:eagle3:gpt_oss_20b
     pool_cached_at_init:frozen_kv_mtp:gpt_oss_20b
     allocator_pool_for_own_pool_draft:dflash:gpt_oss_20b:$PRETRAINED
+    swa_pool_missed:dflash:gpt_oss_20b:spec.draft_pool_split=true,$PRETRAINED
     plan_without_window:none:gpt_oss_20b tree_mask_not_rebased:eagle3:gpt_oss_20b
     sink_dropped:none:gpt_oss_20b
     graph_key_without_mode:dflash:gpt_oss_20b:backend.cuda_graph=true,$BLOCK16,$PRETRAINED

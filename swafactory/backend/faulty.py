@@ -7,7 +7,8 @@ so the default path carries no fault code at all.
 |---|---|
 | window_off_by_one | the runner's windows: sliding layers see W + 1 keys |
 | pool_cached_at_init | `_source`/`_tables`: "split?" decided at construction, over the runner's own pool: full slots index the target's SWA buffer (sglang #26957) |
-| allocator_pool_for_own_pool_draft | `_source`: an own-pool draft resolved to the allocator's pool, its reads keyed on it (sglang #27737) |
+| allocator_pool_for_own_pool_draft | `_source`: an own-pool draft resolved to the allocator's pool, its reads keyed on it (the own-pool branch of sglang #27737) |
+| swa_pool_missed | `_tables`: an own draft's split pool read with full slots, written at SWA slots (sglang #27737) |
 | skip_spec_translation, plan_without_window, tree_mask_not_rebased | `_tables`: the planner's switches (sglang #24402, #31501, #39160) |
 | graph_pad_stale_swa_loc | `_bucket_writes`: padding rows keep an earlier replay's SWA slots (sglang #24743) |
 | graph_key_without_mode | `graph_key`: an engine files graphs by shape alone, so one mode's graph replays another's batch |
@@ -74,12 +75,20 @@ class FaultyBackend(AttentionBackend):
 
     def _tables(self, batch: ForwardBatch, pool, source, lmap) -> ForwardPlan:
         f = self.faults
+        # FAULT swa_pool_missed (sglang #27737): "split?" for reads asked of the allocator's
+        # pool, not this own draft's SWA-backed one: writes land at SWA slots, reads at full
+        missed = (f.swa_pool_missed and self.view.role == "draft_own_pool"
+                  and source is not None and source.pool is pool)
         fplan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
                      writes=not pool.read_only, page_size=pool.sub_pools[0].page_size,
                      skip_spec_translation=f.skip_spec_translation,
                      plan_without_window=f.plan_without_window,
                      tree_mask_not_rebased=f.tree_mask_not_rebased,
-                     untranslated=self._frozen is not None and source is None)
+                     untranslated=self._frozen is not None and source is None,
+                     reads_untranslated=missed)
+        if missed and any(g.sub_pool == "swa" and g.tables.kv_indices.tensor.numel()
+                          for g in fplan.groups.values()):
+            FAULT_COUNTS.acted("swa_pool_missed")  # an SWA group read a list of full slots
         if f.window_off_by_one and lists_past_window(fplan.groups, narrower=1):
             FAULT_COUNTS.acted("window_off_by_one")  # a list holds the key W positions back
         return fplan

@@ -20,6 +20,9 @@ class FaultsSpec(_Frozen):
     """Spec/tree tables of SWA groups stay in full space (FA3 + EAGLE3 topk > 1, sglang #24402)."""
     allocator_pool_for_own_pool_draft: bool = False
     """An own-pool draft resolves the allocator's SWA pool (FlashInfer + DFlash, sglang #27737)."""
+    swa_pool_missed: bool = False
+    """An own draft's SWA-backed pool is missed by a check keyed on the allocator: its writes are
+    translated, its reads keep full slots (FlashInfer + DFlash on Gemma 4, sglang #27737)."""
     pool_cached_at_init: bool = False
     """The backend keeps the pool it saw at construction (trtllm_mha + FROZEN_KV, sglang #26957)."""
     window_off_by_one: bool = False

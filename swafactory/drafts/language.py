@@ -75,8 +75,10 @@ lowers its accept length (`bench/probes/distill_prompts.py --heads wide` compare
 def greedy(model, prompts: torch.Tensor, new: int) -> torch.Tensor:
     """[B, P + new] int64: ``prompts`` ([B, P] int64) and ``model``'s greedy continuation, by
     transformers' own generate with torch's SDPA attention (no swafactory in the loop; the same
-    tokens as its eager attention on the tiny target, in two thirds of the time on the CPU)."""
-    with torch.no_grad(), attn_implementation(model, "sdpa"):
+    tokens as its eager attention on the tiny target, in two thirds of the time on the CPU;
+    eager where the model has no SDPA path: GPT-OSS's sinks)."""
+    sdpa = getattr(model, "_supports_sdpa", False)
+    with torch.no_grad(), attn_implementation(model, "sdpa" if sdpa else "eager"):
         return model.generate(prompts, attention_mask=torch.ones_like(prompts),
                               max_new_tokens=new, min_new_tokens=new, do_sample=False,
                               pad_token_id=0)

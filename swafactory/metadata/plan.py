@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from swafactory.errors import SpaceError
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.locs import Locs
 from swafactory.metadata.batch import ForwardBatch, ForwardMode
 from swafactory.metadata import keys_triton
 from swafactory.metadata.layer_groups import group_key, groups_of
+from swafactory.metadata.space import group_space
 from swafactory.metadata.vector import (HostBatch, Pack, key_pieces, key_tables, mask_pieces,
                                         mask_tables, to_device)
 
@@ -167,7 +167,7 @@ class ForwardPlan:
 
 def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None]], source,
                  writes: bool, skip_translation: bool, impl: str, page_size: int = 1,
-                 flat_tree: bool = False
+                 flat_tree: bool = False, reads_full: bool = False
                  ) -> tuple[dict[str, GroupPlan], HostBatch, MissingWord | None]:
     """Every group's tables, vectorized over requests. The per-request host numbers of all
     groups travel in one host→device copy; groups with the same window starts share one key
@@ -196,7 +196,8 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
             if need_mask:
                 sets[k][1]["mask"] = mask_pieces(h, st, pack)
         group_set[key] = k
-    swa = {k for k, (sub, _) in groups.items() if sub == "swa" and not skip_translation}
+    swa = {k for k, (sub, _) in groups.items()
+           if sub == "swa" and not (skip_translation or reads_full)}
     job = None
     if fused:  # translate where an SWA group reads a list (and its writes), in the same launch
         read = {group_set[k] for k in swa} if source is not None else ()
@@ -232,8 +233,8 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
     for key, (sub, window) in groups.items():
         i = group_set[key]
         slots, kv_pos, mask, mask_indptr = built[i]
-        kv, w = _space(key, sub, source, skip_translation, batch.full_id, slots, w_full, memo,
-                       computed)
+        kv, w = group_space(key, sub, source, skip_translation, batch.full_id, slots, w_full, memo,
+                       computed, reads_full)
         i32 = None
         if fk is not None:  # the kernel wrote the list's int32 rows in the group's space too
             kl = fk.lists[i]
@@ -243,34 +244,6 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
                        natural=not need_mask)  # chains only: keys end at the last query
         out[key] = GroupPlan(key, sub, window, t, None, w)
     return out, h, missing
-
-
-def _space(key: str, sub_pool: str, source, skip_translation: bool, full_id: str,
-           slots: torch.Tensor, writes: torch.Tensor | None,
-           memo: dict[int, Locs] | None = None,
-           computed: dict[int, torch.Tensor] | None = None) -> tuple[Locs, Locs | None]:
-    """Full slots → the group's index space: translated once, here, for an SWA group.
-
-    slots: [n] int64 full slots; writes: [total_q] int64 or None. ``memo`` (id of a full-slot
-    tensor → its translation) lets groups that share a key list share its translation;
-    ``computed`` (id of a full-slot tensor → SWA slots) holds what the fused kernel already
-    gathered, which `translate` checks and wraps instead of gathering again."""
-    # the planner's own int64 slots: no __post_init__ call (`Locs._made` checks them inline)
-    full_kv = Locs._made("full", full_id, slots)
-    full_w = Locs._made("full", full_id, writes) if writes is not None else None
-    if sub_pool != "swa" or skip_translation:
-        return full_kv, full_w
-    if source is None:
-        raise SpaceError(f"layer group {key!r} reads an SWA sub-pool, but the resolver found "
-                         "no KV source to translate full slots against")
-    memo = {} if memo is None else memo
-
-    def tr(locs: Locs) -> Locs:
-        if id(locs.tensor) not in memo:
-            memo[id(locs.tensor)] = source.translate(
-                locs, values=(computed or {}).get(id(locs.tensor)))
-        return memo[id(locs.tensor)]
-    return tr(full_kv), (tr(full_w) if full_w is not None else None)
 
 
 def _cumsum0(x: torch.Tensor) -> torch.Tensor:
@@ -357,7 +330,7 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          writes: bool = True, skip_spec_translation: bool = False,
          impl: str = "auto", page_size: int = 1,
          plan_without_window: bool = False, tree_mask_not_rebased: bool = False,
-         untranslated: bool = False) -> ForwardPlan:
+         untranslated: bool = False, reads_untranslated: bool = False) -> ForwardPlan:
     """Plan one forward.
 
     layers_mapping: the *active* pool's ``layer -> (sub_pool, local_id)`` (physical, after any
@@ -376,14 +349,17 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     the switch of sglang #39160: lists are trimmed by depth as always, but tree nodes' positions
     (and so the window bound) come from their flat slot index. untranslated: the switch of
     sglang #26957: every SWA group keeps full-space tables in every mode (a runner that decided
-    its pool is not split), so full slots index the smaller SWA buffer.
+    its pool is not split), so full slots index the smaller SWA buffer. reads_untranslated: the
+    switch of sglang #27737: SWA groups write at their translated slots but read full-space key
+    lists (a read path that missed the runner's SWA-backed pool).
     """
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     keys, layer_groups = groups_of(layers_mapping, windows)
     skip = (skip_spec_translation and batch.has_tree) or untranslated
     groups, h, missing = _plan_vector(batch, keys, source, writes, skip, impl, page_size,
-                             tree_mask_not_rebased and batch.has_tree)
+                                      tree_mask_not_rebased and batch.has_tree,
+                                      reads_untranslated)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
         groups = {k: _split_cascade(g, kv_nodes, page_size) for k, g in groups.items()}

@@ -27,6 +27,8 @@ LACKS: dict[str, tuple[str, str]] = {
                               "spec=eagle3 workload=smoke"),
     "allocator_pool_for_own_pool_draft": ("no own-pool draft forward resolved against a split "
                                           "allocator pool", "spec=dflash"),
+    "swa_pool_missed": ("no own split draft pool read an SWA key list",
+                        "spec=dflash spec.draft_pool_split=true"),
     "pool_cached_at_init": ("the runner's view never moved off the pool it was built with",
                             "spec=frozen_kv_mtp"),
     "no_swa_eviction": ("no request passed its window by the eviction interval",

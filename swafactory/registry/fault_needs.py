@@ -72,6 +72,12 @@ FAULT_NEEDS: dict[str, tuple[FaultNeed, ...]] = {
         FaultNeed(lambda c: not getattr(c.spec, "draft_pool_split", False),
                   "spec.draft_pool_split", "spec.draft_pool_split=false",
                   "a full-indexed own draft pool", "spec.draft_pool_split=false")),
+    # (only DFlash has the field: a split own pool implies its own pool)
+    "swa_pool_missed": (
+        _split(),
+        FaultNeed(lambda c: getattr(c.spec, "draft_pool_split", False), "spec.draft_pool_split",
+                  "spec.draft_pool_split=true", "an own draft pool split like the target's",
+                  "spec=dflash spec.draft_pool_split=true")),
     # only a FROZEN_KV draft's view moves off the pool it was built with
     "pool_cached_at_init": (_draft_kv("target_pool", "a draft that reads the target's pool",
                                       "spec=frozen_kv_mtp"),),

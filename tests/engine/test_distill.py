@@ -366,3 +366,21 @@ def test_a_draft_stops_early_only_once_every_prompt_length_is_learnt() -> None:
         steps = _train(model, batch, Recipe(steps=40, lr=1e-3, batch=1, stop_loss=0.1),
                        "probe", None, fit, gate)[2]
         assert steps == want
+
+
+def test_continuations_run_on_a_target_without_an_sdpa_path() -> None:
+    """GPT-OSS's attention (sinks) has no SDPA path in transformers: its continuations run
+    eager (an H100 run at GPT-OSS's geometry stopped at transformers' refusal before any draft
+    trained), the tiny Gemma 4 target's through SDPA."""
+    import torch
+
+    from swafactory.drafts.language import greedy
+    from swafactory.models.hf import load_target
+
+    target = load_target(swafactory.compose(
+        ["run=generate", "model=gpt_oss_20b", "run.num_layers=2", "run.hidden_size=32",
+         "run.intermediate_size=32", "run.vocab_size=128"]), torch.float32, "cpu")[0]
+    assert not getattr(target, "_supports_sdpa", False)
+    prompts = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = greedy(target, prompts, 3)
+    assert out.shape == (2, 12) and torch.equal(out[:, :9], prompts)

@@ -193,3 +193,33 @@ def test_a_draft_that_proposes_the_wrong_token_is_named_with_both_gaps(monkeypat
     assert "fp64 prefers" in acc.detail and "excused" not in acc.detail, acc.detail
     assert all(len(q.rejections) <= len(q.accept_lengths) for q in r.requests)
     assert r.lossless is True  # a wrong draft costs steps, never tokens
+
+
+def test_a_missed_swa_backed_draft_pool_reads_wrong_keys_and_crashes_only_past_its_buffer(
+        ) -> None:
+    """sglang #27737's mechanism: the DFlash draft's own split pool (draft_pool_split) written
+    at its SWA slots and read with full slots. Guards on, the typed-space check stops the first
+    draft forward, naming its SWA sub-pool. Guards off, on the smoke load at GPT-OSS's geometry
+    (pools sized by the shipped ratio), nothing crashes: the draft attends the wrong keys, which
+    the attention oracle names (the CLI without it: the draft_logits check); on a pool sized
+    tight to a smaller load, a full slot passes the draft's SWA buffer and the read fails,
+    naming the step.
+    (GPT-OSS: both groups share head_dim and KV heads, so a split pool serves the drafter.)"""
+    fault = ["spec=dflash", "spec.draft_pool_split=true", "faults=swa_pool_missed",
+             *GEOMETRY["gpt_oss_20b"]]
+    on = _gen(*fault)
+    assert on.status == "failed" and on.caught_by == "space", on.checks
+    assert "'draft.swa'" in on.error, on.error
+    tight = _gen(*fault, "run.guards=false")
+    assert tight.status == "failed" and "out of bounds" in tight.error, tight.error
+    assert "at step" in tight.error and tight.fault_acted["swa_pool_missed"] > 0
+    smoke = ["run=generate", "backend=torch", "model=gpt_oss_20b", "workload=smoke",
+             "workload.num_requests=2", "run.guards=false", "spec=dflash",
+             "spec.draft_pool_split=true"]
+    off = run_generate(swafactory.compose([*smoke, "faults=swa_pool_missed"]))
+    assert off.fault_acted["swa_pool_missed"] > 0 and off.status == "failed"
+    # the attention oracle (on in tests; the CLI's draft_logits check otherwise) sees the keys
+    assert off.caught_by == "oracle" and "out of bounds" not in off.error, off.error
+    assert "draft draft_extend layer" in off.error and "(swa)" in off.error, off.error
+    clean = run_generate(swafactory.compose(smoke))
+    assert clean.status == "ok", clean.checks

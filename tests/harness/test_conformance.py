@@ -66,6 +66,7 @@ GRAPHS_SHRINK = ["workload.max_running_requests=4", "workload.num_requests=6"]
 FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "skip_spec_translation": ("eagle3", "space"),
     "allocator_pool_for_own_pool_draft": ("dflash", "space"),
+    "swa_pool_missed": ("dflash", "space"),  # its SWA group reads full slots of its split pool
     "pool_cached_at_init": ("frozen_kv_mtp", "space"),  # full slots in the SWA group: typed
     "window_off_by_one": ("none", "oracle"),
     "no_swa_eviction": ("none", "capacity"),
@@ -88,6 +89,7 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
 ENGINE_FAULTS = {"graph_key_without_mode": ("dflash", "space")}
 # what a fault needs to bite besides its spec (the CPU runs use gpt_oss_20b, sinks included)
 FAULT_OVERRIDES = {"fp8_descale_dropped": ["backend.kv_dtype=fp8_e4m3"],
+                   "swa_pool_missed": ["spec.draft_pool_split=true"],
                    "paged_free_stale_mapping": ["backend.page_size=16"],
                    # graphs (emulated on CPU), and a batch that shrinks inside its bucket of 4
                    "graph_pad_stale_swa_loc": ["backend.cuda_graph=true", *GRAPHS_SHRINK],
@@ -191,6 +193,7 @@ TAKES_AWAY = {"backend.cuda_graph=true": "backend.cuda_graph=false",
               "spec.draft_kv=own_pool": "spec=frozen_kv_mtp",
               "spec.draft_kv=target_pool": "spec=eagle",
               "spec.draft_pool_split=false": "spec.draft_pool_split=true",
+              "spec.draft_pool_split=true": "spec.draft_pool_split=false",
               "run=conformance": "run=generate"}
 
 
