@@ -126,8 +126,11 @@ def figure(r: GenerateReport):
                  + (f", caught by {r.caught_by}" if r.caught_by else ""))
     for q in r.requests:
         if q.accept_lengths:
-            ax.plot(range(len(q.accept_lengths)), q.accept_lengths, marker=".", linewidth=0.8,
-                    label=f"request {q.rid}")
+            line, = ax.plot(range(len(q.accept_lengths)), q.accept_lengths, marker=".",
+                            linewidth=0.8, label=f"request {q.rid}")
+            if q.accept_lengths_clean:  # the twin's steps beside the fault's: a fall over time
+                ax.plot(range(len(q.accept_lengths_clean)), q.accept_lengths_clean, linestyle="--",
+                        linewidth=0.8, color=line.get_color(), label=f"request {q.rid}, clean twin")
     if r.ideal_accept_len is not None:
         ax.axhline(r.ideal_accept_len, color="grey", linestyle="--", linewidth=1, label="ideal")
     if r.accept_len_clean is not None:

@@ -84,6 +84,9 @@ class RequestRecord(_Model):
     max_new_tokens: int
     accept_lengths: list[int]
     """Tokens committed per spec step (the root plus the accepted drafts)."""
+    accept_lengths_clean: list[int] | None = None
+    """The same request's accept lengths in the clean twin (a run with a fault and a draft of
+    its own weights), step by step: where a fault makes the accept length fall over time."""
     tie_positions: list[int] = []
     """Positions where the target's top two logits were within the tie tolerance."""
     rejections: list[Rejection] = []

@@ -256,8 +256,11 @@ def _report(cfg, dev, tf_version, model, main: _Outcome, checks, failed, err, np
             ) -> GenerateReport:
     gen = main.gen
     reqs = sorted([*(gen.done if gen else []), *(gen.running if gen else [])], key=lambda r: r.rid)
+    twin_of = {} if clean is None or clean.gen is None else \
+        {r.rid: list(r.accepts) for r in clean.gen.done}
     records = [RequestRecord(rid=r.rid, prompt_ids=r.prompt, generated_ids=r.generated[:r.out],
                              max_new_tokens=r.out, accept_lengths=r.accepts,
+                             accept_lengths_clean=twin_of.get(r.rid),
                              tie_positions=sorted(set(r.ties)), rejections=r.rejections,
                              accept_histogram=histogram(r.accepts),
                              spec_metrics=figures[0].get(r.rid))

@@ -245,6 +245,14 @@ def test_seed2_collapses_the_accept_length_and_its_clean_twin_passes() -> None:
     assert r.accept_len_clean >= 2.0 and r.accept_len <= r.accept_len_clean / 2
     clean = _gen("spec=dflash", "spec.draft_weights=distilled", "run.guards=false")
     assert clean.status == "ok" and clean.accept_len == pytest.approx(r.accept_len_clean)
+    # report.json keeps the twin's steps per request, and report.png draws them beside the run's
+    from swafactory.engine.report import figure
+
+    assert [q.accept_lengths_clean for q in r.requests] == \
+        [q.accept_lengths for q in clean.requests]
+    assert clean.requests[0].accept_lengths_clean is None  # a run without a fault has no twin
+    labels = [line.get_label() for line in figure(r).axes[0].get_lines()]
+    assert sum(x.endswith(", clean twin") for x in labels) == len(r.requests), labels
 
 
 def test_a_drop_inside_the_margin_still_fails_where_the_draft_moved(monkeypatch) -> None:
