@@ -253,3 +253,26 @@ for dt in (torch.float16, torch.bfloat16):
     errs = dict(line.split() for line in out.stdout.splitlines())
     assert float(errs["torch.float16"]) < 1e-3, out.stdout + out.stderr
     assert float(errs["torch.bfloat16"]) > 1.0, out.stdout
+
+
+@pytest.mark.parametrize("model,refused", [("tiny", True), ("gemma4", True),
+                                           ("gpt_oss_20b", False)])
+def test_a_split_draft_pool_is_refused_where_its_drafter_cannot_share_the_swa_geometry(
+        model: str, refused: bool) -> None:
+    """run=generate's DFlash drafter of its own weights is one Qwen3 geometry (the target's full
+    layers'); a split draft pool gives its sliding layers the target's SWA geometry. Where the
+    two differ the run is refused before anything is built, with the fix (the kernel check
+    failed it at the first draft forward before); GPT-OSS's groups share one geometry."""
+    base = ["run=generate", "backend=torch", "spec=dflash", f"model={model}",
+            "spec.draft_pool_split=true"]
+    cfg = swafactory.compose([*base, "spec.draft_weights=distilled"])
+    reasons = [r for r in swafactory.check(cfg, CPU) if r.field == "spec.draft_pool_split"]
+    assert len(reasons) == int(refused), reasons
+    if refused:
+        assert reasons[0].fix == "spec.draft_pool_split=false"
+        assert "SWA geometry" in reasons[0].message and f"model={model}" in reasons[0].message
+        with pytest.raises(ConfigError, match="spec.draft_pool_split"):
+            validate(cfg, CPU)
+    # a drafter made of the target's own layers takes each layer's geometry
+    assert not [r for r in swafactory.check(swafactory.compose(base), CPU)
+                if r.field == "spec.draft_pool_split"]
