@@ -192,3 +192,34 @@ def test_harness_sizes_through_size_pools_as_tight_as_before(model: str) -> None
         assert (got.full, got.swa, got.full_per_request // P, got.swa_per_request // P) == want, \
             (model, spec, extra)
         assert got.full_per_request % P == 0 and got.swa_per_request % P == 0
+
+
+@pytest.mark.parametrize("model", ["tiny", "gemma4", "gpt_oss_20b"])
+def test_the_plan_shows_a_split_draft_pool_by_group_and_sizes_it_as_the_target(model) -> None:
+    """DFlash's draft_pool_split: run=plan's draft rows say which draft layers read their window
+    from the draft's SWA sub-pool through the target's mapping and which read its full one, each
+    at the target's geometry and slots of that kind; the summary's draft bytes are their sum (a
+    split draft pool was shown, and sized, as one full-indexed group)."""
+    from swafactory.kvcache.draft import draft_layer_types
+    from swafactory.registry.device import CPU
+    from swafactory.resolve.layout import describe
+
+    cfg = swafactory.validate(swafactory.compose([f"model={model}", "spec=dflash", "backend=torch",
+                                                  "spec.draft_pool_split=true"]))
+    plan = describe(cfg, CPU)
+    rows = {r.group: r for r in plan.rows if r.worker == "draft"}
+    types = draft_layer_types(cfg)
+    target = {r.group: r for r in plan.rows if r.worker == "target"}
+    swa, full = rows["swa"], rows["full"]
+    assert swa.num_layers == types.count("sliding_attention") and swa.index_space == "swa"
+    assert full.num_layers == types.count("full_attention") and full.index_space == "full"
+    assert swa.window == cfg.model.sliding_window and full.window is None
+    assert "target's mapping" in swa.pool and swa.resolver.endswith("active pool")
+    for kind in ("swa", "full"):
+        assert (rows[kind].kv_heads, rows[kind].head_dim, rows[kind].tokens_per_request) == (
+            target[kind].kv_heads, target[kind].head_dim, target[kind].tokens_per_request)
+    assert plan.draft_bytes_per_request == swa.bytes_per_request + full.bytes_per_request
+    whole = describe(swafactory.validate(swafactory.compose(
+        [f"model={model}", "spec=dflash", "backend=torch"])), CPU)
+    assert [r.group for r in whole.rows if r.worker == "draft"] == ["own"]
+    assert plan.draft_bytes_per_request < whole.draft_bytes_per_request

@@ -56,7 +56,8 @@ class PoolSizing:
     context_len: int
     groups: tuple[GroupBytes, ...]
     draft_bytes_per_request: int
-    """The draft worker's own pool (full-index space, target full geometry); 0 when none."""
+    """The draft worker's own pool (full-index space, target full geometry; a split one, as the
+    target's groups); 0 when none."""
 
     @property
     def bytes_per_token_full_only(self) -> int:
@@ -152,7 +153,11 @@ def pool_sizing(cfg: SwaFactoryConfig, context_len: int | None = None) -> PoolSi
         groups.append(GroupBytes("full", "full", m.full_layers, m.full.num_kv_heads, m.full.head_dim,
                                  None, 2 * m.full.num_kv_heads * m.full.head_dim * elt, ctx))
     draft = 0
-    if cfg.spec.draft_kv == "own_pool":
+    n_full, n_swa = _draft_layers(cfg, bool(m.swa_layers) and m.hybrid_pool)
+    if n_swa:  # a split own pool (DFlash draft_pool_split): each group as the target's
+        draft = sum(g.bytes_per_token_layer * g.tokens_per_request * (n_swa if g.kind == "swa"
+                                                                       else n_full) for g in groups)
+    elif cfg.spec.draft_kv == "own_pool":
         geo = m.full or m.swa
         assert geo is not None
         draft = cfg.spec.draft_num_layers * 2 * geo.num_kv_heads * geo.head_dim * elt * ctx

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from swafactory.config.schema import KV_DTYPE_BYTES, SwaFactoryConfig
 from swafactory.graphs.sizing import graph_state_estimate
+from swafactory.kvcache.draft import draft_layer_types
 from swafactory.kvcache.sizing import effective_ratio, pool_sizing, step_nodes
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.table import get_capabilities
@@ -151,9 +152,36 @@ def _passes(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[str]:
                                            override=override)]
 
 
+def _split_draft_rows(cfg: SwaFactoryConfig, kernel, tree: str) -> list[GroupRow]:
+    """An own draft pool split like the target's (DFlash ``draft_pool_split``): its sliding
+    layers read their window from the draft's SWA sub-pool through the target's mapping, the
+    others its full sub-pool; each group as many slots a request as the target's of its kind."""
+    m, b = cfg.model, cfg.backend
+    types = draft_layer_types(cfg)
+    per = {g.kind: g for g in pool_sizing(cfg).groups}
+    rows = []
+    for kind, t in (("swa", "sliding_attention"), ("full", "full_attention")):
+        mine = [j for j, x in enumerate(types) if x == t]
+        if not mine:
+            continue
+        geo, g = (m.swa, per["swa"]) if kind == "swa" else (m.full, per["full"])
+        window = m.sliding_window if kind == "swa" else None
+        rows.append(GroupRow(
+            worker="draft", group=kind, layers=compress_ids(mine), num_layers=len(mine),
+            pool=f"draft {kind} (own, the target's mapping)" if kind == "swa" else
+            "draft full (own)", index_space=kind, kv_heads=geo.num_kv_heads,
+            head_dim=geo.head_dim, window=window, **kernel(window), tree=tree,
+            resolver=f"{b.resolver} → active pool" if kind == "swa" else b.resolver,
+            bytes_per_token_layer=g.bytes_per_token_layer, tokens_per_request=g.tokens_per_request,
+            bytes_per_request=g.bytes_per_token_layer * g.tokens_per_request * len(mine)))
+    return rows
+
+
 def _draft_rows(cfg: SwaFactoryConfig, kernel, tree: str, draft_bytes: int) -> list[GroupRow]:
     """The draft runner's rows; ``kernel(window)`` names the kernel of a group."""
     m, s, b = cfg.model, cfg.spec, cfg.backend
+    if s.draft_kv == "own_pool" and "sliding_attention" in draft_layer_types(cfg):
+        return _split_draft_rows(cfg, kernel, tree)
     if s.draft_kv == "own_pool":
         geo = m.full or m.swa
         assert geo is not None
