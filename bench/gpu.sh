@@ -188,6 +188,9 @@ FAULTS_GUARDED=(skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:d
     fp8_descale_dropped:none:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton
     graph_pad_stale_swa_loc:none:gpt_oss_20b:backend.cuda_graph=true,$SHRINK
     graph_key_without_mode:dflash:gpt_oss_20b:run=generate,backend.cuda_graph=true,$BLOCK16
+    block_window_one_left_bound:dflash:gpt_oss_20b:spec.draft_window=16
+    draft_planned_with_group0:eagle3:gpt_oss_20b:spec.draft_window=16,spec.draft_kv_retention=window
+    windowed_draft_admitted_as_full:eagle3:gpt_oss_20b:spec.draft_window=16,spec.draft_kv_retention=window
     none:none:gpt_oss_20b:backend.cuda_graph=true,$SHRINK)
 FAULTS_UNGUARDED=(skip_spec_translation:eagle3:gpt_oss_20b
     pool_cached_at_init:frozen_kv_mtp:gpt_oss_20b

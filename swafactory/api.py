@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from swafactory.config.from_hydra import from_hydra
 from swafactory.config.paths import conf_dir
 from swafactory.config.schema import SwaFactoryConfig
-from swafactory.config.typos import unknown_key
+from swafactory.config.typos import foreign_spec_field, unknown_key
 from swafactory.errors import ConfigError, Reason
 from swafactory.resolve.layout import PlanSummary, describe
 from swafactory.registry import check as _check
@@ -28,7 +28,8 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> SwaFa
     from omegaconf.errors import OmegaConfBaseException
 
     headline = f"cannot compose {' '.join(overrides) or 'the defaults'}:"
-    typos = {o: r for o in overrides if (r := unknown_key(o)) is not None}
+    typos = {o: r for o in overrides
+             if (r := unknown_key(o) or foreign_spec_field(o, overrides)) is not None}
     if typos:  # refused before Hydra, whose advice is to append with +; with the rest's reasons
         try:
             compose([o for o in overrides if o not in typos], config_name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["visible", "first_visible_pos", "flashinfer_window_left", "flash_attn_window_size",
-           "kept_keys"]
+           "kept_keys", "narrowed"]
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -20,6 +20,14 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> tor
     d = q_pos[:, None] - k_pos[None, :]
     ok = d >= 0
     return ok if window is None else ok & (d < window)
+
+
+def narrowed(window: int | None, draft_window: int | None) -> int | None:
+    """A layer's window under a draft window (``spec.draft_window``): the narrower of the two; a
+    draft window narrows a layer's own window, never widens it."""
+    if draft_window is None:
+        return window
+    return draft_window if window is None else min(window, draft_window)
 
 
 def first_visible_pos(q_pos: int, window: int | None) -> int:

@@ -52,7 +52,8 @@ def build_backend(cfg: SwaFactoryConfig, pools=None, view: RunnerView | None = N
     if windows is None:
         windows = runner_windows(cfg, view)
         if view.role != "draft_reads_target":  # a FROZEN_KV view's pool is a dummy until swapped
-            check_own_pool(view, windows, cfg.model)
+            # the pool holds layer types; a draft window narrows reads, not where a layer lives
+            check_own_pool(view, runner_windows(cfg, view, draft_window=False), cfg.model)
     adapters = {n: m.Adapter() for n, m in modules.items()}
     # the kernels' environment overrides, read here once: a layer's call reads no os.environ
     env = KernelEnv.read()

@@ -14,6 +14,8 @@ so the default path carries no fault code at all.
 | graph_key_without_mode | `graph_key`: an engine files graphs by shape alone, so one mode's graph replays another's batch |
 | fp8_descale_dropped | `_read_scales`: full layers read fp8 K/V without their scales |
 | sink_dropped | `forward`: sinks are taken and ignored |
+| block_window_one_left_bound | `_tables`: a DFlash block's or verify's windowed groups keep their first query's left bound (sglang #35208) |
+| draft_planned_with_group0 | the draft runner's windows: every layer takes the target's layer 0's (vLLM #50169) |
 
 The storage-side faults (leaked or early-freed slots, a stale page mapping) are switches of the
 slot books' calls, which the drivers pass (`swafactory.serving.speculative.fault_switches`).
@@ -21,6 +23,7 @@ slot books' calls, which the drivers pass (`swafactory.serving.speculative.fault
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +38,9 @@ from swafactory.resolve.source import RunnerView, resolve_kv_source
 
 __all__ = ["FaultyBackend", "with_faults"]
 
+_BLOCK_MODES = ("target_verify", "draft_decode")
+"""Where a DFlash block's queries share a window: its verify and its drafted block."""
+
 
 class FaultyBackend(AttentionBackend):
     """An `AttentionBackend` that injects ``cfg.faults`` (at least one switched on)."""
@@ -43,8 +49,14 @@ class FaultyBackend(AttentionBackend):
                  windows: Mapping[int, int | None], guards: bool = True,
                  adapters: Mapping[str, object] | None = None) -> None:
         f = self.faults = cfg.faults
+        self._own_windows = dict(windows)  # what the layers should read (the faults' yardstick)
         if f.window_off_by_one:  # FAULT: sliding layers see W + 1 keys
             windows = {j: (None if w is None else w + 1) for j, w in windows.items()}
+        if f.draft_planned_with_group0 and view.role == "draft_own_pool":
+            # FAULT (vLLM #50169): the draft's layers take the target's group 0's metadata
+            w0 = cfg.model.sliding_window if cfg.model.layer_types[0] == "sliding_attention" \
+                else None
+            windows = {j: w0 for j in windows}
         super().__init__(cfg, adapter, view, windows, guards, adapters)
         self._frozen = None
         if f.sink_dropped:  # `forward` checks the caller's sinks itself, then drops them
@@ -91,7 +103,36 @@ class FaultyBackend(AttentionBackend):
             FAULT_COUNTS.acted("swa_pool_missed")  # an SWA group read a list of full slots
         if f.window_off_by_one and lists_past_window(fplan.groups, narrower=1):
             FAULT_COUNTS.acted("window_off_by_one")  # a list holds the key W positions back
+        if f.block_window_one_left_bound and batch.mode in _BLOCK_MODES and \
+                self.cfg.spec.algorithm == "dflash":
+            fplan = self._one_left_bound(fplan)
+        if f.draft_planned_with_group0 and self._group0_misread(fplan):
+            FAULT_COUNTS.acted("draft_planned_with_group0")
         return fplan
+
+    def _one_left_bound(self, fplan: ForwardPlan) -> ForwardPlan:
+        """FAULT block_window_one_left_bound (sglang #35208): each windowed group of a block is
+        planned W + (block - 1) wide over its key lists, which start at the first query's bound,
+        so every query of the block sees from there: query j, j keys its window excludes."""
+        groups = dict(fplan.groups)
+        for key, g in fplan.groups.items():
+            n = g.tables.max_q_len
+            if g.window is None or n < 2:
+                continue
+            if lists_past_window({key: g}):
+                FAULT_COUNTS.acted("block_window_one_left_bound")  # a later query gains a key
+            groups[key] = replace(g, window=g.window + n - 1)
+        return replace(fplan, groups=groups)
+
+    def _group0_misread(self, fplan: ForwardPlan) -> bool:
+        """Whether a draft layer's planned window lets a listed key in that its own window
+        excludes, or trims one it sees (draft_planned_with_group0 acted)."""
+        for j, key in fplan.layer_groups.items():
+            g, own = fplan.groups[key], self._own_windows.get(j)
+            narrow = min((w for w in (own, g.window) if w is not None), default=None)
+            if own != g.window and narrow is not None and g.tables.max_keys > narrow:
+                return True
+        return False
 
     def _bucket_writes(self, st: GraphState, fplan: ForwardPlan, bs: int,
                        tokens: int) -> ForwardPlan:

@@ -60,6 +60,15 @@ class FaultsSpec(_Frozen):
     one forward mode replays another mode's batch of that shape, its kernels reading the tables
     of the captured mode's pass, which that replay never refilled (a captured FlashInfer wrapper
     of draft_decode replayed over draft_extend's plan)."""
+    block_window_one_left_bound: bool = False
+    """A DFlash block or verify is planned with one left window bound for the whole block (its
+    first query's): query j sees j keys its own window excludes (sglang #35208)."""
+    draft_planned_with_group0: bool = False
+    """The draft's layers are planned with the target's group 0 (its first layer's window), not
+    their own: a windowed draft reads the target's window (vLLM #50169, vllm-ascend #16980)."""
+    windowed_draft_admitted_as_full: bool = False
+    """Admission counts a window-retained draft's K/V at the whole sequence, as if it were
+    full attention: a request longer than the SWA share is never admitted (vLLM #55800)."""
 
     @property
     def active(self) -> list[str]:

@@ -41,6 +41,46 @@ class _SpecBase(_Frozen):
     full-attention layers of the target's architecture, freshly initialised. ``distilled``: that
     draft, trained on the target's greedy continuations of random prompts (cached on disk).
     Otherwise a directory holding a saved draft (``config.json`` and safetensors)."""
+    draft_window: int | None = Field(default=None, ge=1)
+    """The attention window of every draft layer, in keys (HF ``sliding_window``: the current
+    token included). It narrows a layer's own window, never widens it. None: each draft layer
+    reads what its layer type reads (a full-attention draft layer: the whole context)."""
+    draft_sink: int = Field(default=0, ge=0)
+    """Keys at the start of each request a windowed draft layer reads besides its window
+    (sink tokens, as sglang's windowed draft decode keeps). Needs ``draft_window``."""
+    draft_kv_retention: Literal["full", "window"] = "full"
+    """``full``: the draft keeps every token's K/V, and ``draft_window`` bounds attention only
+    (vLLM's ``draft_attention_window``). ``window``: the draft's K/V lives on the SWA side of the
+    target's allocator, indexed by the target's SWA slots and freed with them (sglang's
+    ``--speculative-draft-kv-ratio``): it needs a split target whose window covers
+    ``draft_window``."""
+
+    @model_validator(mode="after")
+    def _draft_window(self) -> _SpecBase:
+        algo = getattr(self, "algorithm", "this spec")
+        if self.draft_window is None:
+            self._need(not self.draft_sink, "draft_sink", f"draft_sink={self.draft_sink} keeps "
+                       "keys beside a draft window, but spec.draft_window is not set; set "
+                       "spec.draft_window=<W> or spec.draft_sink=0")
+            self._need(self.draft_kv_retention == "full", "draft_kv_retention",
+                       "draft_kv_retention=window keeps the draft's K/V for its window, but "
+                       "spec.draft_window is not set; set spec.draft_window=<W> or "
+                       "spec.draft_kv_retention=full")
+        block = getattr(self, "block_size", None)
+        if block is not None and self.draft_window is not None:
+            self._need(self.draft_window >= block, "draft_window",
+                       f"a {algo} block of {block} tokens attends to itself, so its draft window "
+                       f"must hold it: draft_window >= block_size={block}, got "
+                       f"{self.draft_window}; set spec.draft_window={block} or more")
+        if self.draft_kv == "target_pool":
+            self._need(self.draft_kv_retention == "full", "draft_kv_retention",
+                       f"{algo} reads the target's K/V and writes none of its own, so there is "
+                       "no draft K/V to retain by window; set spec.draft_kv_retention=full")
+        self._need(not (self.draft_sink and self.draft_kv_retention == "window"), "draft_sink",
+                   f"draft_kv_retention=window frees the draft's K/V outside its window, the "
+                   f"sink's {self.draft_sink} keys included; set spec.draft_kv_retention=full "
+                   "or spec.draft_sink=0")
+        return self
 
     @model_validator(mode="after")
     def _weights(self) -> _SpecBase:
@@ -106,6 +146,9 @@ class NoSpec(_Frozen):
     num_draft_tokens: ClassVar[int] = 0
     draft_num_layers: ClassVar[int] = 0
     draft_weights: ClassVar[str] = "target"
+    draft_window: ClassVar[int | None] = None
+    draft_sink: ClassVar[int] = 0
+    draft_kv_retention: ClassVar[str] = "full"
 
 
 class EagleSpec(_SpecBase):

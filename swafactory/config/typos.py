@@ -3,8 +3,9 @@
 Hydra answers the first two with "Key … is not in struct … To append use +spec.topkk=2", advice
 that only moves the error to the schema ("unknown field"). The keys are checked here against the
 schema's field paths before Hydra composes anything, and each unknown one gets the nearest valid
-field. A spec field is known if any algorithm has it (which one the override meant is Hydra's to
-say once it composes). Group options (`spec=eagel3`) are `cli.jobs.did_you_mean`'s.
+field. A spec field is known if any algorithm has it; one the chosen spec lacks
+(`spec=none spec.draft_window=64`) is refused with the specs that have it (`foreign_spec_field`).
+Group options (`spec=eagel3`) are `cli.jobs.did_you_mean`'s.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from swafactory.config.paths import conf_dir
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import Reason
 
-__all__ = ["field_paths", "nearest_field", "spec_owners", "unknown_key", "unknown_keys"]
+__all__ = ["field_paths", "nearest_field", "spec_owners", "unknown_key", "unknown_keys",
+           "foreign_spec_field"]
 
 
 def _models(annotation) -> list[type[BaseModel]]:
@@ -97,6 +99,39 @@ def unknown_key(arg: str) -> Reason | None:
                   f"{guess}={value}" if guess else None, rule="overrides")
 
 
+def _chosen_spec(overrides: Sequence[str]) -> str:
+    """The spec option the overrides pick (the last ``spec=NAME``), else the shipped default."""
+    picked = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("spec=")]
+    if picked:
+        return picked[-1]
+    for line in (conf_dir() / "config.yaml").read_text().splitlines():
+        if line.strip().startswith("- spec:"):
+            return line.split(":", 1)[1].split("#")[0].strip()
+    return ""
+
+
+def foreign_spec_field(arg: str, overrides: Sequence[str]) -> Reason | None:
+    """A reason when ``arg`` sets a field (``spec.draft_window=64``) that some algorithm has but
+    the chosen spec does not (``spec=none``): Hydra would say only "not in struct"."""
+    key, eq, value = arg.partition("=")
+    if not eq or not key.startswith("spec.") or key.count(".") != 1:
+        return None
+    name = _chosen_spec(overrides)
+    path = conf_dir() / "spec" / f"{name}.yaml"
+    if not path.is_file():
+        return None  # an unknown option is did_you_mean's
+    algo = next((ln.split(":", 1)[1].split("#")[0].strip() for ln in path.read_text().splitlines()
+                 if ln.startswith("algorithm:")), name)
+    owners = spec_owners(key[5:])
+    if not owners or algo in owners:
+        return None
+    why = " (it runs no draft)" if algo == "none" else ""
+    return Reason("spec", key, f"spec={name} has no {key[5:]}{why} (got {arg}); it is a field of "
+                  + ", ".join(f"spec={o}" for o in owners),
+                  f"spec={owners[0]} {arg}", rule="overrides")
+
+
 def unknown_keys(overrides: Sequence[str]) -> list[Reason]:
-    """`unknown_key`'s reason for each override that has one."""
-    return [r for r in map(unknown_key, overrides) if r is not None]
+    """`unknown_key`'s reason for each override that has one, and `foreign_spec_field`'s."""
+    return [r for o in overrides
+            if (r := unknown_key(o) or foreign_spec_field(o, overrides)) is not None]

@@ -15,6 +15,7 @@ import torch
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.models.build import OWN_COPY, model_dtype
+from swafactory.models.transformers import eager_name
 from swafactory.engine.draft_trace import first_difference
 from swafactory.engine.requests import logit_gap, tie_tolerance
 from swafactory.engine.report_model import CheckResult
@@ -47,8 +48,10 @@ a correct run on another kernel or batch shape moves it only at argmax near-ties
 def ideal_accept(spec) -> int | None:
     """Tokens a perfect self-speculating draft commits per step: a chain's num_steps + 1; a
     tree's verified greedy depth + 1 (the greedy node of level l sits at BFS index
-    1 + topk·(l-1) and is verified when that is < num_draft_tokens). None: no ideal."""
-    if spec.algorithm not in OWN_COPY or spec.draft_weights != "target":
+    1 + topk·(l-1) and is verified when that is < num_draft_tokens). None: no ideal (a copy
+    under ``spec.draft_window`` reads less than the target does)."""
+    if spec.algorithm not in OWN_COPY or spec.draft_weights != "target" or \
+            spec.draft_window is not None:
         return None
     return most_accept(spec)
 
@@ -90,7 +93,7 @@ def logits_check(cfg: SwaFactoryConfig, model, reqs, name: str, target=None
     features; in fp64 beside the draft's fp64 copy)."""
     worst, noise, where, n = 0.0, 0.0, "-", 0
     exact = exact_t = None
-    with attn_implementation(model, "eager"), torch.no_grad():
+    with attn_implementation(model, eager_name(model)), torch.no_grad():
         for r in reqs:
             mine = r.logits if name == "logits" else r.draft_logits
             if not mine:
@@ -223,9 +226,10 @@ def _against_clean(cfg: SwaFactoryConfig, reqs, clean) -> CheckResult:
 def acceptance_check(cfg: SwaFactoryConfig, reqs, ref, rounding: float, clean=None
                      ) -> CheckResult:
     """A draft of its own weights (``spec.draft_weights`` not ``target``) keeps its clean twin's
-    mean accept length (``clean``, see `_against_clean`). A self-speculating copy (`OWN_COPY`) commits the ideal length every step; frozen_kv_mtp
-    and dflash commit what ``ref`` (the torch backend's fault-free `_Outcome`; None: this run
-    is that reference) commits, step by step. reqs: `GenReq`s. ``rounding``: how far apart
+    mean accept length (``clean``, see `_against_clean`). A self-speculating copy (`OWN_COPY`)
+    commits the ideal length every step; frozen_kv_mtp, dflash and a copy under a draft window
+    commit what ``ref`` (the torch backend's fault-free `_Outcome`; None: this run is that
+    reference) commits, step by step. reqs: `GenReq`s. ``rounding``: how far apart
     two correct runs' logits may put two tokens, relative to the largest |logit|: the
     target's and the draft's worst logits errors, added (0 where a logits check failed). A
     step below the ideal is excused by `_excuse`, and the detail names each excuse."""

@@ -20,8 +20,12 @@ What each layer must compute is stated from the config, never read back from the
   of its pool's layer types (`runner_windows`), the geometry of the pool the config builds, and
   the attention its backend was configured with (an EAGLE or DFlash head is a Llama/Qwen3 layer:
   head_dim^-0.5, no soft-cap). Sinks are the ones the model passes with each call.
+
+Every draft layer's window is then narrowed by ``spec.draft_window`` (`window.narrowed`).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.models.build import Parts, copies
@@ -31,6 +35,7 @@ from swafactory.harness.workers import LayerSpec
 from swafactory.harness.world import target_layer_specs
 from swafactory.resolve.layout import frozen_draft_binding
 from swafactory.resolve.runner_windows import runner_windows
+from swafactory.window import narrowed
 
 __all__ = ["attach_oracle", "draft_layer_specs"]
 
@@ -41,17 +46,21 @@ def draft_layer_specs(parts: Parts) -> dict[int, LayerSpec]:
     cfg: SwaFactoryConfig = parts.cfg
     s, m = cfg.spec, cfg.model
     target = target_layer_specs(cfg)
+
+    def windowed(spec: LayerSpec) -> LayerSpec:  # spec.draft_window narrows every draft layer
+        return replace(spec, window=narrowed(spec.window, s.draft_window))
     if s.draft_kv == "target_pool":
-        return {j: target[t] for j, t in enumerate(frozen_draft_binding(cfg))}
+        return {j: windowed(target[t]) for j, t in enumerate(frozen_draft_binding(cfg))}
     if copies(s):
-        return target
+        return {i: windowed(spec) for i, spec in target.items()}
     own = parts.draft.backend.cfg.model  # the attention the draft's layers do (build_serving's)
-    windows = runner_windows(cfg, parts.draft.backend.view)
+    held = runner_windows(cfg, parts.draft.backend.view, draft_window=False)
     out = {}
-    for j, w in windows.items():  # windowed: an SWA layer of a split own pool (swa geometry)
+    for j, w in held.items():  # windowed: an SWA layer of a split own pool (swa geometry)
         geo = m.swa if w is not None else (m.full or m.swa)
-        out[j] = LayerSpec(w, m.num_attention_heads, geo.num_kv_heads, geo.head_dim,
-                           own.softmax_scale or geo.head_dim ** -0.5, own.logit_softcap, j)
+        out[j] = LayerSpec(narrowed(w, s.draft_window), m.num_attention_heads, geo.num_kv_heads,
+                           geo.head_dim, own.softmax_scale or geo.head_dim ** -0.5,
+                           own.logit_softcap, j)
     return out
 
 

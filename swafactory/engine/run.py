@@ -50,7 +50,7 @@ from swafactory.engine.generator import Generator
 from swafactory.models.hf import load_target, require_transformers
 from swafactory.engine.oracle_watch import attach_oracle
 from swafactory.harness.watch import OracleMismatch
-from swafactory.serving.scheduler import replay_steps
+from swafactory.serving.scheduler import AdmissionError, replay_steps
 from swafactory.guards import GuardError
 from swafactory.engine.report import GenProgress
 from swafactory.engine.spec_metrics import (draft_tokens_per_step, histogram, request_metrics,
@@ -114,7 +114,7 @@ def _generate(cfg: SwaFactoryConfig, device: DeviceInfo, model, prompts, outs,
     except ConfigError:
         raise  # a refusal (a saved draft that does not fit): before anything was allocated
     except CapacityError as exc:
-        if gen is None or gen.step == 0:
+        if gen is None or gen.step == 0 and not isinstance(exc, AdmissionError):
             raise  # nothing ran: the pools cannot hold this workload, a refusal
         return _Outcome(gen, parts, exc, time.perf_counter() - t0, watch)
     except (SpaceError, RuntimeError, IndexError, ValueError) as exc:
@@ -211,8 +211,8 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
                                  dev, model, prompts, outs)
             checks["lossless"] = lossless_check(reqs, none_run)
         ref = None
-        if s.algorithm in ("frozen_kv_mtp", "dflash") and (cfg.faults.active or
-                                                            cfg.backend.name != "torch"):
+        if s.draft_weights == "target" and ideal_accept(s) is None and (
+                cfg.faults.active or cfg.backend.name != "torch"):
             torch_run = _generate(_variant(cfg, dev, torch_backend=True), dev, model, prompts, outs)
             ref = torch_run
         if twinned:  # the clean twin: faults=none

@@ -27,6 +27,7 @@ from swafactory.registry.check import kernel_groups
 from swafactory.registry.kernel_choice import worker_lines
 from swafactory.registry.table import get_capabilities
 from swafactory.serving.parts import Parts
+from swafactory.serving.scheduler import AdmissionError
 
 __all__ = ["run", "tolerance_for"]
 
@@ -176,7 +177,8 @@ def _run_local(cfg: SwaFactoryConfig, dev: DeviceInfo,
                             group=exc.group, request=str(exc.request), error=exc.detail,
                             check="kv")
     except (SpaceError, GuardError, CapacityError, RuntimeError) as exc:
-        if isinstance(exc, CapacityError) and (loop is None or loop.current == ("-", "setup")):
+        if isinstance(exc, CapacityError) and not isinstance(exc, AdmissionError) and (
+                loop is None or loop.current == ("-", "setup")):
             raise  # no forward ran: the pools cannot hold this workload, a refusal
         # a typed-space refusal, a pool that ran out, or a kernel that raised: the run stops here
         worker, mode = loop.current if loop else ("-", "setup")

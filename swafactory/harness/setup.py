@@ -8,7 +8,7 @@ group): every pool and index space is still driven, at the memory of a few layer
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +28,7 @@ from swafactory.resolve.layout import frozen_draft_binding
 from swafactory.metadata.plan import group_key
 from swafactory.parallel import Shard, shard_config
 from swafactory.serving.parts import Parts, build_serving
+from swafactory.window import narrowed
 
 __all__ = ["draws", "pool_sizes", "attended_layers", "PoolMemory", "pool_memory", "build_parts"]
 
@@ -117,8 +118,9 @@ def pool_memory(cfg: SwaFactoryConfig) -> PoolMemory:
     if s.draft_kv == "target_pool":  # the dummy pool a FROZEN_KV runner holds between swaps
         draft = len(frozen_draft_binding(cfg)) * row(m.full or m.swa) * (sizes.full + P)
     elif s.draft_kv == "own_pool":
-        dslots = cap(sizes.full)
-        for t in draft_layer_types(cfg):  # a split draft's sliding layers: the SWA sub-pool's
+        types = draft_layer_types(cfg)  # a window-retained draft: its SWA sub-pool alone
+        dslots = cap(sizes.full) if not split or "full_attention" in types else cap(sizes.swa)
+        for t in types:  # a split draft's sliding layers: the SWA sub-pool's
             swa = split and t == "sliding_attention"
             draft += row(m.swa if swa else m.full or m.swa) * (
                 (cap(sizes.swa) if swa else dslots) + P)
@@ -154,15 +156,18 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
     parts = Parts.of(cfg, sizes, sv, target)
     if s.draft_kv == "own_pool":
         dpool = sv.draft_pool
-        if f.no_draft_headroom and dpool.sub_pools[0].size < sizes.full:
+        if f.no_draft_headroom and _short(dpool, sizes):
             FAULT_COUNTS.acted("no_draft_headroom")  # built short of the target's full space
         types = ["full_attention"] * s.draft_num_layers
-        if dpool.is_split:
-            types = list(m.layer_types[-s.draft_num_layers:])
-        # the oracle's windows, stated from the pool built; the backend derives its own
-        # (swafactory.backend.runner_windows): the harness takes the embedder's default path
-        windows = {j: (m.sliding_window if t == "sliding_attention" else None)
-                   for j, t in enumerate(types)}
+        if dpool.is_split:  # split like the target's last layers, or all sliding (retention)
+            types = (["sliding_attention"] * s.draft_num_layers
+                     if s.draft_kv_retention == "window"
+                     else list(m.layer_types[-s.draft_num_layers:]))
+        # the oracle's windows, stated from the pool built and the spec's draft window; the
+        # backend derives its own (swafactory.backend.runner_windows): the harness takes the
+        # embedder's default path
+        windows = {j: narrowed(m.sliding_window if t == "sliding_attention" else None,
+                               s.draft_window) for j, t in enumerate(types)}
         dspecs = {}
         for j, t in enumerate(types):  # whole-model geometry: the oracle sees every head
             geo = (m.swa if t == "sliding_attention" else m.full) if dpool.is_split else (m.full or m.swa)
@@ -173,12 +178,18 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
     elif s.draft_kv == "target_pool":
         # the FROZEN_KV runner's own pool is a dummy non-split pool; the engine swaps the target's
         # view in for each draft forward (sglang), which is what a cached resolver gets wrong
-        dspecs = {j: specs[t] for j, t in enumerate(binding)}
+        dspecs = {j: replace(specs[t], window=narrowed(specs[t].window, s.draft_window))
+                  for j, t in enumerate(binding)}
         parts.draft = Worker("draft", sv.draft, dspecs, hist_t, writes=False,
                              q_dtype=q_dtype, device=device, gen=gen,
                              sinks={j: sinks[t] for j, t in enumerate(binding) if t in sinks},
                              shard=shard)
-    if parts.draft_pool is not None and parts.draft_pool.sub_pools[0].size < sizes.full and \
+    if parts.draft_pool is not None and _short(parts.draft_pool, sizes) and \
             not f.no_draft_headroom:
         raise CapacityError("the draft pool is smaller than the target's full space")
     return parts
+
+
+def _short(dpool, sizes: PoolSizes) -> bool:
+    """A draft sub-pool smaller than the target's index space it is addressed in."""
+    return any(p.size < (sizes.swa if p.space == "swa" else sizes.full) for p in dpool.sub_pools)

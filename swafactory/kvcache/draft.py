@@ -116,10 +116,14 @@ def draft_layer_types(cfg: object) -> list[str]:
     """The layer types of an own draft pool that `build_draft_pool` builds: the target's last
     ``draft_num_layers`` types for DFlash's ``draft_pool_split`` on a split target (sliding
     layers and ``hybrid_pool``, as `factory.build_pools` splits it), full attention otherwise.
-    A draft model built for the pool takes these types."""
+    A window-retained draft (``draft_kv_retention=window``) on a split target is all sliding:
+    its K/V sits on the target's SWA slots. A draft model built for the pool takes these types."""
     spec, m = cfg.spec, cfg.model  # type: ignore[attr-defined]
     k = spec.draft_num_layers
-    if getattr(spec, "draft_pool_split", False) and m.swa_layers and m.hybrid_pool:
+    split = bool(m.swa_layers) and m.hybrid_pool
+    if split and getattr(spec, "draft_kv_retention", "full") == "window":
+        return ["sliding_attention"] * k
+    if getattr(spec, "draft_pool_split", False) and split:
         return list(m.layer_types[-k:])
     return ["full_attention"] * k
 
@@ -134,9 +138,9 @@ def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *
     - ``draft_kv: target_pool`` (FROZEN_KV): `frozen_draft_view` with ``binding``, the target
       layer each draft layer reads (the caller's ``layout.frozen_draft_binding(cfg)``: a layout
       decision, passed in so storage imports nothing above it);
-    - DFlash with ``draft_pool_split`` on a split target: `split_draft_pool`, its layer types
-      mirroring the target's last ``draft_num_layers`` layers (the schema has no draft layer
-      types yet);
+    - DFlash with ``draft_pool_split``, or any own-pool draft with ``draft_kv_retention=window``,
+      on a split target: `split_draft_pool` of `draft_layer_types` (the target's last
+      ``draft_num_layers`` layer types; all sliding for a window-retained draft);
     - any other ``own_pool``: `own_draft_pool` of ``draft_num_layers`` layers with the target's
       full geometry (SWA geometry for an all-SWA target), sized to the allocator's full space.
 
@@ -154,7 +158,7 @@ def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *
             raise ValueError("draft_kv=target_pool: pass binding=layout.frozen_draft_binding(cfg), "
                              "the target layer each draft layer reads")
         return frozen_draft_view(target, binding)
-    if getattr(spec, "draft_pool_split", False) and target.is_split:
+    if "sliding_attention" in draft_layer_types(cfg) and target.is_split:
         pool = split_draft_pool(target, draft_layer_types(cfg), dtype, device,
                                 headroom=headroom, unsafe_undersized=unsafe_undersized,
                                 check_mode=check_mode)

@@ -15,7 +15,7 @@ from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
 from swafactory.kvcache.sizing import full_tokens_per_request, step_nodes, swa_tokens_per_request
 
-__all__ = ["PoolSizes", "size_pools"]
+__all__ = ["PoolSizes", "size_pools", "admission_need"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,25 @@ class PoolSizes:
     """Requests running at once: the rows of `ReqToToken`."""
     step_tokens: int
     """What one forward adds to a request at most: ``max(chunk, step_nodes(spec))``."""
+
+
+def admission_need(cfg: SwaFactoryConfig, sizes: PoolSizes, prompt_len: int, out: int, *,
+                   windowed_draft_as_full: bool = False) -> dict[str, int]:
+    """Slots of each index space one request holds at most (``full``, and ``swa`` on a split
+    pool), as `size_pools` shares them: its whole context and one step's nodes on the full
+    side; on the SWA side its window's share (a window-retained draft's K/V,
+    ``spec.draft_kv_retention=window``, shares the target's SWA slots and adds none).
+
+    ``windowed_draft_as_full``: the fault switch of vLLM #55800: that draft's K/V counted at the
+    whole sequence on the SWA side, as a full-attention layer's would be."""
+    m, P = cfg.model, cfg.backend.page_size
+    need = {"full": full_tokens_per_request(prompt_len + out, step_nodes(cfg.spec), P)}
+    if sizes.swa_per_request:
+        need["swa"] = swa_tokens_per_request(m.sliding_window, sizes.step_tokens, P,
+                                             cfg.workload.eviction_interval)
+        if windowed_draft_as_full and cfg.spec.draft_kv_retention == "window":
+            need["swa"] = max(need["swa"], need["full"])  # FAULT: the whole sequence
+    return need
 
 
 def _positive(name: str, value: object, what: str) -> int:

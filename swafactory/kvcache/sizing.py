@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from swafactory.config.schema import KV_DTYPE_BYTES, SwaFactoryConfig
 from swafactory.errors import CapacityError
+from swafactory.kvcache.draft import draft_layer_types
 
 if TYPE_CHECKING:
     import torch
@@ -241,8 +242,8 @@ def _draft_layers(cfg: SwaFactoryConfig, split: bool) -> tuple[int, int]:
     s = cfg.spec
     if s.draft_kv != "own_pool":
         return 0, 0  # FROZEN_KV reads the target's KV: no bytes of its own
-    if split and getattr(s, "draft_pool_split", False):
-        types = cfg.model.layer_types[-s.draft_num_layers:]
+    types = draft_layer_types(cfg)
+    if split and "sliding_attention" in types:  # split or window-retained: on the target's SWA slots
         n_swa = sum(t == "sliding_attention" for t in types)
         return len(types) - n_swa, n_swa
     return s.draft_num_layers, 0

@@ -33,6 +33,7 @@ from swafactory.drafts.formats import load_feature_draft
 from swafactory.errors import ConfigError, Reason
 from swafactory.models.hf import (config_key, draft_copy, draft_from_layers,
                                       last_full_layer, load_target, serving_model)
+from swafactory.models.transformers import window_draft
 from swafactory.engine.runner import Runner
 from swafactory.kvcache.draft import draft_layer_types
 from swafactory.kvcache.factory import compute_dtype
@@ -134,6 +135,9 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
                              guards=guards, graphs=graphs, max_context=longest)
         parts.draft_desc = (f"the target's {len(frozen_draft_binding(scfg))} layers reading its "
                             "frozen K/V (writes none); step k queries position L+k over keys < L")
+    if parts.draft is not None and s.draft_window is not None:
+        window_draft(parts.draft.model, s.draft_window)
+        parts.draft_desc += f"; draft window {s.draft_window}"
     return parts
 
 
@@ -185,7 +189,8 @@ def _expect(cfg: SwaFactoryConfig, model):
 
     def of(n: int) -> dict:
         spec = SimpleNamespace(draft_num_layers=n,
-                               draft_pool_split=getattr(cfg.spec, "draft_pool_split", False))
+                               draft_pool_split=getattr(cfg.spec, "draft_pool_split", False),
+                               draft_kv_retention=cfg.spec.draft_kv_retention)
         return {"block_size": getattr(cfg.spec, "block_size", None),
                 "layer_types": draft_layer_types(SimpleNamespace(spec=spec, model=m))}
     return of

@@ -27,10 +27,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ATTENTION", "register", "routing", "Route", "swafactory_attention"]
+from swafactory.window import narrowed
+
+__all__ = ["ATTENTION", "WINDOWED_EAGER", "register", "routing", "Route", "swafactory_attention",
+           "window_draft", "windowed_eager", "eager_name"]
 
 ATTENTION = "swafactory"
 """The name to pass as ``attn_implementation``."""
+WINDOWED_EAGER = "swafactory_eager_windowed"
+"""transformers' eager attention under a draft window (`windowed_eager`): the reference a
+windowed draft's logits are checked against."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,8 @@ def swafactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         raise ValueError(f"layer {layer}: the model passed {n} query rows but the forward was "
                          f"planned for {plan.total_q}")
     window = plan.group(layer).window
+    # a windowed draft (spec.draft_window, `window_draft`) narrows the module's own window
+    sliding_window = narrowed(sliding_window, getattr(module, "draft_window", None))
     if backend.guards and sliding_window != window:  # guards off: bare kernels compare nothing
         raise ValueError(f"layer {layer}: the model's sliding_window is {sliding_window}, the "
                          f"plan's window is {window}: the engine's config disagrees with the model")
@@ -123,3 +131,49 @@ def register(name: str = ATTENTION,
                           "pip install 'swafactory[models]'") from exc
     AttentionInterface.register(name, fn)
     return name
+
+
+def window_draft(model: torch.nn.Module, draft_window: int | None) -> torch.nn.Module:
+    """Give a draft model's attention modules ``spec.draft_window``: `swafactory_attention`
+    narrows each module's own window to it (a full-attention layer then slides). Returns the
+    model; ``None`` leaves it as it is."""
+    if draft_window is not None:
+        for mod in model.modules():
+            if hasattr(mod, "layer_idx") and hasattr(mod, "q_proj"):
+                mod.draft_window = draft_window
+    return model
+
+
+def windowed_eager(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
+    """The module's own transformers eager attention (its modeling file's
+    ``eager_attention_forward``), its mask narrowed by the module's ``draft_window``.
+
+    For a forward of a whole sequence from position 0 (no cache): query row i is position
+    ``kv - q + i``, key column j position j. query: [B, Hq, q, D]; key, value: [B, Hkv, kv, D];
+    attention_mask: [B, 1, q, kv] bool (True: attend) or additive float, or None (causal)."""
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    w = getattr(module, "draft_window", None)
+    if w is not None:
+        q, kv = query.shape[-2], key.shape[-2]
+        qp = torch.arange(kv - q, kv, device=query.device)[:, None]
+        kp = torch.arange(kv, device=query.device)[None, :]
+        band = (qp - kp < w) & (kp <= qp)
+        if attention_mask is None:
+            attention_mask = torch.zeros(q, kv, dtype=query.dtype, device=query.device)
+            attention_mask = attention_mask.masked_fill(~band, torch.finfo(query.dtype).min)[None, None]
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask & band
+        else:
+            attention_mask = attention_mask.masked_fill(~band, torch.finfo(attention_mask.dtype).min)
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def eager_name(model: torch.nn.Module) -> str:
+    """The eager attention to check ``model`` against: `WINDOWED_EAGER` (registered here) for
+    a draft `window_draft` narrowed, else transformers' ``eager``."""
+    if any(getattr(m, "draft_window", None) is not None for m in model.modules()):
+        return register(WINDOWED_EAGER, windowed_eager)
+    return "eager"

@@ -43,6 +43,14 @@ LACKS: dict[str, tuple[str, str]] = {
     "fp8_descale_dropped": ("no full layer read fp8 K/V with a scale other than 1",
                             "backend.kv_dtype=fp8_e4m3"),
     "sink_dropped": ("no forward passed sinks", "model=gpt_oss_20b"),
+    "block_window_one_left_bound": ("no DFlash block or verify listed more keys than its "
+                                    "window (no request passed it)",
+                                    "spec=dflash spec.draft_window=16 workload=smoke"),
+    "windowed_draft_admitted_as_full": ("no request was longer than the SWA share",
+                                        "workload=smoke"),
+    "draft_planned_with_group0": ("no draft layer listed a key one window reads and the other "
+                                  "does not (no request passed the narrower window)",
+                                  "spec=eagle3 spec.draft_window=16 workload=smoke"),
 }
 
 

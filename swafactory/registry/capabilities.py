@@ -53,6 +53,9 @@ class Capabilities:
     """Returns the log-sum-exp (needed for cascade merges)."""
     sinks: bool = False
     """Attention sinks (GPT-OSS)."""
+    draft_sink: bool = False
+    """Sink keys beside a draft window (``spec.draft_sink``): each request's first keys read
+    with its window, a second key range."""
     sinks_note: str = ""
     """Why sinks are or are not served."""
     softcap: bool = False

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import Reason
-from swafactory.kvcache.draft import draft_layer_types
 from swafactory.kvcache.sizing import swa_tokens_per_request
 from swafactory.registry.capabilities import Capabilities
 from swafactory.registry.device import DeviceInfo
+from swafactory.registry.draft_rules import draft_sink_rule, draft_window_rule, split_drafter_rule
 from swafactory.registry.fault_needs import faults_rule
 from swafactory.registry.kernel_choice import kernel_choice
 from swafactory.registry.table import get_capabilities, has_adapter
@@ -338,23 +338,8 @@ def _parallel(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
                      "(need kv % tp == 0, or tp % kv == 0 to replicate)", fix)
 
 
-def _split_drafter(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
-                   groups: tuple[str, ...] = ()) -> Iterator[Reason]:
-    # a DFlash drafter of its own weights (Qwen3 layers) has one KV geometry, the target's full
-    # layers'; a split draft pool gives its sliding layers the target's SWA geometry instead
-    s, m = cfg.spec, cfg.model
-    if cfg.run.mode != "generate" or s.draft_weights == "target" or m.swa is None \
-            or m.full is None or "sliding_attention" not in draft_layer_types(cfg):
-        return
-    swa, full = (m.swa.num_kv_heads, m.swa.head_dim), (m.full.num_kv_heads, m.full.head_dim)
-    if swa != full:
-        yield _r("spec.draft_pool_split", f"a DFlash drafter of {s.draft_weights!r} weights has "
-                 f"one KV geometry, the target's full layers' ({full[0]} KV heads of {full[1]}), "
-                 f"but the split draft pool gives its sliding layers model={m.name}'s SWA "
-                 f"geometry ({swa[0]} of {swa[1]})", "spec.draft_pool_split=false")
-
-
 # rules of one kernel against the groups it serves; rules of the configuration, checked once
 _KERNEL_RULES = (_adapter, _device, _packages, _page_size, _head_dims, _geometry, _window, _tree,
-                 _dflash, _sinks, _softcap, _dtype, _cuda_graph)
-_CONFIG_RULES = (_resolver, _sizing, _parallel, _split_drafter, faults_rule, kernel_choice)
+                 _dflash, _sinks, _softcap, _dtype, _cuda_graph, draft_sink_rule)
+_CONFIG_RULES = (_resolver, _sizing, _parallel, draft_window_rule, split_drafter_rule, faults_rule,
+                 kernel_choice)

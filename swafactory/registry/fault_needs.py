@@ -89,6 +89,15 @@ FAULT_NEEDS: dict[str, tuple[FaultNeed, ...]] = {
     "leak_rejected_draft_slots": (_drafts("spec=eagle"), _split()),
     "premature_free_on_reject": (_drafts("spec=eagle"), _split()),
     "no_swa_eviction": (_split(),),
+    "block_window_one_left_bound": (FaultNeed(
+        lambda c: c.spec.algorithm == "dflash", "spec.algorithm", "spec=dflash",
+        "a DFlash block, whose queries share one left bound", "spec=dflash"),),
+    "draft_planned_with_group0": (_draft_kv("own_pool", "a draft with its own layers' windows",
+                                            "spec=eagle3"),),
+    "windowed_draft_admitted_as_full": (FaultNeed(
+        lambda c: c.spec.draft_kv_retention == "window", "spec.draft_kv_retention",
+        "spec.draft_kv_retention=window", "a draft whose K/V is kept for its window",
+        "spec.draft_window=16 spec.draft_kv_retention=window"),),
 }
 
 

@@ -12,6 +12,7 @@ from swafactory.kvcache.draft import draft_layer_types
 from swafactory.kvcache.sizing import effective_ratio, pool_sizing, step_nodes
 from swafactory.registry.device import DeviceInfo
 from swafactory.registry.table import get_capabilities
+from swafactory.window import narrowed
 
 __all__ = ["GroupRow", "PlanSummary", "describe", "frozen_draft_binding", "compress_ids"]
 
@@ -128,7 +129,7 @@ def describe(cfg: SwaFactoryConfig, device: DeviceInfo) -> PlanSummary:
     g_tokens = (1,) if s.algorithm == "none" else (1, 1 << (max(step_nodes(s), 2) - 1).bit_length())
     return PlanSummary(
         combination=cfg.combination, device=device.describe(), backend=b.name, page_size=b.page_size,
-        kv_dtype=b.kv_dtype, spec=s.name, draft_kv=s.draft_kv, context_len=sizing.context_len,
+        kv_dtype=b.kv_dtype, spec=s.name, draft_kv=_draft_kv(s), context_len=sizing.context_len,
         max_running_requests=cfg.workload.max_running_requests, rows=rows,
         hybrid_bytes_per_token=hybrid_marginal,
         full_only_bytes_per_token=sizing.bytes_per_token_full_only,
@@ -152,6 +153,17 @@ def _passes(cfg: SwaFactoryConfig, device: DeviceInfo) -> list[str]:
                                            override=override)]
 
 
+def _draft_kv(s) -> str:
+    """Who owns the draft's K/V, and its window and retention when set: ``own_pool, window 32
+    (+4 sink keys), its K/V on the target's SWA slots``."""
+    if s.draft_window is None:
+        return s.draft_kv
+    sink = f" (+{s.draft_sink} sink keys)" if s.draft_sink else ""
+    kept = ", its K/V on the target's SWA slots" if s.draft_kv_retention == "window" else \
+        ", its K/V kept in full" if s.draft_kv == "own_pool" else ""
+    return f"{s.draft_kv}, window {s.draft_window}{sink}{kept}"
+
+
 def _split_draft_rows(cfg: SwaFactoryConfig, kernel, tree: str) -> list[GroupRow]:
     """An own draft pool split like the target's (DFlash ``draft_pool_split``): its sliding
     layers read their window from the draft's SWA sub-pool through the target's mapping, the
@@ -165,7 +177,7 @@ def _split_draft_rows(cfg: SwaFactoryConfig, kernel, tree: str) -> list[GroupRow
         if not mine:
             continue
         geo, g = (m.swa, per["swa"]) if kind == "swa" else (m.full, per["full"])
-        window = m.sliding_window if kind == "swa" else None
+        window = narrowed(m.sliding_window if kind == "swa" else None, cfg.spec.draft_window)
         rows.append(GroupRow(
             worker="draft", group=kind, layers=compress_ids(mine), num_layers=len(mine),
             pool=f"draft {kind} (own, the target's mapping)" if kind == "swa" else
@@ -189,7 +201,8 @@ def _draft_rows(cfg: SwaFactoryConfig, kernel, tree: str, draft_bytes: int) -> l
             worker="draft", group="own", layers=compress_ids(range(s.draft_num_layers)),
             num_layers=s.draft_num_layers, pool="draft (own)",
             index_space="full", kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
-            window=None, **kernel(None), tree=tree, resolver=f"{b.resolver} → none",
+            window=s.draft_window, **kernel(s.draft_window), tree=tree,
+            resolver=f"{b.resolver} → none",
             bytes_per_token_layer=2 * geo.num_kv_heads * geo.head_dim * KV_DTYPE_BYTES[b.kv_dtype],
             tokens_per_request=cfg.workload.context_len, bytes_per_request=draft_bytes)]
     if s.draft_kv != "target_pool":
@@ -203,7 +216,7 @@ def _draft_rows(cfg: SwaFactoryConfig, kernel, tree: str, draft_bytes: int) -> l
         geo = m.swa if kind == "swa" else m.full
         assert geo is not None
         split = kind == "swa" and m.hybrid_pool
-        window = m.sliding_window if kind == "swa" else None
+        window = narrowed(m.sliding_window if kind == "swa" else None, s.draft_window)
         rows.append(GroupRow(
             worker="draft", group=kind, layers=f"{compress_ids(mine)} → target "
                                                f"{compress_ids([bound[j] for j in mine])}",

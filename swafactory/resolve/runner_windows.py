@@ -9,8 +9,10 @@ from collections.abc import Mapping
 
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
+from swafactory.kvcache.draft import draft_layer_types
 from swafactory.resolve.layout import frozen_draft_binding
 from swafactory.resolve.source import RunnerView
+from swafactory.window import narrowed
 
 __all__ = ["model_windows", "runner_windows", "check_own_pool"]
 
@@ -27,7 +29,8 @@ def model_windows(cfg: SwaFactoryConfig) -> dict[int, int | None]:
     return _windows(cfg, cfg.model.layer_types)
 
 
-def runner_windows(cfg: SwaFactoryConfig, view: RunnerView) -> dict[int, int | None]:
+def runner_windows(cfg: SwaFactoryConfig, view: RunnerView, *, draft_window: bool = True
+                   ) -> dict[int, int | None]:
     """``layer -> W or None`` of the runner behind ``view``, from what its layers really read.
 
     From the role and the config only (a FROZEN_KV view's active pool at build time is a dummy
@@ -36,23 +39,28 @@ def runner_windows(cfg: SwaFactoryConfig, view: RunnerView) -> dict[int, int | N
     * ``target``: the model's layer types (`model_windows`);
     * ``draft_reads_target`` (FROZEN_KV): draft layer j takes the window of the target layer it
       is bound to (`swafactory.resolve.layout.frozen_draft_binding`);
-    * ``draft_own_pool``: a split own pool (DFlash ``draft_pool_split`` on a split target) has the
-      target's last ``draft_num_layers`` layer types, as `kvcache.draft.build_draft_pool` builds
-      it; any other own pool is one full-attention pool (no window).
+    * ``draft_own_pool``: the layer types `kvcache.draft.draft_layer_types` gives the pool it
+      builds: a split own pool (DFlash ``draft_pool_split`` on a split target) has the target's
+      last ``draft_num_layers`` layer types, a window-retained one
+      (``spec.draft_kv_retention=window``) only sliding layers, any other own pool only
+      full-attention ones (no window).
+
+    A draft's layers then read ``spec.draft_window`` where it is narrower (`window.narrowed`);
+    ``draft_window=False`` gives the windows of their layer types alone (what the pool holds).
     """
-    m, s = cfg.model, cfg.spec
     if view.role == "target":
         return model_windows(cfg)
     if view.role == "draft_reads_target":
         target = model_windows(cfg)
-        return {j: target[t] for j, t in enumerate(frozen_draft_binding(cfg))}
-    if view.role == "draft_own_pool":
-        split = getattr(s, "draft_pool_split", False) and bool(m.swa_layers) and m.hybrid_pool
-        types = m.layer_types[-s.draft_num_layers:] if split else \
-            ("full_attention",) * s.draft_num_layers
-        return _windows(cfg, types)
-    raise ValueError(f"role must be target, draft_own_pool or draft_reads_target, "
-                     f"got {view.role!r}")
+        out = {j: target[t] for j, t in enumerate(frozen_draft_binding(cfg))}
+    elif view.role == "draft_own_pool":
+        out = _windows(cfg, draft_layer_types(cfg))
+    else:
+        raise ValueError(f"role must be target, draft_own_pool or draft_reads_target, "
+                         f"got {view.role!r}")
+    if not draft_window:
+        return out
+    return {j: narrowed(w, cfg.spec.draft_window) for j, w in out.items()}
 
 
 def check_own_pool(view: RunnerView, windows: Mapping[int, int | None], model=None) -> None:

@@ -42,6 +42,7 @@ from swafactory.kvcache.requests import RequestSlots
 from swafactory.kvcache.shares import PoolSizes
 from swafactory.resolve.layout import frozen_draft_binding
 from swafactory.resolve.source import DraftView
+from swafactory.window import narrowed
 
 __all__ = ["FrozenSwap", "Serving", "build_serving", "ServedRunner", "Parts"]
 
@@ -140,7 +141,7 @@ def build_serving(cfg: SwaFactoryConfig, sizes: PoolSizes, device: str, *, check
         for sub in dpool.sub_pools:
             alloc.attach(sub)
         # stated: an own pool is full attention by default, which a copy of a sliding model is not
-        windows = model_windows(cfg)
+        windows = {i: narrowed(w, s.draft_window) for i, w in model_windows(cfg).items()}
     elif draft_layout == "config":
         dpool = build_draft_pool(cfg, pool, alloc, device=device, check_mode=check_mode,
                                  headroom=headroom, unsafe_undersized=unsafe_undersized,

@@ -28,12 +28,20 @@ from typing import Literal, Protocol
 from swafactory.errors import CapacityError
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.allocator import pool_use
+from swafactory.kvcache.shares import admission_need
 from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.serving.parts import Parts
 from swafactory.serving.speculative import (FrozenQuery, SpecStep, alloc_upto, eviction_floor,
                                     fault_switches, graph_modes, req_forward)
 
-__all__ = ["StepKind", "Request", "Payload", "Scheduler", "capture_graphs", "replay_steps"]
+__all__ = ["StepKind", "Request", "Payload", "Scheduler", "capture_graphs", "replay_steps",
+           "AdmissionError"]
+
+
+class AdmissionError(CapacityError):
+    """A request that needs more slots of a space than a running request's share: admission
+    and the pools' sizing disagree, so it would wait forever. A failed run, never a refusal:
+    the sizing already admitted the workload."""
 
 StepKind = Literal["prefill", "decode", "spec"]
 
@@ -44,6 +52,8 @@ class Request(Protocol):
     rid: Hashable
     committed: int
     """Positions ``[0, committed)`` have their K/V in the pools."""
+    out: int
+    """Tokens it asks for beyond its prompt."""
 
     @property
     def prompt_len(self) -> int: ...
@@ -193,10 +203,29 @@ class Scheduler:
     def _admit(self) -> None:
         R = self.cfg.workload.max_running_requests
         while self.waiting and len(self.running) < R:
+            self._fits(self.waiting[0])
             r = self.waiting.popleft()
             self.p.slots.open(r.rid)
             self.payload.admitted(r)
             self.running.append(r)
+
+    def _fits(self, r: Request) -> None:
+        """A request holds at most `admission_need` slots of each space, which must fit the
+        share each running request was sized for; one that cannot would wait forever, so it
+        is refused here, naming the request, the space and both counts."""
+        sizes, fault = self.p.sizes, self.cfg.faults.windowed_draft_admitted_as_full
+        need = admission_need(self.cfg, sizes, r.prompt_len, r.out,
+                              windowed_draft_as_full=fault)
+        if fault and need != admission_need(self.cfg, sizes, r.prompt_len, r.out):
+            FAULT_COUNTS.acted("windowed_draft_admitted_as_full")  # the SWA need grew
+        share = {"full": sizes.full_per_request, "swa": sizes.swa_per_request}
+        for space, n in need.items():
+            if n > share[space]:
+                raise AdmissionError(
+                    f"request {r.rid} ({r.prompt_len} prompt + {r.out} output tokens) needs "
+                    f"{n} {space} slots, but each running request's share is {share[space]}: "
+                    "it can never be admitted and would wait forever (size the pools for the "
+                    "longest request: max_context)")
 
     def _finish(self) -> None:
         for r in list(self.running):

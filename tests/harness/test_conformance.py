@@ -83,6 +83,11 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     # the guards: a partly freed page leaves SWA holes where the key list starts
     "paged_free_stale_mapping": ("none", "space"),
     "graph_pad_stale_swa_loc": ("none", "space"),  # the replay guard: padding writes a live slot
+    # draft windows: a block's later queries see past theirs; the draft reads group 0's window
+    "block_window_one_left_bound": ("dflash", "oracle"),
+    "draft_planned_with_group0": ("eagle3", "oracle"),
+    # a window-retained draft admitted at the whole sequence: no request fits the SWA share
+    "windowed_draft_admitted_as_full": ("eagle3", "capacity"),
 }
 # faults of the engine's own path (its graph keying), shown by run=generate on CPU
 # (tests/engine/test_graph_routes.py) and on their launch lines (test_fault_acted.py)
@@ -93,7 +98,11 @@ FAULT_OVERRIDES = {"fp8_descale_dropped": ["backend.kv_dtype=fp8_e4m3"],
                    "paged_free_stale_mapping": ["backend.page_size=16"],
                    # graphs (emulated on CPU), and a batch that shrinks inside its bucket of 4
                    "graph_pad_stale_swa_loc": ["backend.cuda_graph=true", *GRAPHS_SHRINK],
-                   "graph_key_without_mode": ["backend.cuda_graph=true"]}
+                   "graph_key_without_mode": ["backend.cuda_graph=true"],
+                   "block_window_one_left_bound": ["spec.draft_window=16"],
+                   "draft_planned_with_group0": ["spec.draft_window=16"],
+                   "windowed_draft_admitted_as_full": ["spec.draft_window=16",
+                                                       "spec.draft_kv_retention=window"]}
 
 
 def test_graph_replays_pass_as_batches_shrink_inside_a_bucket() -> None:
@@ -190,6 +199,8 @@ TAKES_AWAY = {"backend.cuda_graph=true": "backend.cuda_graph=false",
               "model.attention_sinks=true": "model.attention_sinks=false",
               "model.hybrid_pool=true": "model.hybrid_pool=false",
               "spec.topk > 1": "spec=eagle", "a speculative spec (not spec=none)": "spec=none",
+              "spec=dflash": "spec=eagle",
+              "spec.draft_kv_retention=window": "spec.draft_kv_retention=full",
               "spec.draft_kv=own_pool": "spec=frozen_kv_mtp",
               "spec.draft_kv=target_pool": "spec=eagle",
               "spec.draft_pool_split=false": "spec.draft_pool_split=true",
