@@ -172,10 +172,10 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
     on_step = None if progress is None else GenProgress(
         progress, len(prompts), estimate_steps(cfg, [len(p) for p in prompts], outs))
     FAULT_COUNTS.clear()  # each fault branch counts the times it acted in the main run
-    # a fault with a draft of its own weights: a clean twin (faults=none) runs after, and every
-    # draft row of the two is kept to be held to each other
-    twinned = cfg.faults.active and cfg.spec.algorithm != "none" and \
-        cfg.spec.draft_weights != "target"
+    # a fault with a draft of its own weights, or one with no ideal accept length: a clean twin
+    # (faults=none) runs after, and every draft row of the two is kept to be held to each other
+    twinned = bool(cfg.faults.active) and cfg.spec.algorithm != "none" and (
+        cfg.spec.draft_weights != "target" or ideal_accept(cfg.spec) is None)
     main = _generate(cfg, dev, model, prompts, outs, on_step, progress, trace=twinned)
     acted = FAULT_COUNTS.of(cfg.faults.active)  # the reference runs below have no fault
     t_ref = time.perf_counter()

@@ -51,3 +51,16 @@ def test_the_draft_logits_reference_reads_the_window_too(monkeypatch) -> None:
     r = run_generate(swafactory.compose([*SMALL, "spec=dflash"]))
     checks = {c.name: c for c in r.checks}
     assert checks["draft_logits"].status == "failed", checks["draft_logits"]
+
+
+@pytest.mark.parametrize("fault, extra, check", [
+    # rows no accept reaches (a block's later queries): only the draft rows against the twin's
+    ("block_window_one_left_bound", [], "acceptance"),
+    ("draft_planned_with_group0", [], "draft_logits"),
+    ("windowed_draft_admitted_as_full", [*GPT_OSS, "spec.draft_kv_retention=window"], "capacity"),
+])
+def test_the_draft_window_faults_show_with_the_guards_off(fault: str, extra, check: str) -> None:
+    over = [*SMALL, "run.oracle=false", "run.guards=false", "spec=dflash", *extra]
+    r = run_generate(swafactory.compose([*over, f"faults={fault}"]))
+    assert r.status == "failed" and r.caught_by == check, (r.caught_by, r.error, r.checks)
+    assert r.fault_acted[fault] > 0
