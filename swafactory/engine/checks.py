@@ -260,7 +260,7 @@ def acceptance_check(cfg: SwaFactoryConfig, reqs, ref, rounding: float, clean=No
                       f"{tie:.0e}, the run's rounding {rounding:.1e})" + (f"; {said}" if said else ""))
         return CheckResult(name="acceptance", status="failed" if short else "ok", detail=detail)
     if ref is None:
-        return CheckResult(name="acceptance", status="ok", detail="no ideal for a "
+        return CheckResult(name="acceptance", status="ok", detail="no ideal for this "
                            f"{s.algorithm} draft; this run is the torch reference itself")
     if ref.error is not None:
         return CheckResult(name="acceptance", status="skipped",
