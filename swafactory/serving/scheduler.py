@@ -224,8 +224,9 @@ class Scheduler:
                 raise AdmissionError(
                     f"request {r.rid} ({r.prompt_len} prompt + {r.out} output tokens) needs "
                     f"{n} {space} slots, but each running request's share is {share[space]}: "
-                    "it can never be admitted and would wait forever (size the pools for the "
-                    "longest request: max_context)")
+                    "it can never be admitted and would wait forever (admission and the "
+                    "pools' sizing disagree: size each share for the longest request, and count "
+                    "a window-retained draft on the SWA side at its window)")
 
     def _finish(self) -> None:
         for r in list(self.running):
