@@ -16,13 +16,14 @@ so the default path carries no fault code at all.
 | sink_dropped | `forward`: sinks are taken and ignored |
 | block_window_one_left_bound | `_tables`: a DFlash block's or verify's windowed groups keep their first query's left bound (sglang #35208) |
 | draft_planned_with_group0 | the draft runner's windows: every layer takes the target's layer 0's (vLLM #50169) |
+| windowed_draft_admitted_as_full | the scheduler's admission need (`admission_for`): a window-retained draft's K/V at the whole sequence (vLLM #55800) |
 
 The storage-side faults (leaked or early-freed slots, a stale page mapping) are switches of the
 slot books' calls, which the drivers pass (`swafactory.serving.speculative.fault_switches`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
@@ -32,11 +33,12 @@ from swafactory.backend.layer_contract import sinks_error
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.graphs.state import GraphKey, GraphState, bucket_writes
+from swafactory.kvcache.shares import admission_need
 from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
 from swafactory.resolve.source import RunnerView, resolve_kv_source
 
-__all__ = ["FaultyBackend", "with_faults"]
+__all__ = ["FaultyBackend", "with_faults", "admission_for"]
 
 _BLOCK_MODES = ("target_verify", "draft_decode")
 """Where a DFlash block's queries share a window: its verify and its drafted block."""
@@ -188,3 +190,20 @@ def with_faults(backend: AttentionBackend, **switches: bool) -> FaultyBackend:
     backend._frozen = None
     backend._sinks_rule = None if backend.faults.sink_dropped else backend.takes_sinks
     return backend
+
+
+def admission_for(cfg: SwaFactoryConfig) -> Callable[..., dict[str, int]]:
+    """The scheduler's admission need (`kvcache.shares.admission_need`'s signature): that
+    function itself, or under ``windowed_draft_admitted_as_full`` (vLLM #55800) one that counts
+    a window-retained draft's K/V at the whole sequence on the SWA side, as full attention's."""
+    if not cfg.faults.windowed_draft_admitted_as_full:
+        return admission_need
+
+    def as_full(cfg, sizes, prompt_len: int, out: int) -> dict[str, int]:
+        need = admission_need(cfg, sizes, prompt_len, out)
+        windowed = cfg.spec.draft_kv_retention == "window"
+        if windowed and "swa" in need and need["full"] > need["swa"]:
+            FAULT_COUNTS.acted("windowed_draft_admitted_as_full")  # the SWA need grew
+            need["swa"] = need["full"]  # FAULT: the whole sequence
+        return need
+    return as_full

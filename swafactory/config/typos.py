@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from difflib import get_close_matches
 from functools import cache
 
+from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel
 
 from swafactory.config.paths import conf_dir
@@ -104,10 +105,9 @@ def _chosen_spec(overrides: Sequence[str]) -> str:
     picked = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("spec=")]
     if picked:
         return picked[-1]
-    for line in (conf_dir() / "config.yaml").read_text().splitlines():
-        if line.strip().startswith("- spec:"):
-            return line.split(":", 1)[1].split("#")[0].strip()
-    return ""
+    defaults = OmegaConf.load(conf_dir() / "config.yaml").defaults
+    return next((str(d["spec"]) for d in defaults if isinstance(d, DictConfig) and "spec" in d),
+                "")
 
 
 def foreign_spec_field(arg: str, overrides: Sequence[str]) -> Reason | None:
@@ -120,8 +120,7 @@ def foreign_spec_field(arg: str, overrides: Sequence[str]) -> Reason | None:
     path = conf_dir() / "spec" / f"{name}.yaml"
     if not path.is_file():
         return None  # an unknown option is did_you_mean's
-    algo = next((ln.split(":", 1)[1].split("#")[0].strip() for ln in path.read_text().splitlines()
-                 if ln.startswith("algorithm:")), name)
+    algo = str(OmegaConf.load(path).get("algorithm", name))
     owners = spec_owners(key[5:])
     if not owners or algo in owners:
         return None

@@ -37,22 +37,17 @@ class PoolSizes:
     """What one forward adds to a request at most: ``max(chunk, step_nodes(spec))``."""
 
 
-def admission_need(cfg: SwaFactoryConfig, sizes: PoolSizes, prompt_len: int, out: int, *,
-                   windowed_draft_as_full: bool = False) -> dict[str, int]:
+def admission_need(cfg: SwaFactoryConfig, sizes: PoolSizes, prompt_len: int, out: int
+                   ) -> dict[str, int]:
     """Slots of each index space one request holds at most (``full``, and ``swa`` on a split
     pool), as `size_pools` shares them: its whole context and one step's nodes on the full
     side; on the SWA side its window's share (a window-retained draft's K/V,
-    ``spec.draft_kv_retention=window``, shares the target's SWA slots and adds none).
-
-    ``windowed_draft_as_full``: the fault switch of vLLM #55800: that draft's K/V counted at the
-    whole sequence on the SWA side, as a full-attention layer's would be."""
+    ``spec.draft_kv_retention=window``, shares the target's SWA slots and adds none)."""
     m, P = cfg.model, cfg.backend.page_size
     need = {"full": full_tokens_per_request(prompt_len + out, step_nodes(cfg.spec), P)}
     if sizes.swa_per_request:
         need["swa"] = swa_tokens_per_request(m.sliding_window, sizes.step_tokens, P,
                                              cfg.workload.eviction_interval)
-        if windowed_draft_as_full and cfg.spec.draft_kv_retention == "window":
-            need["swa"] = max(need["swa"], need["full"])  # FAULT: the whole sequence
     return need
 
 

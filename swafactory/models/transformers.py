@@ -20,6 +20,7 @@ so transformers passes ``attention_mask=None`` and the plan carries the structur
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -152,8 +153,6 @@ def windowed_eager(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     For a forward of a whole sequence from position 0 (no cache): query row i is position
     ``kv - q + i``, key column j position j. query: [B, Hq, q, D]; key, value: [B, Hkv, kv, D];
     attention_mask: [B, 1, q, kv] bool (True: attend) or additive float, or None (causal)."""
-    import sys
-
     eager = sys.modules[type(module).__module__].eager_attention_forward
     w = getattr(module, "draft_window", None)
     if w is not None:

@@ -43,7 +43,8 @@ def draft_window_rule(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo
     if s.draft_window is not None and s.draft_window > m.sliding_window:
         yield _r("spec.draft_window", f"the target frees an SWA slot once it leaves its window of "
                  f"{m.sliding_window}, so a window-retained draft cannot read "
-                 f"draft_window={s.draft_window} keys back", f"spec.draft_window={m.sliding_window}")
+                 f"draft_window={s.draft_window} keys back",
+                 f"spec.draft_window={m.sliding_window}")
     if getattr(s, "draft_pool_split", False):
         yield _r("spec.draft_pool_split", "draft_pool_split=true mirrors the target's layer types "
                  "in the draft pool, and draft_kv_retention=window puts every draft layer on the "
@@ -71,8 +72,10 @@ def split_drafter_rule(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInf
     swa, full = (m.swa.num_kv_heads, m.swa.head_dim), (m.full.num_kv_heads, m.full.head_dim)
     if swa == full:
         return
-    field, fix = ("spec.draft_kv_retention", "spec.draft_kv_retention=full") \
-        if s.draft_kv_retention == "window" else ("spec.draft_pool_split", "spec.draft_pool_split=false")
+    if s.draft_kv_retention == "window":
+        field, fix = "spec.draft_kv_retention", "spec.draft_kv_retention=full"
+    else:
+        field, fix = "spec.draft_pool_split", "spec.draft_pool_split=false"
     pool = "window-retained" if s.draft_kv_retention == "window" else "split"
     yield _r(field, f"the {s.algorithm} drafter of {s.draft_weights!r} weights has full layers of "
              f"the target's full geometry ({full[0]} KV heads of {full[1]}), but the {pool} "

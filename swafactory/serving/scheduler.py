@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 from swafactory.errors import CapacityError
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.allocator import pool_use
-from swafactory.kvcache.shares import admission_need
+from swafactory.backend.faulty import admission_for
 from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.serving.parts import Parts
 from swafactory.serving.speculative import (FrozenQuery, SpecStep, alloc_upto, eviction_floor,
@@ -172,6 +172,7 @@ class Scheduler:
         self.spec = None if s.algorithm == "none" else SpecStep(
             s, parts.slots, (parts.pool, parts.draft_pool), draft_writes=self.draft_writes,
             frozen_query=payload.frozen_query, **fault_switches(self.cfg))
+        self._need = admission_for(self.cfg)  # `kvcache.shares.admission_need`, or a fault's
         self.captured = capture_graphs(parts)  # start-up: never inside a step
 
     def finished(self) -> bool:
@@ -210,14 +211,11 @@ class Scheduler:
             self.running.append(r)
 
     def _fits(self, r: Request) -> None:
-        """A request holds at most `admission_need` slots of each space, which must fit the
-        share each running request was sized for; one that cannot would wait forever, so it
-        is refused here, naming the request, the space and both counts."""
-        sizes, fault = self.p.sizes, self.cfg.faults.windowed_draft_admitted_as_full
-        need = admission_need(self.cfg, sizes, r.prompt_len, r.out,
-                              windowed_draft_as_full=fault)
-        if fault and need != admission_need(self.cfg, sizes, r.prompt_len, r.out):
-            FAULT_COUNTS.acted("windowed_draft_admitted_as_full")  # the SWA need grew
+        """A request holds at most `kvcache.shares.admission_need` slots of each space, which
+        must fit the share each running request was sized for; one that cannot would wait
+        forever, so it is refused here, naming the request, the space and both counts."""
+        sizes = self.p.sizes
+        need = self._need(self.cfg, sizes, r.prompt_len, r.out)
         share = {"full": sizes.full_per_request, "swa": sizes.swa_per_request}
         for space, n in need.items():
             if n > share[space]:

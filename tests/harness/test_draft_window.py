@@ -38,6 +38,7 @@ def _reasons(*overrides: str) -> dict[str, str]:
     (["spec=eagle", "spec.draft_window=8", "spec.draft_sink=2", "spec.draft_kv_retention=window"],
      "spec.draft_sink", "sink's 2 keys"),
     (["spec=none", "spec.draft_window=64"], "spec.draft_window", "runs no draft"),
+    (["spec.block_size=4"], "spec.block_size", "spec=eagle3 has no block_size"),  # the default
     (["spec=eagle", "spec.draft_kv_retention=half"], "spec.draft_kv_retention", "window"),
 ])
 def test_each_field_is_refused_where_it_is_set(overrides, field, words) -> None:
