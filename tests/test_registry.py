@@ -257,22 +257,25 @@ for dt in (torch.float16, torch.bfloat16):
 
 @pytest.mark.parametrize("model,refused", [("tiny", True), ("gemma4", True),
                                            ("gpt_oss_20b", False)])
-def test_a_split_draft_pool_is_refused_where_its_drafter_cannot_share_the_swa_geometry(
+def test_a_window_retained_pool_is_refused_where_its_drafter_cannot_share_the_swa_geometry(
         model: str, refused: bool) -> None:
-    """run=generate's DFlash drafter of its own weights is one Qwen3 geometry (the target's full
-    layers'); a split draft pool gives its sliding layers the target's SWA geometry. Where the
-    two differ the run is refused before anything is built, with the fix (the kernel check
-    failed it at the first draft forward before); GPT-OSS's groups share one geometry."""
-    base = ["run=generate", "backend=torch", "spec=dflash", f"model={model}",
-            "spec.draft_pool_split=true"]
-    cfg = swafactory.compose([*base, "spec.draft_weights=distilled"])
-    reasons = [r for r in swafactory.check(cfg, CPU) if r.field == "spec.draft_pool_split"]
+    """run=generate's EAGLE-3 head is one Llama geometry (the target's full layers'); a
+    window-retained draft pool puts it on the target's SWA sub-pool. Where the two differ the
+    run is refused before anything is built, with the fix; GPT-OSS's groups share one geometry.
+    A split DFlash pool is served everywhere: its drafter takes the SWA geometry for its sliding
+    layers (`drafts.dflash`; tests/engine/test_draft_formats.py)."""
+    base = ["run=generate", "backend=torch", f"model={model}", "spec.draft_weights=distilled"]
+    cfg = swafactory.compose([*base, "spec=eagle3", "spec.draft_kv_retention=window",
+                              "spec.draft_window=16"])
+    reasons = [r for r in swafactory.check(cfg, CPU) if r.field == "spec.draft_kv_retention"]
     assert len(reasons) == int(refused), reasons
     if refused:
-        assert reasons[0].fix == "spec.draft_pool_split=false"
+        assert reasons[0].fix == "spec.draft_kv_retention=full"
         assert "SWA geometry" in reasons[0].message and f"model={model}" in reasons[0].message
-        with pytest.raises(ConfigError, match="spec.draft_pool_split"):
+        with pytest.raises(ConfigError, match="spec.draft_kv_retention"):
             validate(cfg, CPU)
-    # a drafter made of the target's own layers takes each layer's geometry
-    assert not [r for r in swafactory.check(swafactory.compose(base), CPU)
-                if r.field == "spec.draft_pool_split"]
+    for weights in ("distilled", "target"):
+        dflash = swafactory.compose([*base, "spec=dflash", "spec.draft_pool_split=true",
+                                     f"spec.draft_weights={weights}"])
+        assert not [r for r in swafactory.check(dflash, CPU)
+                    if r.field == "spec.draft_pool_split"]

@@ -8,7 +8,7 @@ so the default path carries no fault code at all.
 | window_off_by_one | the runner's windows: sliding layers see W + 1 keys |
 | pool_cached_at_init | `_source`/`_tables`: "split?" decided at construction, over the runner's own pool: full slots index the target's SWA buffer (sglang #26957) |
 | allocator_pool_for_own_pool_draft | `_source`: an own-pool draft resolved to the allocator's pool, its reads keyed on it (the own-pool branch of sglang #27737) |
-| swa_pool_missed | `_tables`: an own draft's split pool read with full slots, written at SWA slots (sglang #27737) |
+| swa_pool_missed | `_tables`: an own draft's split pool read with full slots, written at SWA slots (sglang #27737); `draft_swa_rows`: that pool holds a slot per target token, as sglang's draft runner does |
 | skip_spec_translation, plan_without_window, tree_mask_not_rebased | `_tables`: the planner's switches (sglang #24402, #31501, #39160) |
 | graph_pad_stale_swa_loc | `_bucket_writes`: padding rows keep an earlier replay's SWA slots (sglang #24743) |
 | graph_key_without_mode | `graph_key`: an engine files graphs by shape alone, so one mode's graph replays another's batch |
@@ -38,7 +38,7 @@ from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
 from swafactory.resolve.source import RunnerView, resolve_kv_source
 
-__all__ = ["FaultyBackend", "with_faults", "admission_for"]
+__all__ = ["FaultyBackend", "with_faults", "admission_for", "draft_swa_rows"]
 
 _BLOCK_MODES = ("target_verify", "draft_decode")
 """Where a DFlash block's queries share a window: its verify and its drafted block."""
@@ -207,3 +207,12 @@ def admission_for(cfg: SwaFactoryConfig) -> Callable[..., dict[str, int]]:
             need["swa"] = need["full"]  # FAULT: the whole sequence
         return need
     return as_full
+
+
+def draft_swa_rows(cfg: SwaFactoryConfig, full_slots: int) -> int | None:
+    """The SWA slots of a split draft pool (`kvcache.draft.split_draft_pool`): None (its share
+    of the target's SWA capacity), or under ``swa_pool_missed`` one per target token, as
+    sglang's draft runner holds them (a ratio of 1.0). Its full-slot reads then stay inside the
+    buffer and land on rows the shared mapping has not filled yet: the wrong keys sglang #27737's
+    users saw, and no crash."""
+    return full_slots if cfg.faults.swa_pool_missed else None

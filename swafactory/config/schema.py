@@ -258,6 +258,10 @@ class WorkloadSpec(_Frozen):
     to the running requests' windows, so that its use goes above 90%."""
     eviction_interval: int = Field(default=1, ge=1)
     """SWA eviction frees out-of-window slots once the frontier moved this many positions."""
+    page_order: Literal["shuffled", "in_order"] = "shuffled"
+    """The allocators' free pages: `shuffled` (a random order, so index-space mix-ups show at
+    once) or `in_order` (as an engine's allocator starts: full and SWA slots coincide until
+    SWA eviction recycles a page, so such a mix-up shows only over time)."""
     check_rate: float = Field(default=1.0, ge=0, le=1)
     """Fraction of prefill attention calls compared with the oracle (decode, verify and draft
     calls, and calls right after an eviction, are always checked)."""

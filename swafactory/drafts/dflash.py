@@ -18,6 +18,8 @@ over the earlier context K/V is what the ``draft_logits`` check compares with th
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -48,10 +50,23 @@ def dflash_target_layers(num_target: int, num_draft: int) -> list[int]:
     return [round(lo + i * (hi - lo) / (num_draft - 1)) for i in range(num_draft)]
 
 
+def _layer_config(config, layer_type: str):
+    """The config one layer is built from: ``config``, or for a sliding layer a copy with
+    ``config.sliding_geometry`` (``num_key_value_heads``, ``head_dim``), when the draft pool
+    gives its sliding layers the target's SWA geometry (a split pool)."""
+    geo = getattr(config, "sliding_geometry", None)
+    if layer_type != "sliding_attention" or not geo:
+        return config
+    out = copy.copy(config)  # shallow: the layer reads plain fields
+    out.num_key_value_heads, out.head_dim = int(geo["num_key_value_heads"]), int(geo["head_dim"])
+    return out
+
+
 class DFlashDraft(_FeatureDraft):
     """config: a transformers ``Qwen3Config`` plus ``block_size``, ``num_target_layers`` and
-    ``dflash_config`` (``target_layer_ids``, ``mask_token_id``). ``embed_tokens`` and
-    ``lm_head`` are the target's (not saved: sglang borrows them)."""
+    ``dflash_config`` (``target_layer_ids``, ``mask_token_id``); on a split draft pool whose
+    SWA geometry differs, ``sliding_geometry`` (the sliding layers' KV heads and head_dim).
+    ``embed_tokens`` and ``lm_head`` are the target's (not saved: sglang borrows them)."""
 
     _supports_sdpa = True
     shifted = False  # a context row reads its own position's features
@@ -70,10 +85,17 @@ class DFlashDraft(_FeatureDraft):
         self.lm_head.weight.requires_grad_(False)
         self.fc = nn.Linear(K * config.num_target_hidden, H, bias=False)
         self.hidden_norm = qwen3.Qwen3RMSNorm(H, eps=config.rms_norm_eps)
-        self.model = _Layers([qwen3.Qwen3DecoderLayer(config, i)
-                              for i in range(config.num_hidden_layers)])
+        self._configs = [_layer_config(config, t) for t in config.layer_types]
+        self.model = _Layers([qwen3.Qwen3DecoderLayer(c, i) for i, c in enumerate(self._configs)])
         self.norm = qwen3.Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary = qwen3.Qwen3RotaryEmbedding(config)
+        # RoPE tables by head_dim: a sliding layer of another geometry rotates its own width
+        self._rotaries = {c.head_dim: qwen3.Qwen3RotaryEmbedding(c) for c in self._configs
+                          if c.head_dim != config.head_dim}
+
+    def set_attn_implementation(self, name: str) -> None:
+        for c in {id(c): c for c in [self.config, *self._configs]}.values():
+            c._attn_implementation = name  # each layer reads its own config's
 
     @property
     def mask_token_id(self) -> int:
@@ -100,12 +122,13 @@ class DFlashDraft(_FeatureDraft):
         h = self.embed_tokens(input_ids).to(ctx.dtype)
         if attention_mask is None and self.config._attn_implementation != "swafactory":
             attention_mask = _type_masks(self.config, input_ids.shape[1], h)
-        cos_sin = self.rotary(h, position_ids)
+        cos_sin = {self.config.head_dim: self.rotary(h, position_ids)}
+        cos_sin.update({d: r(h, position_ids) for d, r in self._rotaries.items()})
         for layer in self.model.layers:
             x = flag * ctx + (1 - flag) * layer.input_layernorm(h)
             mask = attention_mask[layer.self_attn.layer_type] \
                 if isinstance(attention_mask, dict) else attention_mask
-            a, _ = layer.self_attn(hidden_states=x, position_embeddings=cos_sin,
+            a, _ = layer.self_attn(hidden_states=x, position_embeddings=cos_sin[layer.self_attn.head_dim],
                                    attention_mask=mask)
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -119,7 +142,9 @@ class DFlashDraft(_FeatureDraft):
 def make_dflash_draft(target, layers: int, types: list[str], window: int | None, block: int,
                       mask_token: int, seed: int) -> DFlashDraft:
     """A fresh DFlash drafter for ``target`` (fp32): ``layers`` Qwen3 layers of the target's
-    full-attention KV geometry (``types``: their layer types, ``window`` for sliding ones)."""
+    full-attention KV geometry (``types``: their layer types, ``window`` for sliding ones).
+    Sliding layers take the target's sliding geometry where it differs: the split draft pool
+    holds them in the target's SWA sub-pool (`kvcache.draft.split_draft_pool`)."""
     tf = require_transformers()
     torch.manual_seed(seed)
     tc = target.config
@@ -131,7 +156,15 @@ def make_dflash_draft(target, layers: int, types: list[str], window: int | None,
         num_key_value_heads=full.k_proj.out_features // full.head_dim, head_dim=full.head_dim,
         max_position_embeddings=getattr(tc, "max_position_embeddings", 8192), rms_norm_eps=1e-6,
         layer_types=list(types), sliding_window=window, tie_word_embeddings=False,
+        use_sliding_window="sliding_attention" in types,  # else Qwen3Config drops the window
         architectures=["DFlashDraftModel"])
+    swa = next((a for a in attention_modules(target) if getattr(a, "sliding_window", None)),
+               None)
+    if "sliding_attention" in types and swa is not None and \
+            (swa.k_proj.out_features // swa.head_dim, swa.head_dim) != \
+            (config.num_key_value_heads, config.head_dim):
+        config.sliding_geometry = {"num_key_value_heads": swa.k_proj.out_features // swa.head_dim,
+                                   "head_dim": swa.head_dim}
     config.block_size = block
     config.num_target_layers = tc.num_hidden_layers
     config.num_target_hidden = tc.hidden_size

@@ -274,6 +274,17 @@ def check_feature_draft(kind: str, config: dict, state: dict, target, path,
         if not any(key.startswith(pre + "eh_proj") for key in state):
             reasons.append((f"no {pre}eh_proj weight", "an MTP layer saved at layer index "
                             f"{_nextn_index(config)}"))
+    if kind == "dflash" and "sliding_attention" in (expect.get("layer_types") or ()):
+        swa = next((a for a in attention_modules(target) if getattr(a, "sliding_window", None)),
+                   None)
+        geo = config.get("sliding_geometry") or {}
+        have = (geo.get("num_key_value_heads", mine[0]), geo.get("head_dim", mine[1]))
+        want = kv if swa is None else (swa.k_proj.out_features // swa.head_dim, swa.head_dim)
+        if have != want:
+            reasons.append((f"sliding layers of {have[0]} KV heads × {have[1]}; the split draft "
+                            f"pool holds them in the target's SWA geometry {want[0]} × {want[1]}",
+                            "sliding_geometry of the target's sliding layers, or "
+                            "spec.draft_pool_split=false"))
     if mine != kv:
         reasons.append((f"KV heads × head_dim {mine[0]} × {mine[1]}; the draft pool holds the "
                         f"target's full-attention {kv[0]} × {kv[1]}",

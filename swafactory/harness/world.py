@@ -41,7 +41,8 @@ class World:
         self.gen = torch.Generator().manual_seed(seed)
         self.pool, self.alloc = build_pools(cfg, size_full, size_swa, device, check_mode)
         set_harness_scales(self.pool)  # fp8 KV: per-layer scales, as a calibrated checkpoint has
-        self.alloc.shuffle(self.gen)  # random page permutations
+        if cfg.workload.page_order == "shuffled":
+            self.alloc.shuffle(self.gen)  # random page permutations
         self.slots = RequestSlots(self.alloc, ReqToToken(max_requests, max_context, device))
         self.backend = backend or build_backend(cfg, pools=self.pool)
         self.hist: dict[Hashable, History] = {}

@@ -71,13 +71,16 @@ def frozen_draft_view(target: HybridSWAPool, binding: Sequence[int]) -> HybridSW
 
 def split_draft_pool(target: HybridSWAPool, layer_types: Sequence[str], dtype: torch.dtype,
                      device: torch.device | str = "cpu", *, headroom: float = 1.0,
-                     unsafe_undersized: bool = False, check_mode: bool = False) -> HybridSWAPool:
+                     unsafe_undersized: bool = False, check_mode: bool = False,
+                     swa_rows: int | None = None) -> HybridSWAPool:
     """A split draft pool (DFlash ``draft_pool_split``) sharing ``target``'s full→SWA mapping.
 
     ``layer_types``: the draft's ``sliding_attention``/``full_attention`` per layer; each group
     takes the target's geometry of that type. Both sub-pools get ``headroom`` × the target's
     capacity, which must be ≥ the target's (full slots and the shared mapping's SWA slots both
     address it); ``headroom < 1`` needs ``unsafe_undersized`` (fault injection).
+    ``swa_rows``: the SWA sub-pool's slots instead (at least its share; sglang's draft runner
+    holds one slot per target token, which fault injection reproduces).
     """
     _check_headroom(headroom, unsafe_undersized)
     if target.swa is None or target.mapping is None:
@@ -94,6 +97,8 @@ def split_draft_pool(target: HybridSWAPool, layer_types: Sequence[str], dtype: t
             raise ValueError(f"draft has {sub} layers but the target pool {target.name!r} has no "
                              f"{sub} sub-pool to take their geometry and index space from")
         size = max(twin.page_size, _page_floor(twin.size * headroom, twin.page_size))
+        if sub == "swa" and swa_rows is not None:
+            size = max(size, _page_floor(swa_rows, twin.page_size))
         subs[sub] = KVPool(size, twin.page_size, n, twin.num_kv_heads, twin.head_dim, dtype,
                            device, pool_id=f"draft.{sub}", space=twin.space,
                            indexed_by=twin.indexed_by, check_mode=check_mode)
@@ -131,7 +136,8 @@ def draft_layer_types(cfg: object) -> list[str]:
 def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *,
                      device: torch.device | str = "cpu", check_mode: bool = False,
                      headroom: float = 1.0, unsafe_undersized: bool = False,
-                     binding: Sequence[int] | None = None) -> HybridSWAPool | None:
+                     binding: Sequence[int] | None = None,
+                     swa_rows: int | None = None) -> HybridSWAPool | None:
     """The draft pool a `SwaFactoryConfig` asks for, attached to ``allocator``; or None.
 
     - ``draft_kv: none``: None;
@@ -145,7 +151,8 @@ def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *
       full geometry (SWA geometry for an all-SWA target), sized to the allocator's full space.
 
     Own pools are attached to the allocator, so check mode poisons their freed rows too.
-    ``headroom < 1`` with ``unsafe_undersized`` (fault injection) skips the capacity checks.
+    ``headroom < 1`` with ``unsafe_undersized`` (fault injection) skips the capacity checks;
+    ``swa_rows``: a split pool's SWA slots (`split_draft_pool`).
     """
     from swafactory.kvcache.factory import torch_dtype
 
@@ -161,7 +168,7 @@ def build_draft_pool(cfg: object, target: HybridSWAPool, allocator: Allocator, *
     if "sliding_attention" in draft_layer_types(cfg) and target.is_split:
         pool = split_draft_pool(target, draft_layer_types(cfg), dtype, device,
                                 headroom=headroom, unsafe_undersized=unsafe_undersized,
-                                check_mode=check_mode)
+                                check_mode=check_mode, swa_rows=swa_rows)
     else:
         geo = model.full or model.swa
         pool = own_draft_pool(allocator.full_size, backend.page_size, spec.draft_num_layers,

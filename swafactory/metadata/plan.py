@@ -338,8 +338,9 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     source: the resolver's answer for this forward (a `KVSource` or None). cascade: build
     prefix/expand tables for tree forwards. writes: False for a runner that writes no KV
     (FROZEN_KV drafts). skip_spec_translation is the fault-injection switch that reproduces
-    FA3 + EAGLE3 (sglang #24402): tree forwards keep SWA tables in full space. Only the harness
-    sets it; the typed index spaces then refuse the tables. impl: how the key lists are built:
+    FA3 + EAGLE3 (sglang #24402): tree forwards read SWA groups' key lists (prefix and draft
+    tables) in full space, while their writes stay translated (sglang's pool translates its
+    own writes). Only the faults set it; the typed index spaces then refuse the tables. impl: how the key lists are built:
     ``torch`` (a running sum and a gather per list), ``triton`` (every list, its translation
     and the write slots in one launch: `keys_triton`), ``auto`` (triton on CUDA tables).
     page_size: the pool's; key lists (and cascade halves) then start on a page start (SWA
@@ -356,15 +357,15 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     keys, layer_groups = groups_of(layers_mapping, windows)
-    skip = (skip_spec_translation and batch.has_tree) or untranslated
-    groups, h, missing = _plan_vector(batch, keys, source, writes, skip, impl, page_size,
+    tree_reads = skip_spec_translation and batch.has_tree  # its writes stay translated
+    groups, h, missing = _plan_vector(batch, keys, source, writes, untranslated, impl, page_size,
                                       tree_mask_not_rebased and batch.has_tree,
-                                      reads_untranslated)
+                                      reads_untranslated or tree_reads)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
         groups = {k: _split_cascade(g, kv_nodes, page_size) for k, g in groups.items()}
-    if skip and not untranslated and any(g.sub_pool == "swa" for g in groups.values()):
-        FAULT_COUNTS.acted("skip_spec_translation")  # an SWA group kept full-space tables
+    if tree_reads and not untranslated and any(g.sub_pool == "swa" for g in groups.values()):
+        FAULT_COUNTS.acted("skip_spec_translation")  # an SWA group read full-space tables
     if tree_mask_not_rebased and batch.has_tree and _flat_bound_cuts(batch, groups):
         FAULT_COUNTS.acted("tree_mask_not_rebased")
     if plan_without_window:  # FAULT: the window is dropped from the plan, the trim stays

@@ -58,13 +58,15 @@ def draft_window_rule(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo
 
 def split_drafter_rule(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
                        groups: tuple[str, ...] = ()) -> Iterator[Reason]:
-    """A drafter of its own weights (DFlash's Qwen3 layers, EAGLE heads, a distilled draft)
-    has one KV geometry, the target's full layers'; a pool with sliding draft layers
+    """A drafter of its own weights (EAGLE heads, a distilled draft) has one KV geometry, the
+    target's full layers'; a pool with sliding draft layers
     (`draft_pool_split`, `draft_kv_retention=window`) gives those the target's SWA geometry."""
     s, m = cfg.spec, cfg.model
     if cfg.run.mode != "generate" or m.swa is None or m.full is None \
             or "sliding_attention" not in draft_layer_types(cfg):
         return
+    if s.algorithm == "dflash" and s.draft_weights != "target":
+        return  # a DFlash drafter takes the SWA geometry for its sliding layers (drafts.dflash)
     if s.draft_weights == "target" and not (  # DFlash's own layers: the target's last ones
             s.algorithm == "dflash" and s.draft_kv_retention == "window"
             and "full_attention" in m.layer_types[-s.draft_num_layers:]):

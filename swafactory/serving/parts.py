@@ -33,6 +33,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from swafactory.backend import build_backend, model_windows
+from swafactory.backend.faulty import draft_swa_rows
 from swafactory.config.schema import ModelSpec, SwaFactoryConfig
 from swafactory.kvcache.draft import (build_draft_pool, frozen_draft_view, own_draft_pool,
                                       split_draft_pool)
@@ -112,7 +113,7 @@ def build_serving(cfg: SwaFactoryConfig, sizes: PoolSizes, device: str, *, check
                               layers=layers)
     if on_pool is not None:
         on_pool(pool)
-    if gen is not None:
+    if gen is not None and cfg.workload.page_order == "shuffled":
         alloc.shuffle(gen)  # pages in random order
     slots = RequestSlots(alloc, ReqToToken(sizes.max_requests, sizes.full_per_request, device))
     out = Serving(pool, alloc, slots, build_backend(cfg, pools=pool, guards=guards))
@@ -145,7 +146,8 @@ def build_serving(cfg: SwaFactoryConfig, sizes: PoolSizes, device: str, *, check
     elif draft_layout == "config":
         dpool = build_draft_pool(cfg, pool, alloc, device=device, check_mode=check_mode,
                                  headroom=headroom, unsafe_undersized=unsafe_undersized,
-                                 binding=frozen_draft_binding(cfg))
+                                 binding=frozen_draft_binding(cfg),
+                                 swa_rows=draft_swa_rows(cfg, alloc.full_size))
     else:
         raise ValueError(f"draft_layout must be 'config' or 'copy', got {draft_layout!r}")
     if on_pool is not None:

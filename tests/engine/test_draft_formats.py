@@ -104,6 +104,36 @@ def test_a_dflash_drafter_of_another_block_size_is_refused() -> None:
     assert "block_size 8; the spec's is 4" in str(e.value), str(e.value)
 
 
+def test_a_split_dflash_drafter_keeps_its_sliding_layers_at_the_swa_geometry(tmp_path) -> None:
+    """On a split draft pool (spec.draft_pool_split) the drafter's sliding layers live in the
+    target's SWA sub-pool: on tiny (and Gemma 4) that is another KV geometry than the full
+    layers', so the drafter takes it for those layers (`sliding_geometry`), saves it and loads
+    back to the same tokens; a drafter without it is refused for that pool, naming both."""
+    split = ["spec=dflash", "spec.draft_pool_split=true"]
+    made = _gen(*split, "spec.draft_weights=distilled")
+    assert made.status == "ok" and made.accept_len >= 4.0, made.checks
+    path = tmp_path / "split"
+    shutil.copytree(made.draft_training["path"], path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["sliding_geometry"] == {"num_key_value_heads": 4, "head_dim": 16}
+    assert (config["num_key_value_heads"], config["head_dim"]) == (2, 32)  # the full layers'
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention",
+                                     "sliding_attention", "full_attention"]
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    assert state["layers.0.self_attn.k_proj.weight"].shape == (4 * 16, 64)  # sliding
+    assert state["layers.1.self_attn.k_proj.weight"].shape == (2 * 32, 64)  # full
+    loaded = _gen(*split, f"spec.draft_weights={path}")
+    assert [q.generated_ids for q in loaded.requests] == [q.generated_ids for q in made.requests]
+    assert [q.accept_lengths for q in loaded.requests] == [q.accept_lengths for q in made.requests]
+    plain, _ = _saved("dflash", tmp_path)
+    with pytest.raises(ConfigError) as e:
+        _gen(*split, f"spec.draft_weights={plain}")
+    assert "sliding layers of 2 KV heads × 32" in str(e.value), str(e.value)
+    assert "SWA geometry 4 × 16" in str(e.value), str(e.value)
+
+
 def test_an_mtp_layer_is_saved_at_layer_index_num_hidden_layers(tmp_path) -> None:
     path, config = _saved("nextn", tmp_path)
     assert config["num_nextn_predict_layers"] == 1 and config["model_type"] == "gemma4_text"

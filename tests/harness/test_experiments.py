@@ -25,9 +25,13 @@ from swafactory.harness.callback import JobResult
 # preset → (fault it sweeps, spec, the check that must catch it with the guards off)
 SEEDS = {
     "seed1_eagle3_untranslated_tables": ("skip_spec_translation", "eagle3", "kernel"),
-    "seed2_dflash_allocator_pool": ("allocator_pool_for_own_pool_draft", "dflash", "draft_logits"),
+    "seed2_dflash_swa_pool_missed": ("swa_pool_missed", "dflash", "draft_logits"),
     "seed3_frozen_kv_cached_pool": ("pool_cached_at_init", "frozen_kv_mtp", "kernel"),
+    "seed4_dflash_own_pool_translated": ("allocator_pool_for_own_pool_draft", "dflash",
+                                         "draft_logits"),
 }
+OWN_LENGTHS = {"seed2_dflash_swa_pool_missed", "seed3_frozen_kv_cached_pool"}
+"""Presets whose symptom comes over time (pages in order): run at their own lengths."""
 CHEAP = ["workload.num_requests=2", "workload.output_len=[8,12]", "workload.prompt_over_window=[8,16]"]
 
 pytestmark = pytest.mark.xdist_group("distill")
@@ -60,15 +64,16 @@ def test_every_preset_is_a_global_sweep_with_its_launch_command() -> None:
 def test_preset_sweeps_the_fault_and_the_fix(preset: str, tmp_path) -> None:
     fault, spec, check = SEEDS[preset]
     sweep = tmp_path / "sweep"
-    # seed 3 on its own lengths: a full slot passes the SWA buffer only on longer contexts
-    cheap = CHEAP[:1] if preset == "seed3_frozen_kv_cached_pool" else CHEAP
+    cheap = [] if preset in OWN_LENGTHS else CHEAP
     out = _cli(tmp_path, f"+experiment={preset}", f"hydra.sweep.dir={sweep}", *cheap)
     # the sweep's exit code follows its worst job (the fault row fails): judge by its files
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    results = {}
+    results, reports = {}, {}
     for path in sorted(sweep.glob("*/result.json")):
         res = JobResult.model_validate_json(path.read_text())
-        results[next(o for o in res.overrides if o.startswith("faults="))] = res
+        key = next(o for o in res.overrides if o.startswith("faults="))
+        results[key] = res
+        reports[key] = json.loads((path.parent / "report.json").read_text())
     assert sorted(results) == sorted([f"faults={fault}", "faults=none"]), out.stderr[-3000:]
     bad, good = results[f"faults={fault}"], results["faults=none"]
     assert (bad.backend, bad.spec, bad.workload) == ("torch", spec, "smoke")
@@ -77,6 +82,19 @@ def test_preset_sweeps_the_fault_and_the_fix(preset: str, tmp_path) -> None:
         assert "out of bounds" in bad.error and "SWA pool" in bad.error, bad.error
     assert good.status == "ok" and good.error is None
     assert good.accept.startswith("accept length ") and "clean twin" not in good.accept
+    steps = [q["accept_lengths"] for q in reports[f"faults={fault}"]["requests"]]
+    fixed = [q["accept_lengths"] for q in reports["faults=none"]["requests"]]
+    if preset in OWN_LENGTHS:  # over time: the first steps as the fixed run's, then the symptom
+        assert all(len(s) >= 3 and s[:3] == f[:3] for s, f in zip(steps[:4], fixed)), steps
+    if fault == "swa_pool_missed":  # a collapse, no crash: each request's later steps at ~1
+        assert "out of bounds" not in bad.error and "clean twin" in bad.accept, bad.error
+        firsts = [next(i for i, (a, b) in enumerate(zip(s, f)) if a != b)
+                  for s, f in zip(steps, fixed)]
+        tails = [sum(s[i + 1:]) / len(s[i + 1:]) for s, i in zip(steps, firsts)]
+        assert all(t < 1.5 for t in tails) and sum(map(sum, fixed)) / sum(map(len, fixed)) > 4, \
+            (steps, fixed)
+    if fault == "pool_cached_at_init":  # the crash came past a use threshold, not at once
+        assert "at step " in bad.error and "full " in bad.error and sum(map(len, steps)) >= 12
     if fault == "allocator_pool_for_own_pool_draft":  # the users' symptom: the accept length
         mine, twin = [float(x) for x in re.findall(r"(\d+\.\d+)", bad.accept)[:2]]
         # DFlash's context K/V carry the target's hidden states, so some blocks still land:
