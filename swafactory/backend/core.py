@@ -37,6 +37,9 @@ class AttentionBackend(GraphContract, SlotGuards, LayerPath):
         self.cfg, self.adapter, self.view = cfg, adapter, view
         self.adapters = {cfg.backend.name: adapter, **(adapters or {})}
         self.windows = dict(windows)
+        self.sink = cfg.spec.draft_sink if view.role != "target" else 0
+        """A draft window's sink (``spec.draft_sink``): its windowed groups also read the keys
+        at positions below it (the planner lists them, the kernel masks by them)."""
         self.guards = guards
         self.softcap = cfg.model.logit_softcap
         self.takes_sinks = sinks_expected(cfg.model, view.role)
@@ -136,7 +139,8 @@ class AttentionBackend(GraphContract, SlotGuards, LayerPath):
     def _tables(self, batch: ForwardBatch, pool, source, lmap) -> ForwardPlan:
         """The planner's tables of ``batch`` (`swafactory.metadata.plan`)."""
         return plan(batch, lmap, self.windows, source, cascade=self.cascade,
-                    writes=not pool.read_only, page_size=pool.sub_pools[0].page_size)
+                    writes=not pool.read_only, page_size=pool.sub_pools[0].page_size,
+                    sink=self.sink)
 
     def _capture_pool(self):
         """The pool a graph bucket is captured against: the view's active pool."""

@@ -99,7 +99,7 @@ class FaultyBackend(AttentionBackend):
                      plan_without_window=f.plan_without_window,
                      tree_mask_not_rebased=f.tree_mask_not_rebased,
                      untranslated=self._frozen is not None and source is None,
-                     reads_untranslated=missed)
+                     reads_untranslated=missed, sink=self.sink)
         if missed and any(g.sub_pool == "swa" and g.tables.kv_indices.tensor.numel()
                           for g in fplan.groups.values()):
             FAULT_COUNTS.acted("swa_pool_missed")  # an SWA group read a list of full slots

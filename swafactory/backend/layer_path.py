@@ -96,6 +96,8 @@ class LayerPath:
                 k_buf, v_buf, sub = pool.get_kv(layer)
                 kw = dict(window=fplan.groups[key].window, scale=self._scale(sub),
                           softcap=self.softcap)
+                if fplan.groups[key].sink:  # only kernels with the draft_sink capability
+                    kw["sink"] = fplan.groups[key].sink
                 scales = pool.kv_scales(layer) if is_fp8(sub.dtype) else (1.0, 1.0)
                 if is_fp8(sub.dtype):
                     kw.update(self._read_scales(layer, scales))  # kernels dequantize

@@ -48,7 +48,8 @@ def draft_layer_specs(parts: Parts) -> dict[int, LayerSpec]:
     target = target_layer_specs(cfg)
 
     def windowed(spec: LayerSpec) -> LayerSpec:  # spec.draft_window narrows every draft layer
-        return replace(spec, window=narrowed(spec.window, s.draft_window))
+        w = narrowed(spec.window, s.draft_window)
+        return replace(spec, window=w, sink=s.draft_sink if w is not None else 0)
     if s.draft_kv == "target_pool":
         return {j: windowed(target[t]) for j, t in enumerate(frozen_draft_binding(cfg))}
     if copies(s):
@@ -58,9 +59,10 @@ def draft_layer_specs(parts: Parts) -> dict[int, LayerSpec]:
     out = {}
     for j, w in held.items():  # windowed: an SWA layer of a split own pool (swa geometry)
         geo = m.swa if w is not None else (m.full or m.swa)
-        out[j] = LayerSpec(narrowed(w, s.draft_window), m.num_attention_heads, geo.num_kv_heads,
+        dw = narrowed(w, s.draft_window)
+        out[j] = LayerSpec(dw, m.num_attention_heads, geo.num_kv_heads,
                            geo.head_dim, own.softmax_scale or geo.head_dim ** -0.5,
-                           own.logit_softcap, j)
+                           own.logit_softcap, j, s.draft_sink if dw is not None else 0)
     return out
 
 

@@ -38,9 +38,9 @@ def _on(device: torch.device | str, t: torch.Tensor) -> torch.Tensor:
 
 
 def request_visibility(window: int | None, r: ReqForward, pos: Sequence[int],
-                       device: torch.device | str) -> torch.Tensor:
+                       device: torch.device | str, sink: int = 0) -> torch.Tensor:
     """[q_len, kv_end] bool: which of the request's logical keys (token positions ``pos`` in
-    slot order) each of its queries sees: structure, then the window."""
+    slot order) each of its queries sees: structure, then the window (and its sink)."""
     n = r.kv_end
     k_pos = _on(device, torch.tensor(pos[:n]))
     q_pos = _on(device, r.node_positions()[r.query_from:])
@@ -52,7 +52,7 @@ def request_visibility(window: int | None, r: ReqForward, pos: Sequence[int],
         structure = torch.ones(r.q_len, n, dtype=torch.bool, device=device)
     else:  # committed history and a chain: causal by position
         structure = causal_visibility(q_pos, k_pos)
-    return visibility(q_pos, k_pos, structure, window)
+    return visibility(q_pos, k_pos, structure, window, sink)
 
 
 class ForwardOracle:
@@ -72,24 +72,24 @@ class ForwardOracle:
         index = torch.where(valid, torch.tensor(self.row0)[:, None] + qi[None, :], 0)
         self.q_index = _on(device, index.reshape(-1))
         self.q_valid = _on(device, valid.reshape(-1).nonzero().squeeze(1))  # padded rows kept
-        self._vis: dict[int | None, list[torch.Tensor]] = {}
+        self._vis: dict[tuple, list[torch.Tensor]] = {}
         self._padded: dict[tuple, torch.Tensor] = {}
 
-    def visible(self, window: int | None) -> list[torch.Tensor]:
-        """Per request, [q_len, n] bool (built on first use per window)."""
-        if window not in self._vis:
-            self._vis[window] = [request_visibility(window, r, self.hist[r.rid].pos, self.device)
-                                 for r in self.reqs]
-        return self._vis[window]
+    def visible(self, window: int | None, sink: int = 0) -> list[torch.Tensor]:
+        """Per request, [q_len, n] bool (built on first use per window and sink)."""
+        if (window, sink) not in self._vis:
+            self._vis[window, sink] = [request_visibility(window, r, self.hist[r.rid].pos,
+                                                          self.device, sink) for r in self.reqs]
+        return self._vis[window, sink]
 
-    def _padded_visible(self, window: int | None, starts: tuple[int, ...],
+    def _padded_visible(self, window: int | None, sink: int, starts: tuple[int, ...],
                         kmax: int) -> torch.Tensor:
         """[B, qmax, kmax] bool: each request's visibility from its first kept history row."""
-        key = (window, starts)
+        key = (window, sink, starts)
         if key not in self._padded:
             pad = torch.zeros(len(self.reqs), self.qmax, kmax, dtype=torch.bool,
                               device=self.device)
-            for i, (v, s) in enumerate(zip(self.visible(window), starts)):
+            for i, (v, s) in enumerate(zip(self.visible(window, sink), starts)):
                 pad[i, :v.shape[0], :v.shape[1] - s] = v[:, s:]
             self._padded[key] = pad
         return self._padded[key]
@@ -109,11 +109,11 @@ class ForwardOracle:
             keys = pad_sequence([k for _, k, _ in kv], batch_first=True)
             values = pad_sequence([v for _, _, v in kv], batch_first=True)
             qb = q[self.q_index].view(len(self.reqs), self.qmax, hq, d)
-            allowed = self._padded_visible(spec.window, starts, max(lens))
+            allowed = self._padded_visible(spec.window, spec.sink, starts, max(lens))
             return masked_attention(qb, keys, values, allowed, **kw).reshape(-1, hq, d)[self.q_valid]
         refs = []
-        for (s, keys, values), vis, row0, r in zip(kv, self.visible(spec.window), self.row0,
-                                                     self.reqs):
+        for (s, keys, values), vis, row0, r in zip(kv, self.visible(spec.window, spec.sink),
+                                                     self.row0, self.reqs):
             step = max(1, SCORE_BUDGET // max(1, hq * keys.shape[0]))
             for c in range(0, r.q_len, step):
                 c1 = min(r.q_len, c + step)

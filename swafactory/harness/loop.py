@@ -124,7 +124,7 @@ class Loop(Payload):
             if worker is None:
                 continue
             for spec in worker.layers.values():
-                if spec.window is None:
+                if spec.window is None or spec.sink:  # a sink reads from position 0
                     continue
                 for r in self.running:
                     if r.rid in hists:

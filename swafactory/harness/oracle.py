@@ -47,12 +47,17 @@ def tree_visibility(prefix_len: int, parents: Sequence[int]) -> torch.Tensor:
 
 
 def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, structure: torch.Tensor,
-               window: int | None) -> torch.Tensor:
+               window: int | None, sink: int = 0) -> torch.Tensor:
     """[nq, nk] bool: ``structure`` and, with a window, the distance from the query's own
-    position is < W. Causality is part of ``structure`` (a DFlash block sees keys ahead of it)."""
+    position is < W (or, with a draft window's sink, the key's position is < S). Causality is
+    part of ``structure`` (a DFlash block sees keys ahead of it)."""
     if window is None:
         return structure
-    return structure & ((q_pos[:, None].long() - k_pos[None, :].long()) < window)
+    d = q_pos[:, None].long() - k_pos[None, :].long()
+    inside = d < window
+    if sink:
+        inside = inside | (k_pos[None, :].long() < sink)
+    return structure & inside
 
 
 def oracle_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -172,14 +172,15 @@ def build_parts(cfg: SwaFactoryConfig, prompts: list[int], outs: list[int], devi
         for j, t in enumerate(types):  # whole-model geometry: the oracle sees every head
             geo = (m.swa if t == "sliding_attention" else m.full) if dpool.is_split else (m.full or m.swa)
             dspecs[j] = LayerSpec(windows[j], m.num_attention_heads, geo.num_kv_heads, geo.head_dim,
-                                  m.softmax_scale or geo.head_dim ** -0.5, m.logit_softcap, j)
+                                  m.softmax_scale or geo.head_dim ** -0.5, m.logit_softcap, j,
+                                  s.draft_sink if windows[j] is not None else 0)
         parts.draft = Worker("draft", sv.draft, dspecs, {}, writes=True,
                              q_dtype=q_dtype, device=device, gen=gen, sinks={}, shard=shard)
     elif s.draft_kv == "target_pool":
         # the FROZEN_KV runner's own pool is a dummy non-split pool; the engine swaps the target's
         # view in for each draft forward (sglang), which is what a cached resolver gets wrong
-        dspecs = {j: replace(specs[t], window=narrowed(specs[t].window, s.draft_window))
-                  for j, t in enumerate(binding)}
+        dspecs = {j: replace(specs[t], window=narrowed(specs[t].window, s.draft_window),
+                             sink=s.draft_sink) for j, t in enumerate(binding)}
         parts.draft = Worker("draft", sv.draft, dspecs, hist_t, writes=False,
                              q_dtype=q_dtype, device=device, gen=gen,
                              sinks={j: sinks[t] for j, t in enumerate(binding) if t in sinks},

@@ -249,7 +249,7 @@ class AttentionWatch:
                 del h.pos[start:]
                 h.pos.extend(r.node_positions()[r.query_from:].tolist())
                 for spec in w.layers.values():  # no later query sees these (positions ≥ prefix)
-                    if spec.window is not None:
+                    if spec.window is not None and not spec.sink:  # a sink reads from 0
                         h.drop_before(spec.history_layer, r.prefix_len - spec.window - 1)
         w.now = _Pass(batch.mode, batch.reqs, batch.total_q, check, key=key,
                       pending=key is not None)

@@ -75,6 +75,8 @@ class LayerSpec:
     softcap: float | None
     history_layer: int
     """Key of the logical history it reads (a FROZEN_KV draft layer reads its bound target layer)."""
+    sink: int = 0
+    """Keys at positions below it stay visible beside the window (``spec.draft_sink``)."""
 
 
 def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
@@ -82,7 +84,7 @@ def oracle_for(spec: LayerSpec, r: ReqForward, hist: History, q: torch.Tensor,
     """The oracle's answer for one request's queries at one layer, from its logical history
     (request by request; `ForwardOracle` answers a whole forward's layers)."""
     start, keys, values = hist.kv_from(spec.history_layer, r.kv_end)
-    allowed = request_visibility(spec.window, r, hist.pos, keys.device)
+    allowed = request_visibility(spec.window, r, hist.pos, keys.device, spec.sink)
     return masked_attention(q, keys, values, allowed[:, start:], scale=spec.scale,
                             softcap=spec.softcap, sinks=sinks)
 

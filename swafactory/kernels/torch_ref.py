@@ -18,7 +18,8 @@ One call attends the queries of a batch over paged K/V of one layer, in flattene
   ``None`` means causal: ``kv_pos <= q_pos``; so does a request's empty block
   (``mask_indptr[b] == mask_indptr[b+1]``: a chain request in a graph bucket captured with a
   mask). Causality lives only in the structure.
-* ``window``: HF W or None; allowed = structure & (q_pos - kv_pos < W).
+* ``window``: HF W or None; allowed = structure & (q_pos - kv_pos < W); ``sink``: S, a draft
+  window's sink (``spec.draft_sink``): allowed = structure & (q_pos - kv_pos < W or kv_pos < S).
 * ``scale``: softmax scale; ``softcap``: s = cap·tanh(s/cap) before masking; ``sinks``: [Hq]
   fp32, one extra logit per head in the denominator with a zero value.
 * ``k_scale``, ``v_scale``: host floats; fp8 buffers hold K / k_scale and V / v_scale
@@ -38,6 +39,7 @@ from swafactory.kernels.static_tables import static_tables
 from swafactory.metadata.batch import MODE_PASS
 from swafactory.metadata.plan import PassCache
 from swafactory.registry.capabilities import Capabilities
+from swafactory.window import in_window
 
 __all__ = ["CAPABILITIES", "Adapter", "attend", "attention_reference", "check_contract",
            "merge_state", "apply_sinks"]
@@ -57,6 +59,7 @@ CAPABILITIES = Capabilities(
     softcap=True,
     graph_emulation=True,  # CPU: a replay runs the captured step over its bucket's static tables
     kv_dtypes=frozenset({"float32", "float16", "bfloat16", "fp8_e4m3"}),
+    draft_sink=True,  # a second key range is one more term of the position mask
 )
 
 
@@ -88,7 +91,7 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
                         mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None,
                         window: int | None = None, scale: float, softcap: float | None = None,
                         sinks: torch.Tensor | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        v_scale: float = 1.0, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract above in fp32, vectorized per request. Returns (o, lse)."""
     nb, group = check_contract(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, q_pos, kv_pos,
                                mask, mask_indptr, sinks)
@@ -131,7 +134,8 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
                 m0 = mo[b] + (c0 - q0) * nk
                 allowed = mask[m0:m0 + n * nk].view(n, nk).bool()
             if window is not None:
-                allowed = allowed & (qp[:, None] - kp[None, :] < window)
+                allowed = allowed & in_window(qp[:, None] - kp[None, :], kp[None, :], window,
+                                              sink)
             # [Hkv, G·n, D] @ [Hkv, D, nk]: the scale folded into q (smaller than the scores),
             # then every pass over the scores in place, one exp (a logsumexp would take two)
             qh = q[c0:c1].float().view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(
@@ -166,13 +170,13 @@ def attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
 def attend(tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, *,
            window: int | None, scale: float, softcap: float | None = None,
            sinks: torch.Tensor | None = None, k_scale: float = 1.0,
-           v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+           v_scale: float = 1.0, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention_reference` over one pass's planner tables (`metadata.AttnTables`)."""
     return attention_reference(q, k_buf, v_buf, tables.qo_indptr, tables.kv_indptr,
                                tables.kv_indices.tensor, tables.q_pos, tables.kv_pos,
                                mask=tables.mask, mask_indptr=tables.mask_indptr, window=window,
                                scale=scale, softcap=softcap, sinks=sinks, k_scale=k_scale,
-                               v_scale=v_scale)
+                               v_scale=v_scale, sink=sink)
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
@@ -265,7 +269,7 @@ class Adapter:
         return sum(st.nbytes for st in self._static.values())
 
     def run(self, tables, q, k_buf, v_buf, *, window, scale, softcap=None, sinks=None,
-            lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0):
+            lse: bool = True, k_scale: float = 1.0, v_scale: float = 1.0, sink: int = 0):
         """One pass → (o, lse); the kernel computes the LSE either way (``lse`` is a hint).
         q rows past the tables' are a graph bucket's padding: they read nothing (o = 0)."""
         st = self._passes.get(id(tables))
@@ -274,16 +278,17 @@ class Adapter:
                                        st.kv_indices, st.q_pos, st.kv_pos, mask=st.mask,
                                        mask_indptr=st.mask_indptr, window=window, scale=scale,
                                        softcap=softcap, sinks=sinks, k_scale=k_scale,
-                                       v_scale=v_scale)
+                                       v_scale=v_scale, sink=sink)
         n = tables.q_pos.numel()
         if q.shape[0] > n:
             o, lse = attend(tables, q[:n], k_buf, v_buf, window=window, scale=scale,
-                            softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                            softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                            sink=sink)
             pad = q.shape[0] - n
             return (torch.cat([o, o.new_zeros(pad, *o.shape[1:])]),
                     torch.cat([lse, lse.new_full((pad, lse.shape[1]), -math.inf)]))
         return attend(tables, q, k_buf, v_buf, window=window, scale=scale, softcap=softcap,
-                      sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                      sinks=sinks, k_scale=k_scale, v_scale=v_scale, sink=sink)
 
     def merge(self, o1, lse1, o2, lse2, sinks=None):
         """Cascade merge → o."""

@@ -101,6 +101,9 @@ class GroupPlan:
     """(prefix pass, expand pass) for tree forwards under the cascade strategy; merged by LSE."""
     write_locs: Locs | None
     """[total_q] slots of this forward's new tokens in the group's space; None = writes nothing."""
+    sink: int = 0
+    """With a window: keys at positions below it stay visible too (``spec.draft_sink``); the
+    lists then start at 0, and the kernel masks ``q - k < W or k < sink``."""
 
     @property
     def passes(self) -> tuple[tuple[str, AttnTables], ...]:
@@ -167,7 +170,7 @@ class ForwardPlan:
 
 def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None]], source,
                  writes: bool, skip_translation: bool, impl: str, page_size: int = 1,
-                 flat_tree: bool = False, reads_full: bool = False
+                 flat_tree: bool = False, reads_full: bool = False, sink: int = 0
                  ) -> tuple[dict[str, GroupPlan], HostBatch, MissingWord | None]:
     """Every group's tables, vectorized over requests. The per-request host numbers of all
     groups travel in one host→device copy; groups with the same window starts share one key
@@ -189,7 +192,7 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
     seen: dict[bytes, int] = {}  # a start set's bytes → its index ([B] int64: equal iff equal)
     group_set = {}
     for key, (_, window) in groups.items():
-        st = h.starts(window)
+        st = h.starts(None if sink else window)  # a sink's keys lie before any window
         k = seen.setdefault(st.tobytes(), len(sets))
         if k == len(sets):
             sets.append((st, key_pieces(h, st, pack, running=not fused)))
@@ -242,7 +245,7 @@ def _plan_vector(batch: ForwardBatch, groups: Mapping[str, tuple[str, int | None
         t = AttnTables(qo_dev, kv_dev[i], kv, q_pos_dev, kv_pos, mask,
                        mask_indptr, h.max_q, qo_host, kv_host[i], i32,
                        natural=not need_mask)  # chains only: keys end at the last query
-        out[key] = GroupPlan(key, sub, window, t, None, w)
+        out[key] = GroupPlan(key, sub, window, t, None, w, sink if window is not None else 0)
     return out, h, missing
 
 
@@ -330,7 +333,8 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
          writes: bool = True, skip_spec_translation: bool = False,
          impl: str = "auto", page_size: int = 1,
          plan_without_window: bool = False, tree_mask_not_rebased: bool = False,
-         untranslated: bool = False, reads_untranslated: bool = False) -> ForwardPlan:
+         untranslated: bool = False, reads_untranslated: bool = False,
+         sink: int = 0) -> ForwardPlan:
     """Plan one forward.
 
     layers_mapping: the *active* pool's ``layer -> (sub_pool, local_id)`` (physical, after any
@@ -352,7 +356,8 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     sglang #26957: every SWA group keeps full-space tables in every mode (a runner that decided
     its pool is not split), so full slots index the smaller SWA buffer. reads_untranslated: the
     switch of sglang #27737: SWA groups write at their translated slots but read full-space key
-    lists (a read path that missed the runner's SWA-backed pool).
+    lists (a read path that missed the runner's SWA-backed pool). sink: a draft window's sink
+    (``spec.draft_sink``): windowed groups list keys from position 0 and say the sink.
     """
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
@@ -360,7 +365,7 @@ def plan(batch: ForwardBatch, layers_mapping: Mapping[int, tuple[str, int]],
     tree_reads = skip_spec_translation and batch.has_tree  # its writes stay translated
     groups, h, missing = _plan_vector(batch, keys, source, writes, untranslated, impl, page_size,
                                       tree_mask_not_rebased and batch.has_tree,
-                                      reads_untranslated or tree_reads)
+                                      reads_untranslated or tree_reads, sink)
     if cascade and batch.has_tree:  # split after translation (DESIGN invariant 1)
         kv_nodes = torch.from_numpy(np.asarray(h.kvn + h.zeros))
         groups = {k: _split_cascade(g, kv_nodes, page_size) for k, g in groups.items()}

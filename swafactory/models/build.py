@@ -136,8 +136,9 @@ def build(cfg: SwaFactoryConfig, device: DeviceInfo, prompts: list[int], outs: l
         parts.draft_desc = (f"the target's {len(frozen_draft_binding(scfg))} layers reading its "
                             "frozen K/V (writes none); step k queries position L+k over keys < L")
     if parts.draft is not None and s.draft_window is not None:
-        window_draft(parts.draft.model, s.draft_window)
-        parts.draft_desc += f"; draft window {s.draft_window}"
+        window_draft(parts.draft.model, s.draft_window, s.draft_sink)
+        parts.draft_desc += f"; draft window {s.draft_window}" + (
+            f" + {s.draft_sink} sink keys" if s.draft_sink else "")
     return parts
 
 

@@ -103,6 +103,11 @@ def swafactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if backend.guards and sliding_window != window:  # guards off: bare kernels compare nothing
         raise ValueError(f"layer {layer}: the model's sliding_window is {sliding_window}, the "
                          f"plan's window is {window}: the engine's config disagrees with the model")
+    sink = getattr(module, "draft_sink", 0) if sliding_window is not None else 0
+    if backend.guards and sink != plan.group(layer).sink:
+        raise ValueError(f"layer {layer}: the model's draft sink is {sink} keys, the plan's "
+                         f"{plan.group(layer).sink} (spec.draft_sink): the engine's config "
+                         "disagrees with the model")
     scale = backend.layer_scale(layer)
     if scaling is not None and not _same(float(scaling), scale):
         raise ValueError(f"layer {layer}: the model scales scores by {scaling}, the backend by "
@@ -134,21 +139,24 @@ def register(name: str = ATTENTION,
     return name
 
 
-def window_draft(model: torch.nn.Module, draft_window: int | None) -> torch.nn.Module:
-    """Give a draft model's attention modules ``spec.draft_window``: `swafactory_attention`
-    narrows each module's own window to it (a full-attention layer then slides). Returns the
-    model; ``None`` leaves it as it is."""
+def window_draft(model: torch.nn.Module, draft_window: int | None,
+                 draft_sink: int = 0) -> torch.nn.Module:
+    """Give a draft model's attention modules ``spec.draft_window`` (and its sink,
+    ``spec.draft_sink``: the first keys stay visible): `swafactory_attention` narrows each
+    module's own window to it (a full-attention layer then slides). Returns the model;
+    ``None`` leaves it as it is."""
     if draft_window is not None:
         for mod in model.modules():
             if hasattr(mod, "layer_idx") and hasattr(mod, "q_proj"):
-                mod.draft_window = draft_window
+                mod.draft_window, mod.draft_sink = draft_window, draft_sink
     return model
 
 
 def windowed_eager(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
     """The module's own transformers eager attention (its modeling file's
-    ``eager_attention_forward``), its mask narrowed by the module's ``draft_window``.
+    ``eager_attention_forward``), its mask narrowed by the module's ``draft_window``, and the
+    first ``draft_sink`` keys kept visible to every later query (the mask rebuilt causal there).
 
     For a forward of a whole sequence from position 0 (no cache): query row i is position
     ``kv - q + i``, key column j position j. query: [B, Hq, q, D]; key, value: [B, Hkv, kv, D];
@@ -160,6 +168,9 @@ def windowed_eager(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         qp = torch.arange(kv - q, kv, device=query.device)[:, None]
         kp = torch.arange(kv, device=query.device)[None, :]
         band = (qp - kp < w) & (kp <= qp)
+        sink = (kp < getattr(module, "draft_sink", 0)) & (kp <= qp)
+        if sink.any():  # the sink's keys past the module's own window too: rebuilt, causal
+            band, attention_mask = band | sink, None
         if attention_mask is None:
             attention_mask = torch.zeros(q, kv, dtype=query.dtype, device=query.device)
             attention_mask = attention_mask.masked_fill(~band, torch.finfo(query.dtype).min)[None, None]

@@ -87,9 +87,24 @@ def split_drafter_rule(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInf
 
 def draft_sink_rule(cfg: SwaFactoryConfig, caps: Capabilities, dev: DeviceInfo,
                     groups: tuple[str, ...] = ("swa", "full")) -> Iterator[Reason]:
-    """Sink keys beside a draft window are a kernel's to read (a second key range)."""
-    s = cfg.spec
-    if s.draft_sink and not caps.draft_sink:
+    """Sink keys beside a draft window are a kernel's to read (a second key range), from a
+    pool that keeps them: one whose draft layers are full-indexed. A pool on the target's SWA
+    slots (FROZEN_KV's reads, a split DFlash pool, a copy's sliding layers) frees them once they
+    leave the target's window."""
+    s, m = cfg.spec, cfg.model
+    if not s.draft_sink:
+        return
+    if not caps.draft_sink:
         yield _r("spec.draft_sink", f"draft_sink={s.draft_sink} reads each request's first "
                  f"keys beside the draft window, which {caps.name}'s kernels do not here",
+                 "spec.draft_sink=0")
+    split = bool(m.swa_layers and m.hybrid_pool)
+    copy = cfg.run.mode == "generate" and s.draft_weights == "target" and s.algorithm in _COPIES
+    where = ("reads the target's pool" if s.draft_kv == "target_pool" else
+             "has a split pool" if getattr(s, "draft_pool_split", False) else
+             "is a copy of every target layer" if copy else None)
+    if split and where is not None and "sliding_attention" in m.layer_types:
+        yield _r("spec.draft_sink", f"the {s.algorithm} draft {where}, whose sliding layers' "
+                 f"K/V sits on the target's SWA slots: model={m.name}'s SWA pool frees the "
+                 f"sink's {s.draft_sink} keys once they leave its window of {m.sliding_window}",
                  "spec.draft_sink=0")

@@ -38,10 +38,28 @@ def test_a_windowed_draft_is_checked_through_its_window(overrides) -> None:
 
 
 def test_a_draft_model_not_told_its_window_fails_the_kernel_check(monkeypatch) -> None:
-    monkeypatch.setattr(build_module, "window_draft", lambda model, w: model)
+    monkeypatch.setattr(build_module, "window_draft", lambda model, w, sink=0: model)
     r = run_generate(swafactory.compose([*SMALL, "spec=dflash"]))
     assert r.status == "failed" and r.caught_by == "kernel", (r.caught_by, r.error)
     assert "plan's window is 8" in r.error
+
+
+def test_a_draft_sink_is_served_and_checked_and_a_model_not_told_it_fails() -> None:
+    """spec.draft_sink: the first keys stay visible beside the draft window; the oracle, the
+    draft's eager reference (`windowed_eager`) and the kernel check all follow it."""
+    r = run_generate(swafactory.compose([*SMALL, "spec=dflash", "spec.draft_sink=4"]))
+    assert r.status == "ok", (r.caught_by, r.error, r.checks)
+    checks = {c.name: c for c in r.checks}
+    assert checks["draft_logits"].status == "ok" and "draft" in checks["oracle"].detail
+    assert "draft window 8 + 4 sink keys" in r.draft
+
+
+def test_a_draft_model_not_told_its_sink_fails_the_kernel_check(monkeypatch) -> None:
+    real = build_module.window_draft
+    monkeypatch.setattr(build_module, "window_draft", lambda model, w, sink=0: real(model, w))
+    r = run_generate(swafactory.compose([*SMALL, "spec=dflash", "spec.draft_sink=4"]))
+    assert r.status == "failed" and r.caught_by == "kernel", (r.caught_by, r.error)
+    assert "the plan's 4 (spec.draft_sink)" in r.error
 
 
 def test_the_draft_logits_reference_reads_the_window_too(monkeypatch) -> None:

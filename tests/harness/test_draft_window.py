@@ -74,8 +74,23 @@ def test_the_registry_names_every_reason_and_its_fix() -> None:
 def test_a_sink_is_refused_by_a_backend_that_does_not_read_it(backend: str) -> None:
     cfg = swafactory.compose([f"backend={backend}", "spec=eagle", "spec.draft_window=8",
                               "spec.draft_sink=4"])
-    assert any(r.field == "spec.draft_sink" and r.fix == "spec.draft_sink=0"
-               for r in swafactory.check(cfg, CPU))
+    refused = [r for r in swafactory.check(cfg, CPU) if r.field == "spec.draft_sink"]
+    assert [r.fix for r in refused] == ([] if backend == "torch" else ["spec.draft_sink=0"])
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["spec=frozen_kv_mtp"], "reads the target's pool"),
+    (["spec=dflash", "spec.draft_pool_split=true"], "has a split pool"),
+    (["spec=eagle3", "run=generate"], "is a copy of every target layer"),  # draft_weights=target
+])
+def test_a_sink_is_refused_where_the_target_frees_its_keys(overrides, words) -> None:
+    """The sink's keys lie before the window, so the draft's pool must keep them: one on the
+    target's SWA slots frees them once they leave the target's window."""
+    got = [r for r in swafactory.check(_cfg("model=gpt_oss_20b", "spec.draft_window=8",
+                                            "spec.draft_sink=4", *overrides), CPU)
+           if r.field == "spec.draft_sink"]
+    assert len(got) == 1 and words in got[0].message and got[0].fix == "spec.draft_sink=0", got
+    assert "frees the sink's 4 keys" in got[0].message
 
 
 @pytest.mark.parametrize("retention", ["full", "window"])
@@ -110,6 +125,22 @@ def test_conformance_follows_the_draft_window(spec: str, retention: str) -> None
     r = swafactory.run(_cfg("model=gpt_oss_20b", "workload=smoke", f"spec={spec}",
                             "spec.draft_window=8", f"spec.draft_kv_retention={retention}"))
     assert r.status == "ok", r.mismatch
+
+
+@pytest.mark.parametrize("spec", ["eagle", "dflash"])
+def test_conformance_follows_the_draft_sink(spec: str) -> None:
+    r = swafactory.run(_cfg("model=gpt_oss_20b", "workload=smoke", f"spec={spec}",
+                            "spec.draft_window=8", "spec.draft_sink=4"))
+    assert r.status == "ok", r.mismatch
+
+
+def test_a_kernel_that_drops_the_sink_fails_the_oracle(monkeypatch) -> None:
+    from swafactory.kernels import torch_ref
+
+    monkeypatch.setattr(torch_ref, "in_window", lambda d, k_pos, window, sink=0: d < window)
+    r = swafactory.run(_cfg("model=gpt_oss_20b", "workload=smoke", "spec=eagle",
+                            "spec.draft_window=8", "spec.draft_sink=4"))
+    assert r.status == "failed" and r.mismatch is not None and "draft" in str(r.mismatch), r.mismatch
 
 
 def test_a_backend_that_ignores_the_draft_window_fails_the_oracle(monkeypatch) -> None:
