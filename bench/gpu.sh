@@ -62,6 +62,16 @@
 #                  faults    every fault x flashinfer, triton, guards on; the engine-path
 #                            faults with them off (FAULTS_GUARDED, FAULTS_UNGUARDED)
 #                  speed     the `factory` suite, then `longctx` in what is left
+#                  seeds     each seed preset (+experiment=seed1..seed4) on flashinfer and
+#                            triton, guards off, as its users ran it: seed 2's collapse over
+#                            time (each job's report.png beside its clean twin), seed 3's
+#                            crash past the use threshold, seed 1's out-of-bounds tree read
+#                  drafts    Gemma 4's acceptance rows at the shipped pool sizing (no
+#                            --swa-as-full; the wired target recipe trains first, then each
+#                            family's seed fault: DFlash's split pool under swa_pool_missed with
+#                            pages in order, EAGLE-3's tree under skip_spec_translation,
+#                            frozen_kv_mtp under pool_cached_at_init), then the accept-length-
+#                            against-context bench at 1K-32K (bench/bench_context.py)
 # Environment:
 #   WHEELS, FA4  folders of wheels to install into /tmp/site (offline hosts; docs/gpu.md);
 #                unset on a host that has /tmp/site from an earlier call: that one is used
@@ -356,7 +366,8 @@ suite_host() {
 }
 
 # The evidence parts: each writes into $D/PART; estimates (s) decide what fits the call
-declare -A EVIDENCE_S=([core]=420 [generate]=420 [faults]=300 [speed]=420)
+declare -A EVIDENCE_S=([core]=420 [generate]=420 [faults]=300 [speed]=420 [seeds]=300
+                       [drafts]=540)
 evidence_core() {  # the `core` suite's tests beside its probe (and the older commit's first)
     local old=/tmp/old_tree pid
     warm 64 256 512
@@ -399,6 +410,36 @@ evidence_faults() {  # each backend x guards on (FAULTS_GUARDED) and off (FAULTS
     done
     for b in $(jobs -p); do wait "$b" || rc=1; done
     return $rc
+}
+evidence_seeds() {  # the presets' own lengths and pool sizing; only the backend and device change
+    local b p rc=0
+    for b in flashinfer triton; do
+        for p in seed1_eagle3_untranslated_tables seed2_dflash_swa_pool_missed \
+                 seed3_frozen_kv_cached_pool seed4_dflash_own_pool_translated; do
+            limit 120 python3 -m swafactory "+experiment=$p" "backend=$b" workload.device=cuda \
+                "hydra.sweep.dir=$D/${b}_$p" > "$D/${b}_$p.txt" 2>&1
+            # the sweep exits 1 for its failed fault row: its matrix.md is the verdict
+            [ -s "$D/${b}_$p/matrix.md" ] || rc=1
+        done
+    done
+    return $rc
+}
+evidence_drafts() {  # Gemma 4 at its real geometry (the wired target recipe), then long contexts
+    local f row fault extra
+    for row in "dflash:swa_pool_missed:spec.draft_pool_split=true,workload.page_order=in_order" \
+               "eagle3:skip_spec_translation:" "frozen_kv_mtp:pool_cached_at_init:"; do
+        IFS=: read -r f fault extra <<< "$row"
+        # shellcheck disable=SC2046  # one --override per comma-separated entry
+        limit 240 python3 bench/bench_generate.py acceptance --out "$D/gemma4_$f" \
+            --models gemma4 --backends flashinfer --families "$f" --faults "$fault" \
+            --commit "$COMMIT" $(for o in ${extra//,/ }; do echo --override "$o"; done) \
+            > "$D/gemma4_$f.txt" 2>&1
+    done
+    local left=$(( CALL_S - $(elapsed_call) - 20 ))
+    [ "$left" -ge 120 ] || { echo "context: $left s left, not run" | tee "$D/context.txt"; return 0; }
+    limit "$left" python3 bench/bench_context.py --device cuda --models gpt_oss_20b \
+        --backend flashinfer --contexts 1024,2048,4096,8192,16384,32768 \
+        --draft-windows lag+8,1024,4096 --commit "$COMMIT" --out "$D" > "$D/context.txt" 2>&1
 }
 evidence_speed() {
     suite_factory || return $?
