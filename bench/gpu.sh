@@ -201,6 +201,11 @@ FAULTS_GUARDED=(skip_spec_translation:eagle3 allocator_pool_for_own_pool_draft:d
     block_window_one_left_bound:dflash:gpt_oss_20b:spec.draft_window=16
     draft_planned_with_group0:eagle3:gpt_oss_20b:spec.draft_window=16,spec.draft_kv_retention=window
     windowed_draft_admitted_as_full:eagle3:gpt_oss_20b:spec.draft_window=16,spec.draft_kv_retention=window
+    swa_metadata_missing_in_spec_modes:eagle:gpt_oss_20b window_gather_from_zero:eagle:gpt_oss_20b
+    verify_rows_share_write_loc:eagle:gpt_oss_20b verify_as_decode:eagle:gpt_oss_20b
+    lookahead_not_retained:eagle:gpt_oss_20b
+    frozen_draft_fp8_unscaled:frozen_kv_mtp:gemma4:backend.kv_dtype=fp8_e4m3,backend.groups.full=triton
+    graph_draft_extend_untranslated:eagle3:gpt_oss_20b:run=generate,spec.draft_weights=random,spec.draft_window=16,spec.draft_kv_retention=window,backend.cuda_graph=true
     none:none:gpt_oss_20b:backend.cuda_graph=true,$SHRINK)
 FAULTS_UNGUARDED=(skip_spec_translation:eagle3:gpt_oss_20b
     pool_cached_at_init:frozen_kv_mtp:gpt_oss_20b
@@ -209,6 +214,10 @@ FAULTS_UNGUARDED=(skip_spec_translation:eagle3:gpt_oss_20b
     plan_without_window:none:gpt_oss_20b tree_mask_not_rebased:eagle3:gpt_oss_20b
     sink_dropped:none:gpt_oss_20b
     graph_key_without_mode:dflash:gpt_oss_20b:backend.cuda_graph=true,$BLOCK16,$PRETRAINED
+    swa_metadata_missing_in_spec_modes:eagle:gpt_oss_20b window_gather_from_zero:eagle:gpt_oss_20b
+    verify_rows_share_write_loc:eagle:gpt_oss_20b verify_as_decode:eagle:gpt_oss_20b
+    lookahead_not_retained:eagle:gpt_oss_20b
+    graph_draft_extend_untranslated:eagle3:gpt_oss_20b:spec.draft_weights=random,spec.draft_window=16,spec.draft_kv_retention=window,backend.cuda_graph=true
     none:dflash:gpt_oss_20b:backend.cuda_graph=true,$BLOCK16,$PRETRAINED)
 fault_lane() {  # FIXED ENTRY...: each entry with the FIXED overrides (comma list) in $D/FAULT;
     # a line per run in $D/faults.txt; fails where a fault is refused (exit 2), is not caught

@@ -17,6 +17,10 @@ so the default path carries no fault code at all.
 | block_window_one_left_bound | `_tables`: a DFlash block's or verify's windowed groups keep their first query's left bound (sglang #35208) |
 | draft_planned_with_group0 | the draft runner's windows: every layer takes the target's layer 0's (vLLM #50169) |
 | windowed_draft_admitted_as_full | the scheduler's admission need (`admission_for`): a window-retained draft's K/V at the whole sequence (vLLM #55800) |
+| swa_metadata_missing_in_spec_modes, window_gather_from_zero, verify_rows_share_write_loc, verify_as_decode | `_tables`: the plan transforms of `fault_plans` (sglang #22679, #39160; atlas #745; flashinfer #3864) |
+| graph_draft_extend_untranslated | `_tables`: a draft_extend planned for a graph reads its SWA groups' full slots (sglang #29858) |
+| lookahead_not_retained | the window SWA eviction keeps (`retained_window_for`): a block short of what the next query needs (vLLM #42784) |
+| frozen_draft_fp8_unscaled | `_read_scales`: a FROZEN_KV draft reads the target's fp8 K/V without its scales (vLLM #48666) |
 
 The storage-side faults (leaked or early-freed slots, a stale page mapping) are switches of the
 slot books' calls, which the drivers pass (`swafactory.serving.speculative.fault_switches`).
@@ -29,6 +33,8 @@ from dataclasses import replace
 import torch
 
 from swafactory.backend.core import AttentionBackend
+from swafactory.backend.fault_plans import (gather_from_zero, rows_share_write_loc,
+                                            verify_as_decode, windows_dropped)
 from swafactory.backend.layer_contract import sinks_error
 from swafactory.config.schema import SwaFactoryConfig
 from swafactory.fault_counts import FAULT_COUNTS
@@ -38,7 +44,8 @@ from swafactory.metadata.batch import ForwardBatch
 from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
 from swafactory.resolve.source import RunnerView, resolve_kv_source
 
-__all__ = ["FaultyBackend", "with_faults", "admission_for", "draft_swa_rows"]
+__all__ = ["FaultyBackend", "with_faults", "admission_for", "draft_swa_rows",
+           "retained_window_for"]
 
 _BLOCK_MODES = ("target_verify", "draft_decode")
 """Where a DFlash block's queries share a window: its verify and its drafted block."""
@@ -93,16 +100,28 @@ class FaultyBackend(AttentionBackend):
         # pool, not this own draft's SWA-backed one: writes land at SWA slots, reads at full
         missed = (f.swa_pool_missed and self.view.role == "draft_own_pool"
                   and source is not None and source.pool is pool)
-        fplan = plan(batch, lmap, self.windows, source, cascade=self.cascade,
+        # FAULT graph_draft_extend_untranslated (sglang #29858): the draft-extend graph path
+        # never builds its SWA window indices: a replay reads full slots, an eager run does not
+        graphed = (f.graph_draft_extend_untranslated and getattr(self, "_graph_plan", False)
+                   and batch.mode == "draft_extend" and self.view.role == "draft_own_pool"
+                   and source is not None)
+        windows = self.windows
+        if f.swa_metadata_missing_in_spec_modes:  # FAULT (sglang #22679): no SWA metadata
+            windows = windows_dropped(windows, batch.mode, any(
+                sub == "swa" for sub, _ in lmap.values()))
+        fplan = plan(batch, lmap, windows, source, cascade=self.cascade,
                      writes=not pool.read_only, page_size=pool.sub_pools[0].page_size,
                      skip_spec_translation=f.skip_spec_translation,
                      plan_without_window=f.plan_without_window,
                      tree_mask_not_rebased=f.tree_mask_not_rebased,
                      untranslated=self._frozen is not None and source is None,
-                     reads_untranslated=missed, sink=self.sink)
-        if missed and any(g.sub_pool == "swa" and g.tables.kv_indices.tensor.numel()
-                          for g in fplan.groups.values()):
+                     reads_untranslated=missed or graphed, sink=self.sink)
+        read_full = any(g.sub_pool == "swa" and g.tables.kv_indices.tensor.numel()
+                        for g in fplan.groups.values())
+        if missed and read_full:
             FAULT_COUNTS.acted("swa_pool_missed")  # an SWA group read a list of full slots
+        if graphed and read_full:
+            FAULT_COUNTS.acted("graph_draft_extend_untranslated")
         if f.window_off_by_one and lists_past_window(fplan.groups, narrower=1):
             FAULT_COUNTS.acted("window_off_by_one")  # a list holds the key W positions back
         if f.block_window_one_left_bound and batch.mode in _BLOCK_MODES and \
@@ -110,7 +129,26 @@ class FaultyBackend(AttentionBackend):
             fplan = self._one_left_bound(fplan)
         if f.draft_planned_with_group0 and self._group0_misread(fplan):
             FAULT_COUNTS.acted("draft_planned_with_group0")
+        if windows is not self.windows and lists_past_window(
+                {k: replace(g, window=self._swa_window(fplan, k)) for k, g in fplan.groups.items()
+                 if g.sub_pool == "swa"}):
+            FAULT_COUNTS.acted("swa_metadata_missing_in_spec_modes")  # a key past the window
+        if f.window_gather_from_zero:
+            fplan = gather_from_zero(fplan, source)
+        if f.verify_rows_share_write_loc:
+            fplan = rows_share_write_loc(fplan)
+        if f.verify_as_decode:
+            fplan = verify_as_decode(fplan)
         return fplan
+
+    def _plan_forward(self, batch: ForwardBatch, graph: tuple[int, int] | None) -> ForwardPlan:
+        self._graph_plan = graph is not None  # a capture's or a replay's plan
+        return super()._plan_forward(batch, graph)
+
+    def _swa_window(self, fplan: ForwardPlan, key: str) -> int | None:
+        """The window the layers of group ``key`` were built with (before a fault dropped it)."""
+        return next((self.windows.get(j) for j, k in fplan.layer_groups.items() if k == key),
+                    None)
 
     def _one_left_bound(self, fplan: ForwardPlan) -> ForwardPlan:
         """FAULT block_window_one_left_bound (sglang #35208): each windowed group of a block is
@@ -155,6 +193,11 @@ class FaultyBackend(AttentionBackend):
         return super().init_forward_metadata_replay(batch, bs, tokens, captured_mode)
 
     def _read_scales(self, layer_id: int, scales: tuple[float, float]) -> dict:
+        if self.faults.frozen_draft_fp8_unscaled and self.view.role == "draft_reads_target":
+            # FAULT (vLLM #48666): the MTP draft aliases the target's fp8 K/V, not its scales
+            if tuple(scales) != (1.0, 1.0):
+                FAULT_COUNTS.acted("frozen_draft_fp8_unscaled")
+            return {}
         if self.faults.fp8_descale_dropped and self.windows.get(layer_id) is None:
             # FAULT fp8_descale_dropped: the full layers' reads skip the scales
             if tuple(scales) != (1.0, 1.0):
@@ -216,3 +259,15 @@ def draft_swa_rows(cfg: SwaFactoryConfig, full_slots: int) -> int | None:
     buffer and land on rows the shared mapping has not filled yet: the wrong keys sglang #27737's
     users saw, and no crash."""
     return full_slots if cfg.faults.swa_pool_missed else None
+
+
+def retained_window_for(cfg: SwaFactoryConfig) -> int:
+    """The positions SWA eviction keeps before the next query (`RequestSlots.
+    evict_out_of_window`'s ``window``): the model's window, or under ``lookahead_not_retained``
+    (vLLM #42784, #44082) a block (a page) fewer, as an engine that counts a draft's lookahead
+    block against the window instead of keeping it: the next verify's first query loses the
+    oldest keys of its window."""
+    W, P = cfg.model.sliding_window or 0, cfg.backend.page_size
+    if cfg.faults.lookahead_not_retained and cfg.spec.algorithm != "none" and W > P:
+        return W - P
+    return W

@@ -69,6 +69,26 @@ class FaultsSpec(_Frozen):
     windowed_draft_admitted_as_full: bool = False
     """Admission counts a window-retained draft's K/V at the whole sequence, as if it were
     full attention: a request longer than the SWA share is never admitted (vLLM #55800)."""
+    swa_metadata_missing_in_spec_modes: bool = False
+    """Target verify and draft extend plan their SWA layers with no window: their lists start
+    at position 0 and read freed slots (sglang #22679: EAGLE / MTP on SWA targets)."""
+    window_gather_from_zero: bool = False
+    """A verify's SWA key lists keep their window's length and positions but gather the
+    request's first keys (sglang #39160, #39287)."""
+    verify_rows_share_write_loc: bool = False
+    """One metadata for every verify row: each SWA group writes all of a request's rows at its
+    first row's slot (atlas #745)."""
+    verify_as_decode: bool = False
+    """A verify runs through the multi-token decode path: no mask, every row sees the step's
+    later tokens (flashinfer #3864, #4382)."""
+    graph_draft_extend_untranslated: bool = False
+    """The draft-extend graph path never builds its SWA window indices: a replay reads the SWA
+    groups with full slots, an eager run does not (sglang #29858)."""
+    lookahead_not_retained: bool = False
+    """SWA eviction does not count a draft's lookahead block in what it must retain: it frees
+    a block past what the next query needs (vLLM #42784, #44082)."""
+    frozen_draft_fp8_unscaled: bool = False
+    """A FROZEN_KV (MTP) draft aliases the target's fp8 K/V without its scales (vLLM #48666)."""
 
     @property
     def active(self) -> list[str]:

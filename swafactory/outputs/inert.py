@@ -51,6 +51,20 @@ LACKS: dict[str, tuple[str, str]] = {
     "draft_planned_with_group0": ("no draft layer listed a key one window reads and the other "
                                   "does not (no request passed the narrower window)",
                                   "spec=eagle3 spec.draft_window=16 workload=smoke"),
+    "swa_metadata_missing_in_spec_modes": ("no verify or draft extend listed a key past its SWA "
+                                           "window (no request passed it)", "workload=smoke"),
+    "window_gather_from_zero": ("no verify's SWA list started past position 0",
+                                "spec=eagle workload=smoke"),
+    "verify_rows_share_write_loc": ("no verify wrote more than one row of a request",
+                                    "spec=eagle"),
+    "verify_as_decode": ("no verify had more than one row per request", "spec=eagle"),
+    "graph_draft_extend_untranslated": ("no draft extend replayed a graph over an SWA group",
+                                        "run=generate backend.cuda_graph=true spec=eagle3 "
+                                        "spec.draft_window=16 spec.draft_kv_retention=window"),
+    "lookahead_not_retained": ("no decoding request passed its window (nothing was evicted)",
+                               "spec=eagle workload=smoke"),
+    "frozen_draft_fp8_unscaled": ("no draft read fp8 K/V with scales other than 1",
+                                  "spec=frozen_kv_mtp backend.kv_dtype=fp8_e4m3"),
 }
 
 

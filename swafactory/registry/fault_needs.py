@@ -98,6 +98,26 @@ FAULT_NEEDS: dict[str, tuple[FaultNeed, ...]] = {
         lambda c: c.spec.draft_kv_retention == "window", "spec.draft_kv_retention",
         "spec.draft_kv_retention=window", "a draft whose K/V is kept for its window",
         "spec.draft_window=16 spec.draft_kv_retention=window"),),
+    # the field's third round: verify and draft passes on SWA targets
+    "swa_metadata_missing_in_spec_modes": (_drafts("spec=eagle", "a verify or a draft extend"),
+                                           _split()),
+    "window_gather_from_zero": (_drafts("spec=eagle", "a verify"), _split()),
+    "verify_rows_share_write_loc": (_drafts("spec=eagle", "a verify of several rows"), _split()),
+    "verify_as_decode": (_drafts("spec=eagle", "a verify of several rows"),),
+    "graph_draft_extend_untranslated": (
+        # (run=generate replays the draft's extend graphs; a conformance run that does not
+        # ends inert, naming it)
+        _GRAPHS,
+        # a draft with SWA groups of its own: its K/V on the target's SWA slots
+        FaultNeed(lambda c: c.spec.draft_kv_retention == "window"
+                  or getattr(c.spec, "draft_pool_split", False), "spec.draft_kv_retention",
+                  "spec.draft_kv_retention=window", "a draft whose SWA layers read SWA slots",
+                  "spec.draft_window=16 spec.draft_kv_retention=window")),
+    "lookahead_not_retained": (_drafts("spec=eagle", "a draft's lookahead"), _split()),
+    "frozen_draft_fp8_unscaled": (
+        _draft_kv("target_pool", "a draft that reads the target's pool", "spec=frozen_kv_mtp"),
+        FaultNeed(lambda c: c.backend.kv_dtype.startswith("fp8"), "backend.kv_dtype",
+                  "backend.kv_dtype=fp8_e4m3", "fp8 KV", "backend.kv_dtype=fp8_e4m3")),
 }
 
 

@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 from swafactory.errors import CapacityError
 from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.allocator import pool_use
-from swafactory.backend.faulty import admission_for
+from swafactory.backend.faulty import admission_for, retained_window_for
 from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.serving.parts import Parts
 from swafactory.serving.speculative import (FrozenQuery, SpecStep, alloc_upto, eviction_floor,
@@ -173,6 +173,7 @@ class Scheduler:
             s, parts.slots, (parts.pool, parts.draft_pool), draft_writes=self.draft_writes,
             frozen_query=payload.frozen_query, **fault_switches(self.cfg))
         self._need = admission_for(self.cfg)  # `kvcache.shares.admission_need`, or a fault's
+        self._retain = retained_window_for(self.cfg)  # the model's window, or a fault's
         self.captured = capture_graphs(parts)  # start-up: never inside a step
 
     def finished(self) -> bool:
@@ -248,7 +249,10 @@ class Scheduler:
         for r in self.running:
             low = eviction_floor(r.committed, r.prefilling, frozen)
             n = self.p.slots.evict_out_of_window(
-                r.rid, low, W, I, paged_free_stale_mapping=self.cfg.faults.paged_free_stale_mapping)
+                r.rid, low, W if r.prefilling else self._retain, I,
+                paged_free_stale_mapping=self.cfg.faults.paged_free_stale_mapping)
+            if n and self._retain < W and not r.prefilling and low - W + 1 > 0:
+                FAULT_COUNTS.acted("lookahead_not_retained")  # a block of the window freed
             if n:
                 self.fresh.add(r.rid)
                 self.evicted += n

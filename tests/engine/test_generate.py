@@ -60,6 +60,12 @@ def test_every_family_is_lossless_and_matches_transformers(model: str, spec: str
     ("plan_without_window", "none", "tiny", "logits"),  # prompts pass W = 16
     ("tree_mask_not_rebased", "eagle3", "tiny", "logits"),  # a tree's deep nodes
     ("sink_dropped", "none", "gpt_oss_20b", "logits"),  # GPT-OSS's sinks
+    # the third round: a verify or a draft extend that reads or writes the wrong K/V
+    ("swa_metadata_missing_in_spec_modes", "eagle", "tiny", "logits"),
+    ("window_gather_from_zero", "eagle", "tiny", "logits"),
+    ("verify_rows_share_write_loc", "eagle", "tiny", "logits"),
+    ("verify_as_decode", "eagle", "tiny", "logits"),
+    ("lookahead_not_retained", "eagle", "tiny", "logits"),
 ])
 def test_faults_are_caught_end_to_end_without_guards(fault: str, spec: str, model: str,
                                                      symptom: str) -> None:

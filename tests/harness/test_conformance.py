@@ -88,10 +88,18 @@ FAULTS = {  # fault → (spec it belongs to, the check that must catch it)
     "draft_planned_with_group0": ("eagle3", "oracle"),
     # a window-retained draft admitted at the whole sequence: no request fits the SWA share
     "windowed_draft_admitted_as_full": ("eagle3", "capacity"),
+    # the third round: verify and draft passes on SWA targets
+    "swa_metadata_missing_in_spec_modes": ("eagle", "space"),  # a freed slot in the list
+    "window_gather_from_zero": ("eagle", "space"),  # the first keys: freed SWA slots
+    "verify_rows_share_write_loc": ("eagle", "nan"),  # the rows' other slots: poisoned
+    "verify_as_decode": ("eagle", "oracle"),  # a row sees the rows after it
+    "lookahead_not_retained": ("eagle", "space"),  # the window's oldest key was freed
+    "frozen_draft_fp8_unscaled": ("frozen_kv_mtp", "oracle"),  # the harness's scales 1/8-1/32
 }
 # faults of the engine's own path (its graph keying), shown by run=generate on CPU
 # (tests/engine/test_graph_routes.py) and on their launch lines (test_fault_acted.py)
-ENGINE_FAULTS = {"graph_key_without_mode": ("dflash", "space")}
+ENGINE_FAULTS = {"graph_key_without_mode": ("dflash", "space"),
+                 "graph_draft_extend_untranslated": ("eagle3", "nan")}
 # what a fault needs to bite besides its spec (the CPU runs use gpt_oss_20b, sinks included)
 FAULT_OVERRIDES = {"fp8_descale_dropped": ["backend.kv_dtype=fp8_e4m3"],
                    "swa_pool_missed": ["spec.draft_pool_split=true"],
@@ -102,7 +110,11 @@ FAULT_OVERRIDES = {"fp8_descale_dropped": ["backend.kv_dtype=fp8_e4m3"],
                    "block_window_one_left_bound": ["spec.draft_window=16"],
                    "draft_planned_with_group0": ["spec.draft_window=16"],
                    "windowed_draft_admitted_as_full": ["spec.draft_window=16",
-                                                       "spec.draft_kv_retention=window"]}
+                                                       "spec.draft_kv_retention=window"],
+                   "frozen_draft_fp8_unscaled": ["backend.kv_dtype=fp8_e4m3"],
+                   "graph_draft_extend_untranslated": [
+                       "run=generate", "backend.cuda_graph=true", "spec.draft_window=16",
+                       "spec.draft_kv_retention=window", "spec.draft_weights=random"]}
 
 
 def test_graph_replays_pass_as_batches_shrink_inside_a_bucket() -> None:
