@@ -66,6 +66,8 @@
 #                            triton, guards off, as its users ran it: seed 2's collapse over
 #                            time (each job's report.png beside its clean twin), seed 3's
 #                            crash past the use threshold, seed 1's out-of-bounds tree read
+#                  matrix    bench/fault_matrix.py: every fault x flashinfer, triton x guards
+#                            on / off, on its launch line (the fault-matrix record's GPU half)
 #                  drafts    Gemma 4's acceptance rows at the shipped pool sizing (no
 #                            --swa-as-full; the wired target recipe trains first, then each
 #                            family's seed fault: DFlash's split pool under swa_pool_missed with
@@ -376,7 +378,7 @@ suite_host() {
 
 # The evidence parts: each writes into $D/PART; estimates (s) decide what fits the call
 declare -A EVIDENCE_S=([core]=420 [generate]=420 [faults]=300 [speed]=420 [seeds]=300
-                       [drafts]=540)
+                       [drafts]=540 [matrix]=540)
 evidence_core() {  # the `core` suite's tests beside its probe (and the older commit's first)
     local old=/tmp/old_tree pid
     warm 64 256 512
@@ -432,6 +434,12 @@ evidence_seeds() {  # the presets' own lengths and pool sizing; only the backend
         done
     done
     return $rc
+}
+evidence_matrix() {  # the fault matrix's GPU half, in what is left of the call
+    warm 64 256 512
+    limit $(( CALL_S - $(elapsed_call) - 20 )) python3 bench/fault_matrix.py \
+        --backends flashinfer,triton --device cuda --out "$D" --commit "$COMMIT" \
+        > "$D/matrix.txt" 2>&1
 }
 evidence_drafts() {  # Gemma 4 at its real geometry (the wired target recipe), then long contexts
     local f row fault extra
