@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -47,10 +48,14 @@ def _with(over: list[str], key: str, value: str) -> list[str]:
 
 def guards_off(over: list[str]) -> list[str]:
     """A launch line as an engine runs it: run=generate, no guards, no attention oracle (a
-    GPT-OSS launch at 4 layers: the generator's hidden size serves its heads)."""
+    GPT-OSS launch at 4 layers: the generator's hidden size serves its heads; a window-retained
+    draft of random weights: a copy of the target cannot retain one)."""
     out = _with(_with(_with(over, "run", "generate"), "run.guards", "false"), "run.oracle", "false")
     if "model=gpt_oss_20b" in out and not any(o.startswith("run.num_layers=") for o in out):
         out.append("run.num_layers=4")
+    if "spec.draft_kv_retention=window" in out and not any(
+            o.startswith("spec.draft_weights=") for o in out):
+        out.append("spec.draft_weights=random")  # a copy of the target cannot retain a window
     return out
 
 
@@ -61,6 +66,9 @@ def run_one(fault: str, backend: str, guards: bool, device: str) -> dict:
     from swafactory.errors import CapacityError, ConfigError
 
     over = _with(launch_overrides(fault), "backend", backend) + [f"workload.device={device}"]
+    if backend == "triton" and device == "cpu" and not any(
+            o.startswith("backend.kv_dtype=") for o in over):
+        over.append("backend.kv_dtype=float16")  # the interpreter's bfloat16 dots are wrong
     if not guards:
         over = guards_off(over)
     row = {"fault": fault, "backend": backend, "guards": guards, "overrides": over}
@@ -138,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--guards", default="on,off", help="on, off or on,off")
     a = ap.parse_args(argv)
+    if a.device == "cpu":  # triton's kernels on CPU tensors: its interpreter, set before import
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from swafactory.config.paths import group_options
 
     faults = [f for f in group_options("faults") if f != "none"] if a.faults == "all" \

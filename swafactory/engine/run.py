@@ -192,9 +192,14 @@ def run_generate(cfg: SwaFactoryConfig, device: DeviceInfo | None = None,
             checks["oracle"] = oracle_check(main.watch)
         books = main.parts.slots.leaks()
         bad = {k: v for k, v in books.items() if v}
-        checks["leak"] = CheckResult(name="leak", status="failed" if bad else "ok",
-                                     detail=f"held after every request finished: {bad}" if bad
-                                     else "every slot and row released")
+        held = getattr(main.gen.core, "overheld", None)
+        checks["leak"] = CheckResult(
+            name="leak", status="failed" if bad or held else "ok",
+            detail=(f"held after every request finished: {bad}" if bad else
+                    f"after step {held[0]}'s eviction request {held[1]} held {held[2]} SWA slots "
+                    f"no later query can see (its frontier at {held[3]}, the window's at "
+                    f"{held[4]}): out-of-window slots not freed" if held else
+                    "every slot and row released; no request kept SWA slots out of every window"))
         reqs = sorted(main.gen.done, key=lambda r: r.rid)
         checks["logits"], err, npos, tol = logits_check(cfg, model, reqs, "logits")
         derr = err  # a draft that reads the target's pool is checked through the target's

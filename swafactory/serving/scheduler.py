@@ -163,6 +163,11 @@ class Scheduler:
         self.done: list = []
         self.step = 0
         self.evicted = 0  # SWA positions freed by eviction, over the run
+        self.overheld: tuple | None = None
+        """The first (step, request, dead SWA positions held, its frontier, the window's) where
+        a running request still held SWA slots no later query can see after eviction: eviction
+        that never ran or fell behind (the run's leak check names it; the pools' sizing assumes
+        each request holds its window)."""
         self.step_evicted = 0  # … in the last step
         self.accepts: list[int] = []  # every spec step's accept lengths, in order
         self.swa_use = self.full_use = 0.0  # the last step's peak use
@@ -197,6 +202,7 @@ class Scheduler:
         self.full_use = pool_use(self.p.alloc, "full")
         self._finish()
         self._evict()
+        self._held()
         self.step += 1
         self.payload.stepped(kind, accepts)
         return kind
@@ -257,6 +263,21 @@ class Scheduler:
                 self.fresh.add(r.rid)
                 self.evicted += n
                 self.step_evicted += n
+
+
+    def _held(self) -> None:
+        """Record the first request that, after eviction, still holds SWA slots of positions no
+        later query can see, by more than the eviction interval and a page allow."""
+        if self.overheld is not None or not self.p.split:
+            return
+        W, I = self.cfg.model.sliding_window, self.cfg.workload.eviction_interval
+        P, frozen = self.cfg.backend.page_size, self.cfg.spec.draft_kv == "target_pool"
+        for r in self.running:
+            st = self.p.slots.reqs[r.rid]
+            front = max(0, eviction_floor(r.committed, r.prefilling, frozen) - W + 1) // P * P
+            if front - st.swa_evicted >= I + P:
+                self.overheld = (self.step, r.rid, front - st.swa_evicted, st.swa_evicted, front)
+                return
 
     # ------------------------------------------------------------------ modes
     def _rf(self, r: Request, prefix: int, nodes: int, **kw) -> ReqForward:
