@@ -19,7 +19,7 @@ so the default path carries no fault code at all.
 | windowed_draft_admitted_as_full | the scheduler's admission need (`admission_for`): a window-retained draft's K/V at the whole sequence (vLLM #55800) |
 | swa_metadata_missing_in_spec_modes, window_gather_from_zero, verify_rows_share_write_loc, verify_as_decode | `_tables`: the plan transforms of `fault_plans` (sglang #22679, #39160; atlas #745; flashinfer #3864) |
 | graph_draft_extend_untranslated | `_tables`: a draft_extend planned for a graph reads its SWA groups' full slots (sglang #29858) |
-| lookahead_not_retained | the window SWA eviction keeps (`retained_window_for`): a block short of what the next query needs (vLLM #42784) |
+| lookahead_not_retained, paged_free_stale_mapping | the scheduler's eviction (`evictor_for`): a block short of what the next query needs (vLLM #42784); a page freed whole, its mapping per token (sglang #27779) |
 | frozen_draft_fp8_unscaled | `_read_scales`: a FROZEN_KV draft reads the target's fp8 K/V without its scales (vLLM #48666) |
 
 The storage-side faults (leaked or early-freed slots, a stale page mapping) are switches of the
@@ -45,7 +45,7 @@ from swafactory.metadata.plan import ForwardPlan, lists_past_window, plan
 from swafactory.resolve.source import RunnerView, resolve_kv_source
 
 __all__ = ["FaultyBackend", "with_faults", "admission_for", "draft_swa_rows",
-           "retained_window_for"]
+           "retained_window_for", "evictor_for"]
 
 _BLOCK_MODES = ("target_verify", "draft_decode")
 """Where a DFlash block's queries share a window: its verify and its drafted block."""
@@ -271,3 +271,31 @@ def retained_window_for(cfg: SwaFactoryConfig) -> int:
     if cfg.faults.lookahead_not_retained and cfg.spec.algorithm != "none" and W > P:
         return W - P
     return W
+
+
+def evictor_for(cfg: SwaFactoryConfig) -> Callable[..., int]:
+    """The scheduler's SWA eviction of one request, ``evict(slots, rid, low, window, interval,
+    prefilling) -> positions freed`` (`RequestSlots.evict_out_of_window`): that call, or under
+    ``no_swa_eviction`` / ``paged_free_stale_mapping`` / ``lookahead_not_retained`` the faults'
+    versions (nothing freed; a page freed whole with its mapping left per token; a decoding
+    request keeping `retained_window_for`)."""
+    f = cfg.faults
+    keep = retained_window_for(cfg)
+    if f.no_swa_eviction:
+        def never(slots, rid, low: int, window: int, interval: int, prefilling: bool) -> int:
+            if low - window + 1 >= interval:  # FAULT (sglang #33805): dead SWA slots stay
+                FAULT_COUNTS.acted("no_swa_eviction")
+            return 0
+        return never
+    if not (f.paged_free_stale_mapping or keep < (cfg.model.sliding_window or 0)):
+        return lambda slots, rid, low, window, interval, prefilling: \
+            slots.evict_out_of_window(rid, low, window, interval)
+
+    def faulty_evict(slots, rid, low: int, window: int, interval: int, prefilling: bool) -> int:
+        short = keep < window and not prefilling  # FAULT: the lookahead block not kept
+        n = slots.evict_out_of_window(rid, low, keep if short else window, interval,
+                                      paged_free_stale_mapping=f.paged_free_stale_mapping)
+        if n and short and low - window + 1 > 0:
+            FAULT_COUNTS.acted("lookahead_not_retained")  # a block of the window freed
+        return n
+    return faulty_evict

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from swafactory.drafts.drafters import DraftOut, _FeatureDraft, _Layers
-from swafactory.models.hf import attention_modules, last_full_layer, require_transformers
+from swafactory.models.hf import (attention_modules, last_full_layer, require_transformers,
+                                  sliding_geometry)
 
 __all__ = ["DFlashDraft", "dflash_target_layers", "make_dflash_draft"]
 
@@ -158,13 +159,10 @@ def make_dflash_draft(target, layers: int, types: list[str], window: int | None,
         layer_types=list(types), sliding_window=window, tie_word_embeddings=False,
         use_sliding_window="sliding_attention" in types,  # else Qwen3Config drops the window
         architectures=["DFlashDraftModel"])
-    swa = next((a for a in attention_modules(target) if getattr(a, "sliding_window", None)),
-               None)
+    swa = sliding_geometry(target)
     if "sliding_attention" in types and swa is not None and \
-            (swa.k_proj.out_features // swa.head_dim, swa.head_dim) != \
-            (config.num_key_value_heads, config.head_dim):
-        config.sliding_geometry = {"num_key_value_heads": swa.k_proj.out_features // swa.head_dim,
-                                   "head_dim": swa.head_dim}
+            swa != (config.num_key_value_heads, config.head_dim):
+        config.sliding_geometry = {"num_key_value_heads": swa[0], "head_dim": swa[1]}
     config.block_size = block
     config.num_target_layers = tc.num_hidden_layers
     config.num_target_hidden = tc.hidden_size

@@ -33,7 +33,7 @@ import torch
 from swafactory.drafts.dflash import DFlashDraft
 from swafactory.drafts.drafters import EagleDraft, Eagle3Draft, MtpDraft
 from swafactory.models.hf import (attention_modules, draft_from_layers, last_full_layer,
-                                      require_transformers)
+                                      require_transformers, sliding_geometry)
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["save_feature_draft", "load_feature_draft", "check_feature_draft", "format_of"]
@@ -275,11 +275,9 @@ def check_feature_draft(kind: str, config: dict, state: dict, target, path,
             reasons.append((f"no {pre}eh_proj weight", "an MTP layer saved at layer index "
                             f"{_nextn_index(config)}"))
     if kind == "dflash" and "sliding_attention" in (expect.get("layer_types") or ()):
-        swa = next((a for a in attention_modules(target) if getattr(a, "sliding_window", None)),
-                   None)
         geo = config.get("sliding_geometry") or {}
         have = (geo.get("num_key_value_heads", mine[0]), geo.get("head_dim", mine[1]))
-        want = kv if swa is None else (swa.k_proj.out_features // swa.head_dim, swa.head_dim)
+        want = sliding_geometry(target) or kv
         if have != want:
             reasons.append((f"sliding layers of {have[0]} KV heads × {have[1]}; the split draft "
                             f"pool holds them in the target's SWA geometry {want[0]} × {want[1]}",

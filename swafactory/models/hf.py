@@ -21,7 +21,8 @@ from swafactory.config.schema import Geometry, ModelSpec, SwaFactoryConfig
 from swafactory.errors import ConfigError, Reason
 
 __all__ = ["ARCHITECTURES", "require_transformers", "target_config", "post_init", "load_target",
-           "serving_model", "attention_modules", "last_full_layer", "draft_copy",
+           "serving_model", "attention_modules", "last_full_layer", "sliding_geometry",
+           "draft_copy",
            "draft_from_layers", "config_key"]
 
 ARCHITECTURES = {"gemma4": "Gemma4ForCausalLM", "gemma4_moe": "Gemma4ForCausalLM",
@@ -188,6 +189,12 @@ def last_full_layer(model) -> int:
     mods = attention_modules(model)
     full = [i for i, a in enumerate(mods) if not _window(a, model.config)]
     return full[-1] if full else len(mods) - 1
+
+
+def sliding_geometry(model) -> tuple[int, int] | None:
+    """(KV heads, head_dim) of the model's first sliding-window layer; None: none slides."""
+    a = next((a for a in attention_modules(model) if _window(a, model.config)), None)
+    return None if a is None else (a.k_proj.out_features // a.head_dim, a.head_dim)
 
 
 def serving_model(model, base: ModelSpec) -> ModelSpec:

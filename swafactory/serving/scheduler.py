@@ -26,9 +26,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Literal, Protocol
 
 from swafactory.errors import CapacityError
-from swafactory.fault_counts import FAULT_COUNTS
 from swafactory.kvcache.allocator import pool_use
-from swafactory.backend.faulty import admission_for, retained_window_for
+from swafactory.backend.faulty import admission_for, evictor_for
 from swafactory.metadata.batch import ForwardMode, ReqForward
 from swafactory.serving.parts import Parts
 from swafactory.serving.speculative import (FrozenQuery, SpecStep, alloc_upto, eviction_floor,
@@ -178,7 +177,7 @@ class Scheduler:
             s, parts.slots, (parts.pool, parts.draft_pool), draft_writes=self.draft_writes,
             frozen_query=payload.frozen_query, **fault_switches(self.cfg))
         self._need = admission_for(self.cfg)  # `kvcache.shares.admission_need`, or a fault's
-        self._retain = retained_window_for(self.cfg)  # the model's window, or a fault's
+        self._evict_one = evictor_for(self.cfg)  # `RequestSlots.evict_out_of_window`, or a fault's
         self.captured = capture_graphs(parts)  # start-up: never inside a step
 
     def finished(self) -> bool:
@@ -247,18 +246,9 @@ class Scheduler:
             return
         W, I = self.cfg.model.sliding_window, self.cfg.workload.eviction_interval
         frozen = self.cfg.spec.draft_kv == "target_pool"  # FROZEN_KV may re-read position L-1
-        if self.cfg.faults.no_swa_eviction:  # FAULT: acted once a request has dead SWA slots
-            if any(eviction_floor(r.committed, r.prefilling, frozen) - W + 1 >= I
-                   for r in self.running):
-                FAULT_COUNTS.acted("no_swa_eviction")
-            return
         for r in self.running:
             low = eviction_floor(r.committed, r.prefilling, frozen)
-            n = self.p.slots.evict_out_of_window(
-                r.rid, low, W if r.prefilling else self._retain, I,
-                paged_free_stale_mapping=self.cfg.faults.paged_free_stale_mapping)
-            if n and self._retain < W and not r.prefilling and low - W + 1 > 0:
-                FAULT_COUNTS.acted("lookahead_not_retained")  # a block of the window freed
+            n = self._evict_one(self.p.slots, r.rid, low, W, I, r.prefilling)
             if n:
                 self.fresh.add(r.rid)
                 self.evicted += n
